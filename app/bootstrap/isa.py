@@ -1,0 +1,41 @@
+"""What the CPU can run: the minimum ISA the native kernels need, and which dtypes run natively.
+
+Refusing here, with the flag that is missing, is what keeps a SIGILL from ever reaching a user.
+"""
+
+from __future__ import annotations
+
+from app.spec.errors import Described, Problem, SpecError
+from app.topology.machine import Topology
+
+MINIMUM_ISA = {"x86_64": ("avx2", "AVX2"), "aarch64": ("asimd", "NEON (asimd)")}
+NATIVE_BF16 = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
+
+
+def check_isa(topo: Topology) -> None:
+    """Raise unless the CPU is a supported architecture with the minimum vector ISA."""
+    if topo.arch not in MINIMUM_ISA:
+        raise SpecError([Problem("(cpu)", "an x86-64 CPU with AVX2 or an arm64 CPU with NEON",
+                                 Described(f"architecture {topo.arch!r} ({topo.cpu_model})"))])
+    flag, name = MINIMUM_ISA[topo.arch]
+    if not topo.has(flag):
+        raise SpecError([Problem("(cpu)", f"a {topo.arch} CPU with {name}; the kernels need it",
+                                 Described(f"{topo.cpu_model} without {name} (no '{flag}' in /proc/cpuinfo)"))])
+
+
+def has_native_bf16(topo: Topology) -> bool:
+    return any(topo.has(flag) for flag in NATIVE_BF16.get(topo.arch, ()))
+
+
+def resolve_dtype(requested: str, topo: Topology, path: str = "model.dtype") -> tuple[str, list[str]]:
+    """The compute dtype to use for `requested`, and any warning about the choice."""
+    native = has_native_bf16(topo)
+    if requested == "auto":
+        if native:
+            return "bfloat16", []
+        return "float32", [f"{path}: auto chose float32: the CPU has no native BF16 "
+                           f"({' or '.join(NATIVE_BF16.get(topo.arch, ('bf16',)))})"]
+    if requested == "bfloat16" and not native:
+        flags = " or ".join(NATIVE_BF16.get(topo.arch, ("bf16",)))
+        raise SpecError([Problem(path, f'"float32" or "auto" on this CPU (bfloat16 needs {flags})', requested)])
+    return requested, []

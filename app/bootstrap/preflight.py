@@ -1,0 +1,136 @@
+"""Preflight: the native libraries the process should run with, and the re-exec that preloads them.
+
+jemalloc/tcmalloc replace glibc malloc (far less fragmentation and lock contention under many
+threads); Intel OpenMP, where installed, is faster than GNU's on x86 and honours KMP_AFFINITY.
+Both must be in LD_PRELOAD before the interpreter starts, so when one is installed but not loaded
+the process re-executes itself once with LD_PRELOAD set; an environment marker stops any loop.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.spec.schema import RuntimeSpec
+
+REEXEC_MARKER = "APPLIANCE_PRELOAD_REEXEC"
+SEARCH_PATH_VAR = "APPLIANCE_LIB_PATH"
+
+
+@dataclass(frozen=True)
+class Library:
+    names: tuple[str, ...]  # file names to look for, preferred first
+    install: str  # how to get it
+
+
+ALLOCATORS = {
+    "jemalloc": Library(("libjemalloc.so.2", "libjemalloc.so"), "apt-get install libjemalloc2"),
+    "tcmalloc": Library(("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), "apt-get install libtcmalloc-minimal4"),
+}
+OPENMP_LIBRARIES = {
+    "intel": Library(("libiomp5.so",), "pip install intel-openmp"),
+    "llvm": Library(("libomp.so.5", "libomp.so"), "apt-get install libomp5"),
+}
+LIBNUMA = Library(("libnuma.so.1", "libnuma.so"), "apt-get install libnuma1")
+
+
+@dataclass
+class PreflightReport:
+    allocator: str
+    allocator_path: str | None
+    openmp_runtime: str  # the runtime whose affinity variables the plan sets
+    openmp_path: str | None
+    libnuma_path: str | None
+    preload: list[str]  # what LD_PRELOAD must hold
+    loaded: list[str]  # which of those are mapped into this process
+    ld_preload: str
+    reexecuted: bool
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def needs_reexec(self) -> bool:
+        return any(path not in self.loaded for path in self.preload) and not self.reexecuted
+
+
+def default_search_dirs() -> list[str]:
+    """Where preloadable libraries live: this environment's lib/ (pip's intel-openmp) and the system's."""
+    multiarch = f"{platform.machine()}-linux-gnu"
+    return [os.path.join(sys.prefix, "lib"), f"/usr/lib/{multiarch}", f"/lib/{multiarch}",
+            "/usr/local/lib", "/usr/lib64", "/usr/lib", "/lib"]
+
+
+def find_library(library: Library, dirs: list[str]) -> str | None:
+    for name in library.names:
+        for directory in dirs:
+            candidate = Path(directory) / name
+            if candidate.is_file():
+                return str(candidate.resolve())
+    return None
+
+
+def check(runtime: RuntimeSpec, arch: str, env: dict[str, str], dirs: list[str], maps: str) -> PreflightReport:
+    """What to preload for `runtime` on this machine, and what is missing (pure: no side effects)."""
+    warnings: list[str] = []
+    preload: list[str] = []
+    allocator_path = None
+    if runtime.allocator != "system":
+        allocator_path = find_library(ALLOCATORS[runtime.allocator], dirs)
+        if allocator_path:
+            preload.append(allocator_path)
+        else:
+            warnings.append(f"runtime.allocator is {runtime.allocator} but it is not installed; running with "
+                            f"glibc malloc (install it: {ALLOCATORS[runtime.allocator].install})")
+    openmp, openmp_path = _openmp(runtime.openmp, arch, dirs, warnings)
+    if openmp_path:
+        preload.append(openmp_path)
+    libnuma = find_library(LIBNUMA, dirs)
+    if libnuma is None:
+        warnings.append(f"libnuma is not installed: rank memory cannot be bound to NUMA nodes "
+                        f"(install it: {LIBNUMA.install})")
+    loaded = [path for path in preload if _is_mapped(path, maps)]
+    return PreflightReport(runtime.allocator, allocator_path, openmp, openmp_path, libnuma, preload, loaded,
+                           env.get("LD_PRELOAD", ""), env.get(REEXEC_MARKER) == "1", warnings)
+
+
+def _openmp(wanted: str, arch: str, dirs: list[str], warnings: list[str]) -> tuple[str, str | None]:
+    """Resolve the OpenMP runtime; "auto" prefers Intel's on x86 when the intel-openmp package is there."""
+    if wanted == "auto":
+        intel = find_library(OPENMP_LIBRARIES["intel"], dirs) if arch == "x86_64" else None
+        return ("intel", intel) if intel else ("gnu", None)
+    if wanted == "gnu":
+        return "gnu", None
+    path = find_library(OPENMP_LIBRARIES[wanted], dirs)
+    if path is None:
+        warnings.append(f"runtime.openmp is {wanted} but it is not installed; using GNU OpenMP "
+                        f"(install it: {OPENMP_LIBRARIES[wanted].install})")
+        return "gnu", None
+    return wanted, path
+
+
+def _is_mapped(path: str, maps: str) -> bool:
+    real = os.path.realpath(path)
+    return any(line.endswith(real) for line in maps.splitlines())
+
+
+def preload_env(report: PreflightReport, env: dict[str, str]) -> dict[str, str]:
+    """The environment to re-execute with: the libraries first in LD_PRELOAD, and the loop marker."""
+    existing = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p not in report.preload]
+    return {**env, "LD_PRELOAD": " ".join(report.preload + existing), REEXEC_MARKER: "1"}
+
+
+def run_preflight(runtime: RuntimeSpec, arch: str) -> PreflightReport:
+    """Check this process; re-execute it with the missing libraries preloaded (does not return then)."""
+    env = dict(os.environ)
+    dirs = env[SEARCH_PATH_VAR].split(":") if env.get(SEARCH_PATH_VAR) else default_search_dirs()
+    report = check(runtime, arch, env, dirs, Path("/proc/self/maps").read_text())
+    if report.needs_reexec:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], preload_env(report, env))
+    if report.reexecuted and len(report.loaded) < len(report.preload):
+        missing = [p for p in report.preload if p not in report.loaded]
+        report.warnings.append(f"re-executed with LD_PRELOAD but {', '.join(missing)} did not load; continuing without")
+    return report

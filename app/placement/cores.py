@@ -1,0 +1,197 @@
+"""Which CPUs each rank and the HTTP frontend get: auto placement, or checked explicit lists.
+
+Auto placement:
+- the frontend takes the `reserve_frontend` highest-numbered allowed CPUs, preferring SMT siblings
+  that no rank thread would use anyway (ranks run one thread per physical core by default);
+- ranks are spread over NUMA nodes so that the smallest rank is as large as possible (D'Hondt on
+  core counts): with as many nodes as ranks, each rank gets a whole node; a node that holds several
+  ranks is cut into contiguous runs of cores, and a rank never spans two nodes;
+- slots are filled replica by replica, so the TP ranks of a replica that do not fit one node each
+  stay next to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.spec.errors import Described, Problem, SpecError
+from app.spec.schema import CoresSpec
+from app.topology.cpulist import format_cpulist as fmt
+from app.topology.machine import Topology
+
+
+@dataclass(frozen=True)
+class Layout:
+    ranks: tuple[tuple[int, ...], ...]  # CPUs of each rank, replica-major
+    frontend: tuple[int, ...]
+    frontend_shared: bool  # True: no CPU is reserved; the frontend runs on all allowed CPUs
+    warnings: tuple[str, ...]
+
+
+def layout_cores(cores: CoresSpec, tp: int, dp: int, topo: Topology) -> Layout:
+    if isinstance(cores.ranks, str):
+        layout = _auto(cores, tp, dp, topo)
+    else:
+        layout = _explicit(cores, topo)
+    shared = _shared_cores(layout, topo)
+    return Layout(layout.ranks, layout.frontend, layout.frontend_shared, layout.warnings + shared)
+
+
+# --- auto ---------------------------------------------------------------------------------------
+
+
+def _auto(cores: CoresSpec, tp: int, dp: int, topo: Topology) -> Layout:
+    usable = _usable(cores, topo)
+    if cores.frontend is not None:
+        _check_inside(cores.frontend, topo, "cores.frontend")
+        frontend = cores.frontend
+    else:
+        frontend = _reserve(usable, cores.reserve_frontend, cores.use_smt, topo)
+    usable -= set(frontend)
+    world = tp * dp
+    units, warnings = _units(usable, world, cores.use_smt, topo, tp, dp, len(frontend))
+    counts = _dhondt(world, {node: len(node_units) for node, node_units in units.items()})
+    ranks = []
+    for node in sorted(counts):
+        ranks.extend(_split(units[node], counts[node]))
+    idle = [node for node in sorted(units) if node not in counts]
+    warnings += [f"NUMA node {n} ({len(units[n])} cores) runs no rank; raise parallel.tp or parallel.dp to use it"
+                 for n in idle]
+    shared = not frontend
+    return Layout(tuple(ranks), frontend or topo.allowed, shared, tuple(warnings))
+
+
+def _usable(cores: CoresSpec, topo: Topology) -> set[int]:
+    allowed = set(topo.allowed)
+    if cores.numa_nodes is None:
+        return allowed
+    with_cpus = sorted({topo.node_of(cpu) for cpu in allowed})
+    missing = [node for node in cores.numa_nodes if node not in with_cpus]
+    if missing:
+        raise SpecError([Problem("cores.numa_nodes", f"NUMA nodes with CPUs this process may use: {with_cpus}",
+                                 Described(f"node{'s' if len(missing) > 1 else ''} {missing}"))])
+    return {cpu for cpu in allowed if topo.node_of(cpu) in cores.numa_nodes}
+
+
+def _reserve(usable: set[int], count: int, use_smt: bool, topo: Topology) -> tuple[int, ...]:
+    if count == 0:
+        return ()
+    if count >= len(usable):
+        raise SpecError([Problem("cores.reserve_frontend",
+                                 f"fewer than the {len(usable)} usable CPUs ({fmt(usable)}), so ranks keep some", count)])
+    spare = set() if use_smt else {cpu for cpu in usable if cpu != _first_sibling(cpu, usable, topo)}
+    order = sorted(spare, reverse=True) + sorted(usable - spare, reverse=True)
+    return tuple(sorted(order[:count]))
+
+
+def _first_sibling(cpu: int, usable: set[int], topo: Topology) -> int:
+    return min(s for s in topo.cpus[cpu].siblings if s in usable)
+
+
+def _units(usable: set[int], world: int, use_smt: bool, topo: Topology, tp: int, dp: int,
+           reserved: int) -> tuple[dict[int, list[tuple[int, ...]]], list[str]]:
+    """Per node, the placement units in core order: a physical core's threads, or single CPUs."""
+    by_core: dict[int, list[int]] = {}
+    for cpu in sorted(usable):
+        by_core.setdefault(topo.cpus[cpu].core, []).append(cpu)
+    threads = [tuple(cpus) if use_smt else (cpus[0],) for _, cpus in sorted(by_core.items())]
+    warnings = []
+    if world > len(threads):
+        if world > len(usable):
+            left = f"{len(usable)} CPU{'s' if len(usable) != 1 else ''} ({fmt(usable)})"
+            raise SpecError([Problem(
+                "parallel",
+                f"at most one rank per CPU: {left} left for ranks after {reserved} reserved for the "
+                f"frontend (cores.reserve_frontend) and outside cores.numa_nodes",
+                Described(f"tp x dp = {tp} x {dp} = {world} ranks"))])
+        threads = [(cpu,) for cpu in sorted(usable)]
+        warnings.append(f"fewer physical cores ({len(by_core)}) than ranks ({world}): "
+                        "ranks run on SMT siblings of each other's cores")
+    units: dict[int, list[tuple[int, ...]]] = {}
+    for unit in threads:
+        units.setdefault(topo.node_of(unit[0]), []).append(unit)
+    return units, warnings
+
+
+def _dhondt(seats: int, sizes: dict[int, int]) -> dict[int, int]:
+    """Give `seats` ranks to nodes, each time to the node whose ranks would be largest (lowest id on ties)."""
+    counts: dict[int, int] = {}
+    for _ in range(seats):
+        best = max((node for node in sorted(sizes) if counts.get(node, 0) < sizes[node]),
+                   key=lambda node: sizes[node] / (counts.get(node, 0) + 1))
+        counts[best] = counts.get(best, 0) + 1
+    return counts
+
+
+def _split(units: list[tuple[int, ...]], parts: int) -> list[tuple[int, ...]]:
+    """Cut units into `parts` contiguous runs, sizes differing by at most one (larger first)."""
+    size, extra = divmod(len(units), parts)
+    runs, start = [], 0
+    for part in range(parts):
+        end = start + size + (1 if part < extra else 0)
+        runs.append(tuple(sorted(cpu for unit in units[start:end] for cpu in unit)))
+        start = end
+    return runs
+
+
+# --- explicit -----------------------------------------------------------------------------------
+
+
+def _explicit(cores: CoresSpec, topo: Topology) -> Layout:
+    problems = []
+    for index, cpus in enumerate(cores.ranks):
+        problems += _outside(cpus, topo, f"cores.ranks[{index}]")
+        for other in range(index):
+            overlap = set(cpus) & set(cores.ranks[other])
+            if overlap:
+                problems.append(Problem(f"cores.ranks[{index}]", "CPU lists that do not overlap",
+                                        Described(f"CPUs {fmt(overlap)}, also in cores.ranks[{other}]")))
+    in_ranks = {cpu for cpus in cores.ranks for cpu in cpus}
+    if cores.frontend is not None:
+        problems += _outside(cores.frontend, topo, "cores.frontend")
+        if set(cores.frontend) & in_ranks:
+            problems.append(Problem("cores.frontend", "CPUs that no rank uses",
+                                    Described(f"CPUs {fmt(set(cores.frontend) & in_ranks)}, also in cores.ranks")))
+    if problems:
+        raise SpecError(problems)
+    warnings = [f"rank {i} ({fmt(cpus)}) spans NUMA nodes {_nodes(cpus, topo)}: its memory is interleaved"
+                for i, cpus in enumerate(cores.ranks) if len(_nodes(cpus, topo)) > 1]
+    frontend = cores.frontend or tuple(cpu for cpu in topo.allowed if cpu not in in_ranks)
+    if not frontend:
+        warnings.append("every allowed CPU is in a rank, so the frontend shares them; "
+                        "leave a CPU out of cores.ranks for it")
+    return Layout(tuple(cores.ranks), frontend or topo.allowed, not frontend, tuple(warnings))
+
+
+def _outside(cpus: tuple[int, ...], topo: Topology, path: str) -> list[Problem]:
+    outside = set(cpus) - set(topo.allowed)
+    if not outside:
+        return []
+    return [Problem(path, f"CPUs this process may use: {fmt(topo.allowed)}",
+                    Described(f"CPUs {fmt(outside)}, outside that set"))]
+
+
+def _check_inside(cpus: tuple[int, ...], topo: Topology, path: str) -> None:
+    problems = _outside(cpus, topo, path)
+    if problems:
+        raise SpecError(problems)
+
+
+def _nodes(cpus: tuple[int, ...], topo: Topology) -> list[int]:
+    return sorted({topo.node_of(cpu) for cpu in cpus})
+
+
+def _shared_cores(layout: Layout, topo: Topology) -> tuple[str, ...]:
+    """Warn where two ranks, or a rank and the frontend, run on the same physical core."""
+    owners: dict[int, str] = {}
+    warnings = []
+    groups = [(f"rank {i}", cpus) for i, cpus in enumerate(layout.ranks)]
+    if not layout.frontend_shared:
+        groups.append(("the frontend", layout.frontend))
+    for name, cpus in groups:
+        for core in sorted({topo.cpus[cpu].core for cpu in cpus}):
+            if core in owners and owners[core] != name:
+                siblings = fmt(topo.cpus[core].siblings)
+                warnings.append(f"{owners[core]} and {name} share physical core {core} (SMT siblings {siblings})")
+            owners.setdefault(core, name)
+    return tuple(warnings)

@@ -1,0 +1,108 @@
+"""Memory of each rank: NUMA policy, weights, KV-cache bytes and blocks, and whether it all fits.
+
+A fractional `kv_cache.memory` is a fraction of the rank's memory budget: its NUMA node's memory
+divided among the ranks bound to that node, and never more than its share of the cgroup limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.model.footprint import ModelFootprint
+from app.spec.errors import Described, Problem, SpecError
+from app.spec.schema import KvCacheSpec
+from app.topology.machine import Topology
+from app.units import format_size as size
+
+RUNTIME_RESERVE = 512 * 1024**2
+"""Per rank, besides weights and KV: the Python runtime, torch, activations and thread stacks."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    nodes: tuple[int, ...]  # NUMA nodes the rank's CPUs are on
+    policy: str  # "bind" (one node) or "interleave" (several)
+    weight_bytes: int
+    kv_bytes: int
+    kv_blocks: int
+
+
+def size_memory(kv: KvCacheSpec, ranks: tuple[tuple[int, ...], ...], topo: Topology, model: ModelFootprint,
+                dtype: str, kv_dtype: str, tp: int, max_model_len: int) -> tuple[list[RankMemory], list[str]]:
+    nodes = [tuple(sorted({topo.node_of(cpu) for cpu in cpus})) for cpus in ranks]
+    sharing = {n: sum(n in rank_nodes for rank_nodes in nodes) for n in topo.nodes}
+    weights = model.weight_bytes(dtype, tp)
+    block_bytes = model.kv_bytes_per_token(kv_dtype, tp) * kv.block_size
+    plans = []
+    for rank_nodes in nodes:
+        budget = _budget(rank_nodes, sharing, topo, len(ranks))
+        wanted = int(kv.memory * budget) if isinstance(kv.memory, float) else kv.memory
+        blocks = wanted // block_bytes
+        policy = "bind" if len(rank_nodes) == 1 else "interleave"
+        plans.append(RankMemory(rank_nodes, policy, weights, blocks * block_bytes, blocks))
+    _check_holds_a_sequence(plans[0], kv, max_model_len, block_bytes)
+    warnings = _check_fit(plans, topo)
+    return plans, warnings
+
+
+def _budget(rank_nodes: tuple[int, ...], sharing: dict[int, int], topo: Topology, world: int) -> float:
+    memory = sum(topo.nodes[n].mem_total for n in rank_nodes)
+    budget = memory / max(sharing[n] for n in rank_nodes)
+    if topo.memory_limit is not None:
+        budget = min(budget, topo.memory_limit / world)
+    return budget
+
+
+def _check_holds_a_sequence(rank: RankMemory, kv: KvCacheSpec, max_model_len: int, block_bytes: int) -> None:
+    needed = -(-max_model_len // kv.block_size)
+    if rank.kv_blocks >= needed:
+        return
+    raise SpecError([Problem(
+        "kv_cache.memory",
+        f"at least {size(needed * block_bytes)} per rank, to hold one sequence of "
+        f"{max_model_len} tokens (or lower model.max_model_len)",
+        Described(f"{size(rank.kv_bytes)} per rank = {rank.kv_blocks} blocks of {kv.block_size} tokens"))])
+
+
+def _demand(rank: RankMemory) -> int:
+    return rank.weight_bytes + rank.kv_bytes + RUNTIME_RESERVE
+
+
+def _check_fit(plans: list[RankMemory], topo: Topology) -> list[str]:
+    per_node: dict[int, float] = {}
+    for rank in plans:
+        for node in rank.nodes:
+            per_node[node] = per_node.get(node, 0) + _demand(rank) / len(rank.nodes)
+    problems, warnings = [], []
+    for node, demand in sorted(per_node.items()):
+        total, available = topo.nodes[node].mem_total, topo.nodes[node].mem_available
+        if demand > total:
+            problems.append(_too_much(plans, f"NUMA node {node}'s {size(total)}", demand, node))
+        elif demand > available:
+            warnings.append(f"NUMA node {node}: the plan needs {size(demand)} but {size(available)} is free "
+                            "now (memory over-committed)")
+    limit = topo.memory_limit
+    whole = sum(_demand(rank) for rank in plans)
+    if limit is not None and whole > limit:
+        problems.append(_too_much(plans, f"the cgroup memory limit of {size(limit)}", whole, None))
+    if problems:
+        raise SpecError(problems)
+    return warnings + _idle_memory_nodes(topo)
+
+
+def _too_much(plans: list[RankMemory], where: str, demand: float, node: int | None) -> Problem:
+    ranks = [r for r in plans if node is None or node in r.nodes]
+    rank = ranks[0]
+    fixed = rank.weight_bytes + RUNTIME_RESERVE
+    return Problem(
+        "kv_cache.memory",
+        f"weights, KV and runtime of all {len(ranks)} rank(s) within {where} "
+        f"(lower kv_cache.memory, or use more NUMA nodes)",
+        Described(f"{size(rank.kv_bytes)} of KV per rank; with weights {size(rank.weight_bytes)} and runtime "
+                  f"reserve {size(RUNTIME_RESERVE)} per rank ({size(fixed)} fixed), {len(ranks)} rank(s) "
+                  f"need {size(demand)}"))
+
+
+def _idle_memory_nodes(topo: Topology) -> list[str]:
+    return [f"NUMA node {n.id} has {size(n.mem_total)} of memory but no CPUs (memory-only); no rank binds to it"
+            for n in topo.nodes.values() if not n.cpus and n.mem_total > 0]

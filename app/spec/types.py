@@ -1,0 +1,130 @@
+"""Value types the spec accepts in more than one spelling, each normalised once, here.
+
+Each validator raises ValueError whose text says what would be accepted; the loader turns it into
+an error that also names the YAML path and what was found.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, PlainSerializer, PlainValidator
+
+from app.spec.errors import FieldError
+
+from app.topology.cpulist import format_cpulist, parse_cpulist
+from app.units import SIZE_HELP, format_size, parse_size
+
+CPULIST_HELP = 'a CPU list such as "0-3,8,10-11" or a YAML list of CPU numbers'
+RANKS_HELP = (
+    '"auto", or one CPU list per rank: "0-31|32-63" (vLLM\'s form) or a YAML list of CPU lists'
+)
+KV_MEMORY_HELP = f'{SIZE_HELP}, or a fraction of the rank\'s NUMA node memory such as 0.3 or "30%"'
+
+
+def _to_cpus(value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        try:
+            cpus = parse_cpulist(value)
+        except ValueError as exc:
+            raise ValueError(f"{CPULIST_HELP} ({exc})") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        cpus = parse_cpulist(str(value))
+    elif isinstance(value, list | tuple) and all(_is_cpu_id(v) for v in value):
+        cpus = tuple(sorted(set(value)))
+    else:
+        raise ValueError(CPULIST_HELP)
+    if not cpus:
+        raise ValueError(f"a non-empty CPU list: {CPULIST_HELP}")
+    return cpus
+
+
+def _is_cpu_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+CpuSet = Annotated[
+    tuple[int, ...],
+    BeforeValidator(_to_cpus),
+    PlainSerializer(format_cpulist, return_type=str),
+]
+"""A set of CPU ids, written "0-3,8" or [0, 1, 2, 3, 8]."""
+
+
+def _to_rank_lists(value: Any) -> str | tuple[tuple[int, ...], ...]:
+    if value == "auto":
+        return value
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split("|")]
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(RANKS_HELP)
+    lists = []
+    for index, item in enumerate(value):
+        try:
+            lists.append(_to_cpus(item))
+        except ValueError as exc:
+            raise FieldError(f"[{index}]", str(exc), item) from None
+    return tuple(lists)
+
+
+def _show_rank_lists(value: str | tuple[tuple[int, ...], ...]) -> str | list[str]:
+    return value if isinstance(value, str) else [format_cpulist(cpus) for cpus in value]
+
+
+RankCpus = Annotated[
+    str | tuple[tuple[int, ...], ...],
+    PlainValidator(_to_rank_lists, json_schema_input_type=str | list[str | list[int]]),
+    PlainSerializer(_show_rank_lists),
+]
+"""Either "auto" or one CPU set per rank."""
+
+
+def _to_size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        size = parse_size(value)
+        if size > 0:
+            return size
+    raise ValueError(f"{SIZE_HELP}, above zero")
+
+
+ByteSize = Annotated[
+    int,
+    BeforeValidator(_to_size),
+    PlainSerializer(format_size, return_type=str),
+]
+"""A number of bytes, written "4GiB", "512MiB" or as a plain integer."""
+
+
+def _to_kv_memory(value: Any) -> int | float:
+    if isinstance(value, float | int) and not isinstance(value, bool) and 0 < value < 1:
+        return float(value)
+    if isinstance(value, str) and value.strip().endswith("%"):
+        number = value.strip()[:-1]
+        try:
+            percent = float(number)
+        except ValueError:
+            percent = -1.0
+        if 0 < percent < 100:
+            return percent / 100
+    elif isinstance(value, str):
+        try:
+            size = parse_size(value)
+        except ValueError:
+            size = 0
+        if size > 0:
+            return size
+    raise ValueError(KV_MEMORY_HELP)
+
+
+def _show_kv_memory(value: int | float) -> str | float:
+    return value if isinstance(value, float) else format_size(value)
+
+
+KvMemory = Annotated[
+    int | float,
+    BeforeValidator(_to_kv_memory),
+    PlainSerializer(_show_kv_memory),
+]
+"""KV-cache memory per rank: bytes (int) or a fraction of the rank's memory budget (float)."""

@@ -1,0 +1,131 @@
+"""The cgroup limits of this process: cpuset and memory, v1, v2 or a hybrid of both.
+
+Mount points come from `proc/mounts` and this process's groups from `proc/self/cgroup`, the way
+the kernel reports them, rather than from an assumed layout.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+
+from app.topology.cpulist import parse_cpulist
+from app.topology.root import Root
+
+UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
+
+
+@dataclass(frozen=True)
+class CgroupLimits:
+    """What the cgroup allows this process; None where it sets no limit."""
+
+    cpuset: tuple[int, ...] | None
+    cpuset_source: str | None
+    memory_max: int | None
+    memory_source: str | None
+
+
+@dataclass(frozen=True)
+class _Mount:
+    point: str
+    fstype: str
+    options: frozenset[str]
+
+
+def read_cgroup_limits(root: Root) -> CgroupLimits:
+    mounts = _mounts(root)
+    groups = _groups(root)
+    cpuset_dir = _controller_dir(root, mounts, groups, "cpuset")
+    memory_dir = _controller_dir(root, mounts, groups, "memory")
+    cpuset, cpuset_source = _cpuset(root, cpuset_dir)
+    memory_max, memory_source = _memory_max(root, memory_dir)
+    return CgroupLimits(cpuset, cpuset_source, memory_max, memory_source)
+
+
+def _unescape(path: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
+
+
+def _mounts(root: Root) -> list[_Mount]:
+    mounts = []
+    for line in (root.text("proc/mounts") or "").splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] in ("cgroup", "cgroup2"):
+            mounts.append(_Mount(_unescape(fields[1]), fields[2], frozenset(fields[3].split(","))))
+    return mounts
+
+
+def _groups(root: Root) -> dict[str, str]:
+    """Controller name -> cgroup path; "" is the v2 unified hierarchy."""
+    groups = {}
+    for line in (root.text("proc/self/cgroup") or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            groups[""] = path
+        for controller in filter(None, controllers.split(",")):
+            groups[controller] = path
+    return groups
+
+
+@dataclass(frozen=True)
+class _Dir:
+    version: int
+    mount: str
+    path: str  # below the mount point
+
+
+def _controller_dir(root: Root, mounts: list[_Mount], groups: dict[str, str], name: str) -> _Dir | None:
+    """Where `name`'s files for this process live; v1 wins where both mount the controller."""
+    for mount in mounts:
+        if mount.fstype == "cgroup" and name in mount.options and name in groups:
+            return _Dir(1, mount.point, _inside(root, mount.point, groups[name]))
+    for mount in mounts:
+        if mount.fstype == "cgroup2" and "" in groups:
+            controllers = (root.line(posixpath.join(mount.point, "cgroup.controllers")) or "").split()
+            if name in controllers:
+                return _Dir(2, mount.point, _inside(root, mount.point, groups[""]))
+    return None
+
+
+def _inside(root: Root, mount: str, group: str) -> str:
+    """The group's path below the mount; with a cgroup namespace the mount already is the group."""
+    return group if root.exists(posixpath.join(mount, group.lstrip("/"))) else "/"
+
+
+def _ancestors(cg: _Dir) -> list[str]:
+    """The group's directory and each parent up to the mount point, nearest first."""
+    dirs, path = [], cg.path
+    while True:
+        dirs.append(posixpath.join(cg.mount, path.lstrip("/")))
+        if path in ("/", ""):
+            return dirs
+        path = posixpath.dirname(path.rstrip("/")) or "/"
+
+
+def _cpuset(root: Root, cg: _Dir | None) -> tuple[tuple[int, ...] | None, str | None]:
+    if cg is None:
+        return None, None
+    names = ("cpuset.cpus.effective", "cpuset.cpus") if cg.version == 2 else ("cpuset.effective_cpus", "cpuset.cpus")
+    for directory in _ancestors(cg):
+        for name in names:
+            file = posixpath.join(directory, name)
+            text = root.line(file)
+            if text:
+                return parse_cpulist(text), file
+    return None, None
+
+
+def _memory_max(root: Root, cg: _Dir | None) -> tuple[int | None, str | None]:
+    """The tightest memory limit on the way up: a parent's limit binds its children too."""
+    if cg is None:
+        return None, None
+    name = "memory.max" if cg.version == 2 else "memory.limit_in_bytes"
+    best, source = None, None
+    for directory in _ancestors(cg):
+        file = posixpath.join(directory, name)
+        value = root.line(file)
+        if value and value.isdigit() and int(value) < UNLIMITED_V1 and (best is None or int(value) < best):
+            best, source = int(value), file
+    return best, source

@@ -1,0 +1,51 @@
+"""File access below a root directory ("/" on a live machine, a captured tree in tests).
+
+Every read goes through `Root`, which remembers what it read: `topology --capture` copies exactly
+those files, so a capture always holds what the reader needs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class Root:
+    """Read files of a (possibly captured) machine, relative to its root."""
+
+    def __init__(self, root: str | Path = "/"):
+        self.path = Path(root)
+        self.is_live = self.path.resolve() == Path("/")
+        self.read_paths: set[str] = set()
+        self.dirs_seen: set[str] = set()
+
+    def _abs(self, rel: str) -> Path:
+        return self.path / rel.lstrip("/")
+
+    def text(self, rel: str) -> str | None:
+        """The file's text, or None when it is absent or unreadable."""
+        try:
+            text = self._abs(rel).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+        self.read_paths.add(rel.lstrip("/"))
+        return text
+
+    def line(self, rel: str) -> str | None:
+        """The file's first line, stripped."""
+        text = self.text(rel)
+        return text.strip().split("\n", 1)[0].strip() if text is not None else None
+
+    def exists(self, rel: str) -> bool:
+        found = self._abs(rel).exists()
+        if found and self._abs(rel).is_dir():
+            self.dirs_seen.add(rel.lstrip("/"))
+        return found
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            names = sorted(os.listdir(self._abs(rel)))
+            self.dirs_seen.add(rel.lstrip("/"))
+            return names
+        except OSError:
+            return []
