@@ -4,8 +4,9 @@ Auto placement:
 - the frontend takes the `reserve_frontend` highest-numbered allowed CPUs, preferring SMT siblings
   that no rank thread would use anyway (ranks run one thread per physical core by default);
 - ranks are spread over NUMA nodes so that the smallest rank is as large as possible (D'Hondt on
-  core counts): with as many nodes as ranks, each rank gets a whole node; a node that holds several
-  ranks is cut into contiguous runs of cores, and a rank never spans two nodes;
+  core counts; ties go to the node with fewer ranks, then the lowest id): with as many equal nodes
+  as ranks, each rank gets a whole node; a node that holds several ranks is cut into contiguous
+  runs of cores, and a rank never spans two nodes;
 - slots are filled replica by replica, so the TP ranks of a replica that do not fit one node each
   stay next to each other.
 """
@@ -114,11 +115,14 @@ def _units(usable: set[int], world: int, use_smt: bool, topo: Topology, tp: int,
 
 
 def _dhondt(seats: int, sizes: dict[int, int]) -> dict[int, int]:
-    """Give `seats` ranks to nodes, each time to the node whose ranks would be largest (lowest id on ties)."""
+    """Give `seats` ranks to nodes, each time to the node whose ranks would be largest.
+
+    Ties go to the node with fewer ranks (spreading ranks over memory controllers), then the lowest id.
+    """
     counts: dict[int, int] = {}
     for _ in range(seats):
-        best = max((node for node in sorted(sizes) if counts.get(node, 0) < sizes[node]),
-                   key=lambda node: sizes[node] / (counts.get(node, 0) + 1))
+        best = min((node for node in sorted(sizes) if counts.get(node, 0) < sizes[node]),
+                   key=lambda node: (-sizes[node] / (counts.get(node, 0) + 1), counts.get(node, 0), node))
         counts[best] = counts.get(best, 0) + 1
     return counts
 
@@ -182,16 +186,17 @@ def _nodes(cpus: tuple[int, ...], topo: Topology) -> list[int]:
 
 
 def _shared_cores(layout: Layout, topo: Topology) -> tuple[str, ...]:
-    """Warn where two ranks, or a rank and the frontend, run on the same physical core."""
-    owners: dict[int, str] = {}
-    warnings = []
+    """Warn where two ranks, or a rank and the frontend, run on SMT siblings of the same physical core."""
     groups = [(f"rank {i}", cpus) for i, cpus in enumerate(layout.ranks)]
     if not layout.frontend_shared:
         groups.append(("the frontend", layout.frontend))
-    for name, cpus in groups:
-        for core in sorted({topo.cpus[cpu].core for cpu in cpus}):
-            if core in owners and owners[core] != name:
-                siblings = fmt(topo.cpus[core].siblings)
-                warnings.append(f"{owners[core]} and {name} share physical core {core} (SMT siblings {siblings})")
-            owners.setdefault(core, name)
+    cores = [{topo.cpus[cpu].core for cpu in cpus} for _, cpus in groups]
+    warnings = []
+    for i, (name, _) in enumerate(groups):
+        for j in range(i + 1, len(groups)):
+            shared = sorted(cores[i] & cores[j])
+            if shared:
+                cpus = fmt(cpu for core in shared for cpu in topo.cpus[core].siblings)
+                warnings.append(f"{name} and {groups[j][0]} share {len(shared)} physical core(s) "
+                                f"through SMT siblings (CPUs {cpus})")
     return tuple(warnings)

@@ -83,7 +83,10 @@ def _to_size(value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str):
-        size = parse_size(value)
+        try:
+            size = parse_size(value)
+        except ValueError:
+            size = 0
         if size > 0:
             return size
     raise ValueError(f"{SIZE_HELP}, above zero")

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from app.model.footprint import ModelFootprint
+from app.topology.machine import Topology, read_topology
+
+REPO = Path(__file__).resolve().parent.parent
+TOPOLOGIES = Path(__file__).resolve().parent / "topologies"
+CONFIG = REPO / "config"
+
+# SmolLM2-135M-Instruct, as its GGUF header describes it (checked against the file in test_model_info).
+SMOLLM2 = ModelFootprint(architecture="llama", num_params=134_515_008, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, context_length=8192)
+
+
+def topology(name: str) -> Topology:
+    return read_topology(TOPOLOGIES / name)
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(*args: str) -> CliResult:
+    """Run `python -m app` in this process (fast) and capture what it prints."""
+    from app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse errors
+            code = int(exit_.code or 0)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def run_app(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m app` as a real child process."""
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def tmp_spec(tmp_path):
+    def write(text: str, name: str = "spec.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+
+    return write
