@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
              lambda p: p.add_argument("--json", action="store_true", help="JSON instead of a table"))
     _command(commands, "preflight", _preflight, "check ISA and preloaded libraries; re-exec with them preloaded",
              lambda p: p.add_argument("--json", action="store_true", help="JSON instead of text"))
+    docs = commands.add_parser("spec-docs", help="print docs/SPEC.md, generated from the spec's field docs")
+    docs.set_defaults(run=_spec_docs)
     topo = commands.add_parser("topology", help="show the CPU/NUMA/cgroup topology as the planner sees it")
     topo.add_argument("--root", default="/", help="read a captured tree instead of this machine")
     topo.add_argument("--json", action="store_true", help="JSON instead of text")
@@ -129,6 +131,13 @@ def _preflight(args: argparse.Namespace) -> int:
                 print(f"{key:15} {value}")
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def _spec_docs(args: argparse.Namespace) -> int:
+    from app.spec.docs import spec_markdown
+
+    print(spec_markdown(), end="")
     return 0
 
 

@@ -111,3 +111,15 @@ def test_tp2_example_plans_one_rank_per_socket():
     result = run_cli("plan", "-c", str(CONFIG / "tp2-numa.yaml"), "--root", str(TOPOLOGIES / "2s-2n-32c-smt2"), "--json")
     ranks = json.loads(result.out)["ranks"]
     assert [(r["cpulist"], r["node"]) for r in ranks] == [("0-31", 0), ("32-63", 1)]
+
+
+def test_spec_docs_are_generated_from_the_code():
+    from app.spec.docs import spec_markdown
+
+    from tests.conftest import REPO
+
+    assert (REPO / "docs" / "SPEC.md").read_text() == spec_markdown(), "rerun: python -m app spec-docs > docs/SPEC.md"
+    for section, model in Spec.model_fields.items():
+        for key, field in model.annotation.model_fields.items():
+            assert field.description, f"{section}.{key} has no docstring"
+            assert f"| `{key}` |" in spec_markdown()

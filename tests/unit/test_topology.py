@@ -1,0 +1,163 @@
+"""The topology reader on captured trees, the live machine, and trees built here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.topology.capture import capture
+from app.topology.cpulist import format_cpulist, parse_cpulist
+from app.topology.machine import read_topology
+from tests.conftest import TOPOLOGIES, run_cli, topology
+
+GiB = 1024**3
+
+
+@given(st.sets(st.integers(min_value=0, max_value=2000)))
+def test_cpulist_round_trips(cpus):
+    assert parse_cpulist(format_cpulist(cpus)) == tuple(sorted(cpus))
+
+
+def test_cpulist_forms():
+    assert parse_cpulist("0-3,8,10-11") == (0, 1, 2, 3, 8, 10, 11)
+    assert parse_cpulist(" 0-6:3 ,1 ") == (0, 1, 3, 6)
+    assert format_cpulist([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert parse_cpulist("") == ()
+
+
+def test_two_socket_smt2():
+    t = topology("2s-2n-32c-smt2")
+    assert t.arch == "x86_64" and t.online == tuple(range(128)) and t.allowed == tuple(range(128))
+    assert t.cpus[0].siblings == (0, 64) and t.cpus[64].core == 0 and t.cpus[64].node == 0
+    assert t.cpus[127].siblings == (63, 127) and t.cpus[127].socket == 1 and t.cpus[127].node == 1
+    assert t.nodes[1].cpus == tuple(range(32, 64)) + tuple(range(96, 128))
+    assert t.nodes[0].mem_total == 256 * GiB and t.nodes[0].distances == (10, 21)
+    assert {"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"} <= t.isa
+    assert t.cgroup.cpuset == tuple(range(128)) and t.memory_limit is None  # memory.max is "max"
+
+
+def test_kubernetes_static_policy_container():
+    t = topology("k8s-cpuset8-smt")
+    assert t.allowed == (4, 5, 6, 7, 36, 37, 38, 39)
+    assert t.cgroup.cpuset_source == "/sys/fs/cgroup/cpuset.cpus.effective"  # the namespaced group is the mount
+    assert t.memory_limit == 16 * GiB
+    assert "avx512_bf16" not in t.isa and "avx512_vnni" in t.isa
+
+
+def test_offline_cpus_and_cgroup_v1():
+    t = topology("offline-cpus")
+    assert t.online == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 13, 14, 15)
+    assert 5 not in t.allowed and 12 not in t.allowed  # the cpuset still says 0-15
+    assert t.nodes[0].cpus == (0, 1, 2, 3, 4, 6, 7)
+    assert t.cgroup.cpuset == tuple(range(16)) and t.memory_limit is None  # v1 "unlimited" is LONG_MAX
+
+
+def test_memory_only_node():
+    t = topology("memory-only-node")
+    assert t.nodes[1].cpus == () and t.nodes[1].mem_total == 64 * GiB
+    assert t.nodes[0].cpus == tuple(range(32))
+
+
+def test_arm64_without_smt():
+    t = topology("arm64-64c")
+    assert t.arch == "aarch64" and {"asimd", "bf16", "sve", "i8mm"} <= t.isa
+    assert all(t.cpus[c].siblings == (c,) for c in t.online)
+    assert t.cpu_model == "arm64 implementer 0x41 part 0xd40"
+
+
+def test_four_nodes_on_one_socket():
+    t = topology("1s-4n-nps4")
+    assert len(t.nodes) == 4 and {t.cpus[c].socket for c in t.online} == {0}
+    assert t.nodes[2].cpus == tuple(range(16, 24)) + tuple(range(48, 56))
+    assert t.nodes[3].distances == (12, 12, 12, 10)
+
+
+def test_real_guest_captures():
+    two = topology("numa-vm-2node")
+    assert sorted(two.nodes) == [0, 1] and two.nodes[0].cpus == (0, 1) and two.nodes[1].cpus == (2, 3)
+    assert two.nodes[0].distances == (10, 21)
+    pod = topology("numa-vm-cpuset")
+    assert pod.allowed == (1, 2) and pod.memory_limit == 3 * GiB
+    assert pod.cgroup.cpuset_source.endswith("/cpuset.cpus.effective")
+
+
+def test_this_machine_capture_reads_like_a_small_vm():
+    t = topology("this-machine")
+    assert t.allowed == (0, 1) and len(t.nodes) == 1
+    assert t.notes and "using /proc/meminfo" in t.notes[0]  # node meminfo undercounts on this VM
+
+
+def test_live_machine_matches_the_kernel():
+    t = read_topology("/")
+    assert set(t.allowed) == set(os.sched_getaffinity(0)) & set(t.online)
+    assert sum(len(n.cpus) for n in t.nodes.values()) == len(t.online)
+
+
+def test_capture_reads_back_the_same(tmp_path):
+    capture("/", str(tmp_path))
+    live, captured = read_topology("/"), read_topology(tmp_path)
+    for field in ("arch", "cpu_model", "isa", "online", "allowed", "cpus"):
+        assert getattr(captured, field) == getattr(live, field), field
+    assert {n: (v.cpus, v.mem_total) for n, v in captured.nodes.items()} == \
+           {n: (v.cpus, v.mem_total) for n, v in live.nodes.items()}
+    assert captured.cgroup.cpuset == live.cgroup.cpuset and captured.memory_limit == live.memory_limit
+
+
+def _write(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_cgroup_v2_limit_of_a_parent_binds_the_child(tmp_path):
+    _write(tmp_path, {
+        "proc/cpuinfo": "processor\t: 0\nflags\t\t: avx2 fma\n\n",
+        "proc/self/status": "Cpus_allowed_list:\t0-3\n",
+        "proc/mounts": "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n",
+        "proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+        "sys/devices/system/cpu/online": "0-3\n",
+        "sys/fs/cgroup/cgroup.controllers": "cpuset memory\n",
+        "sys/fs/cgroup/kubepods/memory.max": "max\n",
+        "sys/fs/cgroup/kubepods/pod1/memory.max": f"{2 * GiB}\n",
+        "sys/fs/cgroup/kubepods/pod1/ctr/memory.max": "max\n",
+        "sys/fs/cgroup/kubepods/pod1/ctr/cpuset.cpus.effective": "2-3\n",
+        "proc/meminfo": "MemTotal:  8388608 kB\nMemAvailable:  4194304 kB\n",
+    })
+    t = read_topology(tmp_path)
+    assert t.memory_limit == 2 * GiB and t.cgroup.memory_source.endswith("pod1/memory.max")
+    assert t.allowed == (2, 3)
+    assert t.nodes[0].mem_total == 8 * GiB and t.nodes[0].cpus == (0, 1, 2, 3)  # no NUMA: one node
+
+
+def test_hybrid_cgroup_prefers_v1_controllers_and_unescapes_mounts(tmp_path):
+    _write(tmp_path, {
+        "proc/cpuinfo": "processor\t: 0\nflags\t\t: avx2\n\n",
+        "proc/self/status": "Cpus_allowed_list:\t0-7\n",
+        "proc/mounts": "cgroup /sys/fs/cgroup/my\\040cpuset cgroup rw,cpuset 0 0\n"
+                       "cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n",
+        "proc/self/cgroup": "3:cpuset:/job\n0::/\n",
+        "sys/devices/system/cpu/online": "0-7\n",
+        "sys/fs/cgroup/my cpuset/job/cpuset.effective_cpus": "0-1,6\n",
+        "sys/fs/cgroup/unified/cgroup.controllers": "\n",
+    })
+    t = read_topology(tmp_path)
+    assert t.allowed == (0, 1, 6) and t.memory_limit is None
+
+
+def test_synthetic_trees_match_their_generator():
+    child = subprocess.run([sys.executable, str(TOPOLOGIES / "synthesize.py"), "--check"], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+
+
+def test_topology_command_prints_and_captures(tmp_path):
+    shown = run_cli("topology", "--root", str(TOPOLOGIES / "k8s-cpuset8-smt"))
+    assert "allowed: 4-7,36-39" in shown.out and "cgroup memory limit: 16.00 GiB" in shown.out
+    as_json = run_cli("topology", "--root", str(TOPOLOGIES / "arm64-64c"), "--json")
+    assert '"arch": "aarch64"' in as_json.out
+    assert run_cli("topology", "--capture", str(tmp_path / "cap")).code == 0
+    assert (tmp_path / "cap" / "proc" / "cpuinfo").is_file()
