@@ -1,0 +1,20 @@
+"""The native kernels (native/), behind wrappers that check their inputs (ops.py)."""
+
+from app.kernels.ops import (
+    add_rms_norm,
+    bind_threads,
+    compiled_isas,
+    isa,
+    paged_attention,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    supported_isas,
+    use_isa,
+    write_kv_cache,
+)
+
+__all__ = [
+    "add_rms_norm", "bind_threads", "compiled_isas", "isa", "paged_attention", "rms_norm", "rotary_embedding",
+    "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
+]

@@ -1,0 +1,147 @@
+"""Python entry points of the native kernels: check every tensor, then hand pointers to app._native.
+
+Float tensors are float32 or bfloat16 (kernels accumulate in float32); the last dimension must be
+contiguous, rows may be strided. Errors are ValueError/TypeError naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from app import _native
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3}
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _ref(t: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES, dims: int | None = None) -> tuple:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: must be on the CPU, not {t.device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype must be one of {', '.join(map(str, dtypes))}, not {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(t.shape)}")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride {t.stride(-1)})")
+    return t.data_ptr(), _CODES[t.dtype], list(t.shape), list(t.stride())
+
+
+def _same_dtype(reference: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.dtype != reference.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from the input's {reference.dtype}")
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """[..., H] -> [T, H] without copying (a strided row view), or a clear error."""
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected at least one dimension")
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name}: its leading dimensions cannot be flattened without a copy") from None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [..., H], weight: [H] -> [..., H]
+    _same_dtype(x, weight=weight)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    _same_dtype(x, out=out)
+    _native.rms_norm(_ref(_rows(out, "out"), "out"), _ref(_rows(x, "x"), "x"), _ref(weight, "weight", dims=1), eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    # in place: residual += x; x = rms_norm(residual) * weight.  x, residual: [..., H]
+    _same_dtype(x, residual=residual, weight=weight)
+    _native.add_rms_norm(_ref(_rows(x, "x"), "x"), _ref(_rows(residual, "residual"), "residual"),
+                         _ref(weight, "weight", dims=1), eps)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+                     head_dim: int) -> None:
+    # in place, NeoX layout. positions: [T] int64; q: [T, Hq*D]; k: [T, Hk*D]; cos_sin: [P, rot] float32
+    _same_dtype(q, k=k)
+    q3, k3 = _heads(q, head_dim, "q"), _heads(k, head_dim, "k")
+    _native.rotary_embedding(_ref(positions, "positions", (torch.int64,), 1), _ref(q3, "q", dims=3),
+                             _ref(k3, "k", dims=3), _ref(cos_sin, "cos_sin", (torch.float32,), 2))
+
+
+def _heads(x: torch.Tensor, head_dim: int, name: str) -> torch.Tensor:
+    """[T, H*D] -> [T, H, D] as a view."""
+    if x.dim() != 2 or x.shape[1] % head_dim:
+        raise ValueError(f"{name}: expected [tokens, heads * {head_dim}], got shape {tuple(x.shape)}")
+    return x.view(x.shape[0], -1, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, 2I] -> silu(x[:, :I]) * x[:, I:]: [T, I]
+    rows = _rows(x, "x")
+    if rows.shape[1] % 2:
+        raise ValueError(f"x: the last dimension must be even (gate and up halves), got {rows.shape[1]}")
+    out = x.new_empty(*x.shape[:-1], rows.shape[1] // 2) if out is None else out
+    _same_dtype(x, out=out)
+    _native.silu_and_mul(_ref(_rows(out, "out"), "out"), _ref(rows, "x"))
+    return out
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    # key, value: [T, Hk, D]; caches: [blocks, Hk, block_size, D]; slot_mapping: [T] int64 (-1: skip)
+    _same_dtype(key, value=value, key_cache=key_cache, value_cache=value_cache)
+    _native.write_kv_cache(_ref(key, "key", dims=3), _ref(value, "value", dims=3),
+                           _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4),
+                           _ref(slot_mapping, "slot_mapping", (torch.int64,), 1))
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, q_starts: torch.Tensor, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [Tq, Hq, D], the new tokens of every sequence back to back (q_starts: [S+1] int64 offsets);
+    # each attends causally to all context_lens[s] cached tokens of its sequence. Returns [Tq, Hq, D].
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    _same_dtype(q, key_cache=key_cache, value_cache=value_cache, out=out)
+    _native.paged_attention(_ref(out, "out", dims=3), _ref(q, "q", dims=3), _ref(key_cache, "key_cache", dims=4),
+                            _ref(value_cache, "value_cache", dims=4),
+                            _ref(block_tables, "block_tables", (torch.int32,), 2),
+                            _ref(context_lens, "context_lens", (torch.int32,), 1),
+                            _ref(q_starts, "q_starts", (torch.int64,), 1), float(scale))
+    return out
+
+
+def bind_threads(cpus: Sequence[int], nodes: Sequence[int] = (), interleave: bool = False) -> str:
+    """Pin OpenMP thread i to cpus[i], bind memory to `nodes`; returns a report of what was bound."""
+    report = _native.bind_threads(list(cpus), list(nodes), interleave)
+    torch.set_num_threads(len(cpus))  # torch shares the OpenMP pool; keep its idea of the size in step
+    return report
+
+
+def isa() -> str:
+    """The ISA whose kernels run now ("avx512bf16", "avx512", "avx2", "neon" or "portable")."""
+    return _native.isa()
+
+
+def compiled_isas() -> list[str]:
+    return _native.compiled_isas()
+
+
+def supported_isas() -> list[str]:
+    """The compiled ISAs this CPU can run, best first."""
+    compiled = _native.compiled_isas()
+    return compiled[compiled.index(_native.best_isa()):]
+
+
+@contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernels of ISA `name` inside the block (tests compare ISAs this way)."""
+    previous = _native.isa()
+    _native.select_isa(name)
+    try:
+        yield
+    finally:
+        _native.select_isa(previous)

@@ -1,0 +1,106 @@
+// The kernel entry points every ISA implements, and the plain argument structs they take.
+//
+// Tensors arrive as raw pointers with explicit sizes and strides (in elements); module.cpp checks
+// them before any kernel runs, so kernels assume valid arguments. Last dimensions are contiguous.
+#pragma once
+
+#include <cstdint>
+
+namespace appliance {
+
+enum class DType : int { f32 = 0, bf16 = 1 };
+
+struct NormArgs {  // out[t, :] = x[t, :] / rms(x[t, :]) * weight;  x, out: [T, H] rows at a stride
+  DType dtype;
+  void* out;
+  const void* x;
+  const void* weight;  // [H]
+  int64_t tokens, hidden, x_stride, out_stride;
+  float eps;
+};
+
+struct AddNormArgs {  // residual += x; x = rms_norm(residual) * weight  (both in place)
+  DType dtype;
+  void* x;
+  void* residual;
+  const void* weight;
+  int64_t tokens, hidden, x_stride, residual_stride;
+  float eps;
+};
+
+struct RopeArgs {  // rotate q [T, Hq, D] and k [T, Hk, D] in place, NeoX layout (halves, not pairs)
+  DType dtype;
+  void* q;
+  void* k;
+  const int64_t* positions;  // [T]
+  const float* cos_sin;      // [max_position, rot_dim]: cos for rot_dim/2, then sin for rot_dim/2
+  int64_t tokens, q_heads, k_heads, head_dim, rot_dim, q_stride, k_stride, max_position;
+};
+
+struct SiluMulArgs {  // out[t, :] = silu(x[t, :I]) * x[t, I:]
+  DType dtype;
+  void* out;
+  const void* x;
+  int64_t tokens, inter, x_stride, out_stride;
+};
+
+struct CacheWriteArgs {  // cache[slot // B, h, slot % B, :] = k[t, h, :] (and v); slot < 0 skips the token
+  DType dtype;
+  const void* key;  // [T, Hk, D] at row strides
+  const void* value;
+  void* key_cache;  // [blocks, Hk, B, D]
+  void* value_cache;
+  const int64_t* slot_mapping;  // [T]
+  int64_t tokens, kv_heads, head_dim, block_size, num_blocks, key_stride, value_stride;
+};
+
+struct AttentionArgs {
+  // Each sequence s has q_lens[s] new query tokens (its last ones) out of context_lens[s] tokens
+  // whose K/V are all in the paged cache already. Query i of s sits at position
+  // context_lens[s] - q_lens[s] + i and attends causally to cache positions 0..that position.
+  // Decode is the case q_lens[s] == 1.
+  DType dtype;
+  void* out;            // [Tq, Hq, D] rows at out_stride
+  const void* q;        // [Tq, Hq, D] rows at q_stride
+  const void* key_cache;    // [blocks, Hk, B, D]
+  const void* value_cache;
+  const int32_t* block_tables;  // [S, max_blocks_per_seq]
+  const int32_t* context_lens;  // [S]
+  const int64_t* q_starts;      // [S + 1] prefix sums of q_lens
+  int64_t seqs, q_heads, kv_heads, head_dim, block_size, max_blocks_per_seq, num_blocks, q_stride, out_stride;
+  float scale;
+};
+
+#define APPLIANCE_DECLARE_KERNELS(isa)           \
+  namespace isa {                                \
+  void rms_norm(const NormArgs&);                \
+  void add_rms_norm(const AddNormArgs&);         \
+  void rotary_embedding(const RopeArgs&);        \
+  void silu_and_mul(const SiluMulArgs&);         \
+  void write_kv_cache(const CacheWriteArgs&);    \
+  void paged_attention(const AttentionArgs&);    \
+  }
+
+APPLIANCE_DECLARE_KERNELS(avx512bf16)
+APPLIANCE_DECLARE_KERNELS(avx512)
+APPLIANCE_DECLARE_KERNELS(avx2)
+APPLIANCE_DECLARE_KERNELS(neon)
+APPLIANCE_DECLARE_KERNELS(portable)
+
+// The implementation in use; dispatch.cpp picks it from the CPU at load time.
+struct KernelTable {
+  const char* isa;
+  void (*rms_norm)(const NormArgs&);
+  void (*add_rms_norm)(const AddNormArgs&);
+  void (*rotary_embedding)(const RopeArgs&);
+  void (*silu_and_mul)(const SiluMulArgs&);
+  void (*write_kv_cache)(const CacheWriteArgs&);
+  void (*paged_attention)(const AttentionArgs&);
+};
+
+const KernelTable& kernels();
+const char* best_isa();                 // the best ISA this CPU and this build support
+const char* const* compiled_isas();     // null-terminated list of the ISAs compiled in
+bool select_isa(const char* name);      // false if unknown, not compiled in, or unsupported here
+
+}  // namespace appliance

@@ -1,0 +1,222 @@
+// The one header that picks the ISA implementation.
+//
+// Every kernel source is compiled once per ISA, with APPLIANCE_ISA set to one of the names below and
+// the matching compiler flags; what it defines lands in namespace appliance::<isa>. This header gives
+// those sources one vector type, VecF (float lanes), with the same operations on every ISA, so each
+// kernel is written once. Loads and stores of bfloat16 widen to / round from float32 (round to nearest
+// even, like torch), so kernels always accumulate in float32.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define APPLIANCE_ISA_avx512bf16 1
+#define APPLIANCE_ISA_avx512 2
+#define APPLIANCE_ISA_avx2 3
+#define APPLIANCE_ISA_neon 4
+#define APPLIANCE_ISA_portable 5
+#define APPLIANCE_CAT2(a, b) a##b
+#define APPLIANCE_CAT(a, b) APPLIANCE_CAT2(a, b)
+#define APPLIANCE_ISA_ID APPLIANCE_CAT(APPLIANCE_ISA_, APPLIANCE_ISA)
+
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512 || \
+    APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
+#include <immintrin.h>
+#elif APPLIANCE_ISA_ID == APPLIANCE_ISA_neon
+#include <arm_neon.h>
+#endif
+
+namespace appliance {
+
+using bf16 = uint16_t;  // bfloat16 bits
+
+inline float bf16_to_float(bf16 h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16 float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                                                    // round to nearest even
+  return static_cast<bf16>(u >> 16);
+}
+
+template <typename T> inline float to_float(T x);
+template <> inline float to_float<float>(float x) { return x; }
+template <> inline float to_float<bf16>(bf16 x) { return bf16_to_float(x); }
+template <typename T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+
+namespace APPLIANCE_ISA {
+
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
+
+struct VecF {
+  static constexpr int N = 16;
+  __m512 v;
+  static VecF zero() { return {_mm512_setzero_ps()}; }
+  static VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VecF load(const bf16* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(bf16* p) const {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+  }
+  friend VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend VecF operator/(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static VecF fmadd(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static VecF min(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+  static VecF round(VecF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  // 2^n for whole-number lanes n in [-126, 127]
+  static VecF pow2(VecF n) {
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+  }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+};
+
+#elif APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
+
+struct VecF {
+  static constexpr int N = 8;
+  __m256 v;
+  static VecF zero() { return {_mm256_setzero_ps()}; }
+  static VecF set1(float x) { return {_mm256_set1_ps(x)}; }
+  static VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static VecF load(const bf16* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(bf16* p) const {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  friend VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend VecF operator/(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+  static VecF fmadd(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static VecF min(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+  static VecF round(VecF a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  static VecF pow2(VecF n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+  }
+  float reduce_add() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  float reduce_max() const {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+
+#elif APPLIANCE_ISA_ID == APPLIANCE_ISA_neon
+
+struct VecF {
+  static constexpr int N = 4;
+  float32x4_t v;
+  static VecF zero() { return {vdupq_n_f32(0.f)}; }
+  static VecF set1(float x) { return {vdupq_n_f32(x)}; }
+  static VecF load(const float* p) { return {vld1q_f32(p)}; }
+  static VecF load(const bf16* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
+  void store(float* p) const { vst1q_f32(p, v); }
+  void store(bf16* p) const {
+    uint32x4_t u = vreinterpretq_u32_f32(v);
+    uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t r = vshrq_n_u32(vaddq_u32(u, vaddq_u32(lsb, vdupq_n_u32(0x7fff))), 16);
+    vst1_u16(p, vmovn_u32(r));
+  }
+  friend VecF operator+(VecF a, VecF b) { return {vaddq_f32(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {vsubq_f32(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {vmulq_f32(a.v, b.v)}; }
+  friend VecF operator/(VecF a, VecF b) { return {vdivq_f32(a.v, b.v)}; }
+  static VecF fmadd(VecF a, VecF b, VecF c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+  static VecF max(VecF a, VecF b) { return {vmaxq_f32(a.v, b.v)}; }
+  static VecF min(VecF a, VecF b) { return {vminq_f32(a.v, b.v)}; }
+  static VecF round(VecF a) { return {vrndnq_f32(a.v)}; }
+  static VecF pow2(VecF n) {
+    int32x4_t e = vaddq_s32(vcvtq_s32_f32(n.v), vdupq_n_s32(127));
+    return {vreinterpretq_f32_s32(vshlq_n_s32(e, 23))};
+  }
+  float reduce_add() const { return vaddvq_f32(v); }
+  float reduce_max() const { return vmaxvq_f32(v); }
+};
+
+#elif APPLIANCE_ISA_ID == APPLIANCE_ISA_portable
+
+// Plain C++ that the compiler vectorises for the baseline ISA (SSE2 on x86-64, NEON on arm64).
+struct VecF {
+  static constexpr int N = 8;
+  float v[N];
+  static VecF zero() { return set1(0.f); }
+  static VecF set1(float x) { VecF r; for (int i = 0; i < N; ++i) r.v[i] = x; return r; }
+  template <typename T> static VecF load(const T* p) { VecF r; for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]); return r; }
+  template <typename T> void store(T* p) const { for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]); }
+#define APPLIANCE_LANEWISE(expr) VecF r; for (int i = 0; i < N; ++i) r.v[i] = (expr); return r;
+  friend VecF operator+(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] + b.v[i]) }
+  friend VecF operator-(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] - b.v[i]) }
+  friend VecF operator*(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] * b.v[i]) }
+  friend VecF operator/(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] / b.v[i]) }
+  static VecF fmadd(VecF a, VecF b, VecF c) { APPLIANCE_LANEWISE(a.v[i] * b.v[i] + c.v[i]) }
+  static VecF max(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]) }
+  static VecF min(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] < b.v[i] ? a.v[i] : b.v[i]) }
+  static VecF round(VecF a) { APPLIANCE_LANEWISE(std::nearbyint(a.v[i])) }
+  static VecF pow2(VecF n) { APPLIANCE_LANEWISE(std::ldexp(1.f, static_cast<int>(n.v[i]))) }
+#undef APPLIANCE_LANEWISE
+  float reduce_add() const { float s = 0.f; for (int i = 0; i < N; ++i) s += v[i]; return s; }
+  float reduce_max() const { float m = v[0]; for (int i = 1; i < N; ++i) m = v[i] > m ? v[i] : m; return m; }
+};
+
+#else
+#error "APPLIANCE_ISA must be one of avx512bf16, avx512, avx2, neon, portable"
+#endif
+
+// exp(x) to about 2 ulp: x = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial, times 2^n.
+inline VecF exp(VecF x) {
+  x = VecF::min(VecF::max(x, VecF::set1(-87.3f)), VecF::set1(88.3f));
+  VecF n = VecF::round(x * VecF::set1(1.44269504088896341f));
+  VecF r = VecF::fmadd(n, VecF::set1(-0.693359375f), x);
+  r = VecF::fmadd(n, VecF::set1(2.12194440e-4f), r);
+  VecF p = VecF::set1(1.9875691500e-4f);
+  p = VecF::fmadd(p, r, VecF::set1(1.3981999507e-3f));
+  p = VecF::fmadd(p, r, VecF::set1(8.3334519073e-3f));
+  p = VecF::fmadd(p, r, VecF::set1(4.1665795894e-2f));
+  p = VecF::fmadd(p, r, VecF::set1(1.6666665459e-1f));
+  p = VecF::fmadd(p, r, VecF::set1(5.0000001201e-1f));
+  p = VecF::fmadd(p * r, r, r + VecF::set1(1.f));
+  return p * VecF::pow2(n);
+}
+
+}  // namespace APPLIANCE_ISA
+}  // namespace appliance

@@ -1,0 +1,68 @@
+// Picks the kernel implementation for this CPU at load time; never one the CPU cannot run.
+#include <cstring>
+
+#include "kernels.h"
+
+namespace appliance {
+namespace {
+
+#define APPLIANCE_TABLE(isa) \
+  KernelTable { #isa, isa::rms_norm, isa::add_rms_norm, isa::rotary_embedding, isa::silu_and_mul, isa::write_kv_cache, isa::paged_attention }
+
+#if defined(__x86_64__)
+const KernelTable kTables[] = {APPLIANCE_TABLE(avx512bf16), APPLIANCE_TABLE(avx512), APPLIANCE_TABLE(avx2),
+                               APPLIANCE_TABLE(portable)};
+const char* const kCompiled[] = {"avx512bf16", "avx512", "avx2", "portable", nullptr};
+
+bool cpu_supports(const char* isa) {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (!std::strcmp(isa, "avx512bf16")) return avx512 && __builtin_cpu_supports("avx512bf16");
+  if (!std::strcmp(isa, "avx512")) return avx512;
+  if (!std::strcmp(isa, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return !std::strcmp(isa, "portable");
+}
+#elif defined(__aarch64__)
+const KernelTable kTables[] = {APPLIANCE_TABLE(neon), APPLIANCE_TABLE(portable)};
+const char* const kCompiled[] = {"neon", "portable", nullptr};
+
+bool cpu_supports(const char* isa) { return !std::strcmp(isa, "neon") || !std::strcmp(isa, "portable"); }
+#else
+const KernelTable kTables[] = {APPLIANCE_TABLE(portable)};
+const char* const kCompiled[] = {"portable", nullptr};
+
+bool cpu_supports(const char* isa) { return !std::strcmp(isa, "portable"); }
+#endif
+
+const KernelTable* find(const char* name) {
+  for (const KernelTable& table : kTables)
+    if (!std::strcmp(table.isa, name)) return &table;
+  return nullptr;
+}
+
+const KernelTable* g_current = nullptr;
+
+}  // namespace
+
+const char* best_isa() {
+  for (const KernelTable& table : kTables)  // ordered best first
+    if (cpu_supports(table.isa)) return table.isa;
+  return "portable";
+}
+
+const char* const* compiled_isas() { return kCompiled; }
+
+bool select_isa(const char* name) {
+  const KernelTable* table = find(name);
+  if (table == nullptr || !cpu_supports(name)) return false;
+  g_current = table;
+  return true;
+}
+
+const KernelTable& kernels() {
+  if (g_current == nullptr) g_current = find(best_isa());
+  return *g_current;
+}
+
+}  // namespace appliance

@@ -1,0 +1,207 @@
+// The one binding file: Python calls land here, every argument is checked, then the kernel runs.
+//
+// Tensors come from app/kernels/ops.py as (data pointer, dtype code, shape, strides) tuples, so the
+// extension needs no torch headers; the checks below make a bad call a ValueError, never a crash.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "binding.h"
+#include "kernels.h"
+
+namespace py = pybind11;
+using namespace appliance;
+
+namespace {
+
+enum Code : int { F32 = 0, BF16 = 1, I32 = 2, I64 = 3 };
+using Ref = std::tuple<uintptr_t, int, std::vector<int64_t>, std::vector<int64_t>>;
+
+struct T {
+  void* ptr;
+  int code;
+  std::vector<int64_t> shape, stride;
+  std::string name;
+  int64_t dim(int i) const { return shape[i < 0 ? shape.size() + i : i]; }
+  int64_t st(int i) const { return stride[i < 0 ? stride.size() + i : i]; }
+};
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+T tensor(const Ref& ref, const char* name, size_t dims) {
+  T t{reinterpret_cast<void*>(std::get<0>(ref)), std::get<1>(ref), std::get<2>(ref), std::get<3>(ref), name};
+  require(t.ptr != nullptr, t.name + ": null data pointer");
+  require(t.shape.size() == dims && t.stride.size() == dims,
+          t.name + ": expected " + std::to_string(dims) + " dimensions, got " + std::to_string(t.shape.size()));
+  for (size_t i = 0; i < dims; ++i) require(t.shape[i] >= 0 && t.stride[i] >= 0, t.name + ": negative size or stride");
+  require(dims == 0 || t.stride[dims - 1] == 1 || t.shape[dims - 1] <= 1, t.name + ": last dimension must be contiguous");
+  return t;
+}
+
+void contiguous(const T& t) {
+  int64_t expected = 1;
+  for (int i = static_cast<int>(t.shape.size()) - 1; i >= 0; --i) {
+    require(t.shape[i] <= 1 || t.stride[i] == expected, t.name + ": must be contiguous");
+    expected *= t.shape[i];
+  }
+}
+
+DType float_type(const T& t) {
+  require(t.code == F32 || t.code == BF16, t.name + ": dtype must be float32 or bfloat16");
+  return t.code == F32 ? DType::f32 : DType::bf16;
+}
+
+void same_type(const T& a, const T& b) { require(a.code == b.code, b.name + ": dtype differs from " + a.name); }
+
+void integer(const T& t, int code) {
+  require(t.code == code, t.name + (code == I32 ? ": dtype must be int32" : ": dtype must be int64"));
+  contiguous(t);
+}
+
+void heads_rows(const T& t, int64_t tokens, int64_t heads, int64_t dim) {  // [T, H, D], heads packed in a row
+  require(t.dim(0) == tokens && t.dim(1) == heads && t.dim(2) == dim,
+          t.name + ": shape must be [" + std::to_string(tokens) + ", " + std::to_string(heads) + ", " +
+              std::to_string(dim) + "]");
+  require(t.st(1) == dim || heads <= 1, t.name + ": heads of a token must be contiguous");
+}
+
+void rms_norm(const Ref& out_r, const Ref& x_r, const Ref& w_r, float eps) {
+  T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2), w = tensor(w_r, "weight", 1);
+  DType dt = float_type(x);
+  same_type(x, out), same_type(x, w), contiguous(w);
+  require(out.shape == x.shape && w.dim(0) == x.dim(1), "rms_norm: x, out must be [T, H] and weight [H]");
+  require(eps > 0.f, "rms_norm: eps must be positive");
+  kernels().rms_norm({dt, out.ptr, x.ptr, w.ptr, x.dim(0), x.dim(1), x.st(0), out.st(0), eps});
+}
+
+void add_rms_norm(const Ref& x_r, const Ref& res_r, const Ref& w_r, float eps) {
+  T x = tensor(x_r, "x", 2), res = tensor(res_r, "residual", 2), w = tensor(w_r, "weight", 1);
+  DType dt = float_type(x);
+  same_type(x, res), same_type(x, w), contiguous(w);
+  require(res.shape == x.shape && w.dim(0) == x.dim(1), "add_rms_norm: x, residual must be [T, H] and weight [H]");
+  require(eps > 0.f, "add_rms_norm: eps must be positive");
+  kernels().add_rms_norm({dt, x.ptr, res.ptr, w.ptr, x.dim(0), x.dim(1), x.st(0), res.st(0), eps});
+}
+
+void rotary_embedding(const Ref& pos_r, const Ref& q_r, const Ref& k_r, const Ref& cs_r) {
+  T pos = tensor(pos_r, "positions", 1), q = tensor(q_r, "q", 3), k = tensor(k_r, "k", 3), cs = tensor(cs_r, "cos_sin", 2);
+  DType dt = float_type(q);
+  same_type(q, k), integer(pos, I64), contiguous(cs);
+  require(cs.code == F32, "cos_sin: dtype must be float32");
+  const int64_t tokens = pos.dim(0), D = q.dim(2), rot = cs.dim(1);
+  heads_rows(q, tokens, q.dim(1), D), heads_rows(k, tokens, k.dim(1), D);
+  require(rot % 2 == 0 && rot <= D && rot > 0, "cos_sin: width must be even and at most head_dim");
+  const int64_t* p = static_cast<const int64_t*>(pos.ptr);
+  for (int64_t t = 0; t < tokens; ++t)
+    require(p[t] >= 0 && p[t] < cs.dim(0), "positions: " + std::to_string(p[t]) + " is outside the cos/sin table");
+  kernels().rotary_embedding({dt, q.ptr, k.ptr, p, static_cast<const float*>(cs.ptr), tokens, q.dim(1), k.dim(1), D,
+                              rot, q.st(0), k.st(0), cs.dim(0)});
+}
+
+void silu_and_mul(const Ref& out_r, const Ref& x_r) {
+  T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2);
+  DType dt = float_type(x);
+  same_type(x, out);
+  require(x.dim(1) % 2 == 0 && out.dim(0) == x.dim(0) && out.dim(1) == x.dim(1) / 2,
+          "silu_and_mul: x must be [T, 2I] and out [T, I]");
+  kernels().silu_and_mul({dt, out.ptr, x.ptr, x.dim(0), out.dim(1), x.st(0), out.st(0)});
+}
+
+void cache_shape(const T& cache, const T& like) {
+  contiguous(cache);
+  same_type(like, cache);
+  require(cache.shape == like.shape, cache.name + ": shape differs from " + like.name);
+}
+
+void write_kv_cache(const Ref& k_r, const Ref& v_r, const Ref& kc_r, const Ref& vc_r, const Ref& slots_r) {
+  T k = tensor(k_r, "key", 3), v = tensor(v_r, "value", 3), kc = tensor(kc_r, "key_cache", 4),
+    vc = tensor(vc_r, "value_cache", 4), slots = tensor(slots_r, "slot_mapping", 1);
+  DType dt = float_type(k);
+  same_type(k, v), cache_shape(kc, kc), cache_shape(vc, kc), same_type(k, kc), integer(slots, I64);
+  const int64_t tokens = slots.dim(0), H = kc.dim(1), B = kc.dim(2), D = kc.dim(3);
+  heads_rows(k, tokens, H, D), heads_rows(v, tokens, H, D);
+  const int64_t* s = static_cast<const int64_t*>(slots.ptr);
+  for (int64_t t = 0; t < tokens; ++t)
+    require(s[t] < kc.dim(0) * B, "slot_mapping: slot " + std::to_string(s[t]) + " is past the cache's " +
+                                      std::to_string(kc.dim(0) * B) + " slots");
+  kernels().write_kv_cache({dt, k.ptr, v.ptr, kc.ptr, vc.ptr, s, tokens, H, D, B, kc.dim(0), k.st(0), v.st(0)});
+}
+
+void check_sequences(const T& tables, const T& lens, const T& starts, int64_t tq, int64_t blocks, int64_t B) {
+  const int64_t S = lens.dim(0), M = tables.dim(1);
+  require(tables.dim(0) == S && starts.dim(0) == S + 1, "block_tables, context_lens and q_starts disagree on sequences");
+  const int32_t* bt = static_cast<const int32_t*>(tables.ptr);
+  const int32_t* cl = static_cast<const int32_t*>(lens.ptr);
+  const int64_t* qs = static_cast<const int64_t*>(starts.ptr);
+  require(qs[0] == 0 && qs[S] == tq, "q_starts: must start at 0 and end at the number of query tokens");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qs[s + 1] - qs[s];
+    require(q_len >= 0 && q_len <= cl[s], "sequence " + std::to_string(s) + ": more new tokens than context");
+    require(cl[s] <= M * B, "sequence " + std::to_string(s) + ": context is longer than its block table");
+    for (int64_t b = 0; b * B < cl[s]; ++b)
+      require(bt[s * M + b] >= 0 && bt[s * M + b] < blocks,
+              "block_tables: sequence " + std::to_string(s) + " uses block " + std::to_string(bt[s * M + b]) +
+                  " outside the cache's " + std::to_string(blocks));
+  }
+}
+
+void paged_attention(const Ref& out_r, const Ref& q_r, const Ref& kc_r, const Ref& vc_r, const Ref& bt_r,
+                     const Ref& cl_r, const Ref& qs_r, float scale) {
+  T out = tensor(out_r, "out", 3), q = tensor(q_r, "q", 3), kc = tensor(kc_r, "key_cache", 4),
+    vc = tensor(vc_r, "value_cache", 4), bt = tensor(bt_r, "block_tables", 2), cl = tensor(cl_r, "context_lens", 1),
+    qs = tensor(qs_r, "q_starts", 1);
+  DType dt = float_type(q);
+  same_type(q, out), same_type(q, kc), cache_shape(kc, kc), cache_shape(vc, kc);
+  integer(bt, I32), integer(cl, I32), integer(qs, I64);
+  const int64_t tq = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hk = kc.dim(1), B = kc.dim(2);
+  require(kc.dim(3) == D, "key_cache: head_dim differs from q");
+  require(Hk > 0 && Hq % Hk == 0, "q: query heads must be a multiple of the cache's KV heads");
+  heads_rows(q, tq, Hq, D), heads_rows(out, tq, Hq, D);
+  check_sequences(bt, cl, qs, tq, kc.dim(0), B);
+  kernels().paged_attention({dt, out.ptr, q.ptr, kc.ptr, vc.ptr, static_cast<const int32_t*>(bt.ptr),
+                             static_cast<const int32_t*>(cl.ptr), static_cast<const int64_t*>(qs.ptr), cl.dim(0), Hq,
+                             Hk, D, B, bt.dim(1), kc.dim(0), q.st(0), out.st(0), scale});
+}
+
+std::string bind(const std::vector<int>& cpus, const std::vector<int>& nodes, bool interleave) {
+  require(!cpus.empty(), "bind_threads: cpus must not be empty");
+  for (int cpu : cpus) require(cpu >= 0 && cpu < CPU_SETSIZE, "bind_threads: CPU " + std::to_string(cpu) + " is out of range");
+  for (int node : nodes) require(node >= 0 && node < 1024, "bind_threads: NUMA node " + std::to_string(node) + " is out of range");
+  return bind_threads(cpus, nodes, interleave);
+}
+
+std::vector<std::string> compiled() {
+  std::vector<std::string> names;
+  for (const char* const* p = compiled_isas(); *p; ++p) names.emplace_back(*p);
+  return names;
+}
+
+void use_isa(const std::string& name) {
+  require(select_isa(name.c_str()), "ISA '" + name + "' is not compiled in or not supported by this CPU");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Native CPU kernels and thread/NUMA binding (see native/ and app/kernels/ops.py).";
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("write_kv_cache", &write_kv_cache);
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
+  m.def("isa", [] { return std::string(kernels().isa); });
+  m.def("best_isa", [] { return std::string(best_isa()); });
+  m.def("compiled_isas", &compiled);
+  m.def("select_isa", &use_isa);
+  m.def("max_threads", [] { return omp_get_max_threads(); });
+}

@@ -1,0 +1,225 @@
+"""Each native kernel against a plain torch reference, on odd sizes, strided rows and both dtypes.
+
+Every test runs once per ISA this CPU supports (avx512bf16, avx512, avx2, portable here), so the
+portable path is checked against the same references as the AVX-512 one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app import kernels
+
+ISAS = kernels.supported_isas()
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: summation order only; bfloat16: one rounding of the output (8 bits of mantissa)
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    with kernels.use_isa(request.param):
+        yield request.param
+
+
+def strided(rows: int, cols: int, dtype: torch.dtype, pad: int = 19) -> torch.Tensor:
+    """A [rows, cols] view whose rows are `pad` elements apart more than contiguous ones."""
+    return torch.randn(rows, cols + pad, dtype=torch.float32).to(dtype)[:, :cols]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+
+# --- RMSNorm ------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 576), (7, 4096 + 13), (33, 5)])
+def test_rms_norm(isa, dtype, tokens, hidden):
+    x, w = strided(tokens, hidden, dtype), torch.randn(hidden).to(dtype)
+    assert tokens == 1 or not x.is_contiguous()
+    assert_close(kernels.rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(isa, dtype):
+    tokens, hidden = 9, 4096 + 13
+    x, res, w = strided(tokens, hidden, dtype), strided(tokens, hidden, dtype, pad=3), torch.randn(hidden).to(dtype)
+    expected_res = (x.float() + res.float()).to(dtype)
+    expected_x = rms_norm_ref(expected_res, w, 1e-6)
+    kernels.add_rms_norm(x, res, w, 1e-6)
+    assert_close(res, expected_res, dtype)
+    assert_close(x, expected_x, dtype)
+
+
+# --- rotary embedding -----------------------------------------------------------------------------
+
+
+def cos_sin_table(positions: int, rot: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, head_dim: int) -> torch.Tensor:
+    t, rot = x.shape[0], table.shape[1]
+    h = x.float().view(t, -1, head_dim).clone()
+    cos, sin = table[positions, : rot // 2][:, None], table[positions, rot // 2:][:, None]
+    x1, x2 = h[..., : rot // 2].clone(), h[..., rot // 2: rot].clone()
+    h[..., : rot // 2], h[..., rot // 2: rot] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return h.view(t, -1).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "k_heads", "head_dim", "rot"), [(9, 3, 64, 64), (32, 8, 128, 128), (5, 5, 80, 40)])
+def test_rotary_embedding(isa, dtype, q_heads, k_heads, head_dim, rot):
+    tokens, table = 11, cos_sin_table(4096, rot)
+    positions = torch.randint(0, 4096, (tokens,), dtype=torch.int64)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim).to(dtype)  # q and k are strided views of it
+    q, k = qkv[:, : q_heads * head_dim], qkv[:, q_heads * head_dim: (q_heads + k_heads) * head_dim]
+    expected_q, expected_k = rope_ref(q, positions, table, head_dim), rope_ref(k, positions, table, head_dim)
+    kernels.rotary_embedding(positions, q, k, table, head_dim)
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+
+
+# --- SwiGLU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 1536), (6, 4096 + 13), (3, 3)])
+def test_silu_and_mul(isa, dtype, tokens, inter):
+    x = strided(tokens, 2 * inter, dtype) * 4  # reach the saturated ends of the sigmoid
+    expected = (F.silu(x[:, :inter].float()) * x[:, inter:].float()).to(dtype)
+    assert_close(kernels.silu_and_mul(x), expected, dtype)
+
+
+# --- paged KV cache and attention -----------------------------------------------------------------
+
+
+def make_cache(blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
+    shape = (blocks, kv_heads, block_size, head_dim)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache(isa, dtype):
+    tokens, kv_heads, head_dim, block_size, blocks = 13, 3, 72, 16, 5
+    kc, vc = make_cache(blocks, kv_heads, block_size, head_dim, dtype)
+    kv = torch.randn(tokens, 2, kv_heads, head_dim).to(dtype)  # key and value interleaved: strided rows
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.randperm(blocks * block_size)[:tokens].to(torch.int64)
+    slots[4] = -1  # a padding token writes nothing
+    expected_k, expected_v = kc.clone(), vc.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, :, slot % block_size] = key[t]
+            expected_v[slot // block_size, :, slot % block_size] = value[t]
+    kernels.write_kv_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
+
+
+def attention_ref(q, kc, vc, tables, context_lens, q_lens, scale):
+    """Gather each sequence's K/V from its blocks, then causal attention in float32."""
+    outs, start = [], 0
+    group = q.shape[1] // kc.shape[1]
+    for s, (ctx, q_len) in enumerate(zip(context_lens.tolist(), q_lens, strict=True)):
+        blocks = tables[s, : math.ceil(ctx / kc.shape[2])].long()
+        k = kc[blocks].float().permute(0, 2, 1, 3).reshape(-1, kc.shape[1], kc.shape[3])[:ctx]
+        v = vc[blocks].float().permute(0, 2, 1, 3).reshape(-1, kc.shape[1], kc.shape[3])[:ctx]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        qs = q[start: start + q_len].float()
+        positions = torch.arange(ctx - q_len, ctx)[:, None]
+        mask = torch.arange(ctx)[None, :] <= positions  # [q_len, ctx]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+        start += q_len
+    return torch.cat(outs).to(q.dtype)
+
+
+def attention_case(dtype, q_heads, kv_heads, head_dim, context_lens, q_lens, block_size=16, seed=0):
+    torch.manual_seed(seed)
+    need = [math.ceil(c / block_size) for c in context_lens]
+    blocks = sum(need) + 3
+    kc, vc = make_cache(blocks, kv_heads, block_size, head_dim, dtype)
+    order = torch.randperm(blocks).to(torch.int32)  # block tables point anywhere in the pool
+    tables = torch.full((len(context_lens), max(need) + 2), -1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = order[used: used + n]
+        used += n
+    q = torch.randn(sum(q_lens), q_heads, head_dim).to(dtype)
+    q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int64)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return q, kc, vc, tables, lens, q_starts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (16, 2, 128), (8, 1, 72)])
+def test_decode_attention(isa, dtype, q_heads, kv_heads, head_dim):
+    context_lens = [1, 17, 33, 250, 64]  # ends mid-block, on a block boundary, and a single token
+    q_lens = [1] * len(context_lens)
+    q, kc, vc, tables, lens, starts = attention_case(dtype, q_heads, kv_heads, head_dim, context_lens, q_lens)
+    scale = head_dim ** -0.5
+    out = kernels.paged_attention(q, kc, vc, tables, lens, starts, scale)
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(6, 6), (9, 3), (16, 2)])
+def test_prefill_and_extend_attention(isa, dtype, q_heads, kv_heads):
+    # a whole prompt, a chunk after a cached prefix (extend / chunked prefill), a decode, an odd tail
+    context_lens, q_lens = [37, 100, 81, 19], [37, 29, 1, 19]
+    q, kc, vc, tables, lens, starts = attention_case(dtype, q_heads, kv_heads, 64, context_lens, q_lens, seed=1)
+    out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
+
+
+def test_attention_with_strided_query_rows(isa):
+    q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, [40, 9], [5, 9])
+    wide = torch.randn(q.shape[0], 12, 64)
+    wide[:, :9] = q
+    view = wide[:, :9]  # rows 12 heads apart
+    out = kernels.paged_attention(view, kc, vc, tables, lens, starts, 0.125)
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, [5, 9], 0.125), torch.float32)
+
+
+# --- every ISA agrees with the best one -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("other", [i for i in ISAS[1:]])
+def test_slower_isas_match_the_best_one(other):
+    q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, [70, 3, 129], [70, 1, 4])
+    x, w = strided(5, 4096 + 13, torch.float32), torch.randn(4096 + 13)
+    gate_up = strided(5, 2 * 1531, torch.float32)
+    with kernels.use_isa(ISAS[0]):
+        best = (kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.1), kernels.rms_norm(x, w, 1e-5),
+                kernels.silu_and_mul(gate_up))
+    with kernels.use_isa(other):
+        assert kernels.isa() == other
+        mine = (kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.1), kernels.rms_norm(x, w, 1e-5),
+                kernels.silu_and_mul(gate_up))
+    for a, b in zip(best, mine, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_portable_is_always_there_and_selection_is_restored():
+    assert "portable" in kernels.compiled_isas() and ISAS[-1] == "portable"
+    before = kernels.isa()
+    with kernels.use_isa("portable"):
+        assert kernels.isa() == "portable"
+    assert kernels.isa() == before
+    with pytest.raises(ValueError, match="not compiled in or not supported"):
+        with kernels.use_isa("sse9"):
+            pass
