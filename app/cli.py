@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from app.bootstrap.isa import check_isa
 from app.model.footprint import ModelFootprint, read_footprint
-from app.model.source import ModelSource, resolve_source
+from app.model.source import ModelSource, resolve_source, source_key
 from app.spec.errors import SpecError
 from app.spec.load import SpecDocument, dump_spec, read_spec
 from app.topology.machine import Topology, read_topology
@@ -73,7 +73,7 @@ def _context(args: argparse.Namespace) -> Context:
     try:
         topo = read_topology(getattr(args, "root", "/"))
         source = resolve_source(doc.spec.model)
-        return Context(doc, topo, source, read_footprint(source))
+        return Context(doc, topo, source, read_footprint(source, source_key(doc.spec.model)))
     except SpecError as error:
         raise doc.locate(error) from None
 

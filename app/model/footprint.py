@@ -12,6 +12,7 @@ from pathlib import Path
 
 from app.model.gguf_header import read_gguf_header
 from app.model.source import ModelSource
+from app.spec.errors import Described, Problem, SpecError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -36,10 +37,18 @@ class ModelFootprint:
         return 2 * self.num_layers * kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
 
-def read_footprint(source: ModelSource) -> ModelFootprint:
-    if source.format == "gguf":
-        return _from_gguf(source.path)
-    return _from_hf(source.path)
+def read_footprint(source: ModelSource, key: str = "model.path") -> ModelFootprint:
+    """Read the footprint; a file that cannot be read as a model is a SpecError on `key`."""
+    try:
+        footprint = _from_gguf(source.path) if source.format == "gguf" else _from_hf(source.path)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyError) else f"no {exc} in its metadata"
+        raise SpecError([Problem(key, "a readable GGUF file or Hugging Face model directory",
+                                 Described(f"{source.path}, which cannot be read ({what})"))]) from None
+    if min(footprint.num_layers, footprint.num_heads, footprint.num_kv_heads, footprint.head_dim) <= 0:
+        raise SpecError([Problem(key, "a model with positive layer, head and head-size counts",
+                                 Described(f"{source.path} with {footprint}"))])
+    return footprint
 
 
 def _from_gguf(path: Path) -> ModelFootprint:

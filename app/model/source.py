@@ -24,12 +24,25 @@ class ModelSource:
 def resolve_source(spec: ModelSpec) -> ModelSource:
     """Find the model's files on disk; a SpecError names the spec key when they are missing."""
     if spec.path is not None:
-        path, key = Path(spec.path).expanduser(), "model.path"
+        path, key = _expand(spec.path), "model.path"
     else:
         path, key = _package_file(spec.package), "model.package"
     fmt = _format_of(path, key, spec.path or spec.package)
     name = spec.name or (path.name if fmt == "hf" else path.stem)
     return ModelSource(path.resolve(), fmt, name)
+
+
+def _expand(path: str) -> Path:
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # "~user/..." for a user that does not exist
+        raise SpecError([Problem("model.path", "a path to an existing file or directory",
+                                 Described(f"{path!r}, whose ~user is unknown"))]) from None
+
+
+def source_key(spec: ModelSpec) -> str:
+    """The spec key that names the model's files."""
+    return "model.path" if spec.path is not None else "model.package"
 
 
 def _package_file(package_file: str) -> Path:

@@ -102,10 +102,11 @@ def _units(usable: set[int], world: int, use_smt: bool, topo: Topology, tp: int,
             left = f"{len(usable)} CPU{'s' if len(usable) != 1 else ''} ({fmt(usable)})"
             raise SpecError([Problem(
                 "parallel",
-                f"at most one rank per CPU: {left} left for ranks after {reserved} reserved for the "
-                f"frontend (cores.reserve_frontend) and outside cores.numa_nodes",
+                f"at most one rank per CPU: {left} left for ranks after {reserved} for the frontend "
+                f"(cores.reserve_frontend or cores.frontend) and outside cores.numa_nodes",
                 Described(f"tp x dp = {tp} x {dp} = {world} ranks"))])
-        threads = [(cpu,) for cpu in sorted(usable)]
+        # one CPU per unit, core by core, so that SMT siblings tend to stay in the same rank
+        threads = [(cpu,) for _, cpus in sorted(by_core.items()) for cpu in cpus]
         warnings.append(f"fewer physical cores ({len(by_core)}) than ranks ({world}): "
                         "ranks run on SMT siblings of each other's cores")
     units: dict[int, list[tuple[int, ...]]] = {}

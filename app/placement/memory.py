@@ -29,20 +29,36 @@ class RankMemory:
 
 def size_memory(kv: KvCacheSpec, ranks: tuple[tuple[int, ...], ...], topo: Topology, model: ModelFootprint,
                 dtype: str, kv_dtype: str, tp: int, max_model_len: int) -> tuple[list[RankMemory], list[str]]:
-    nodes = [tuple(sorted({topo.node_of(cpu) for cpu in cpus})) for cpus in ranks]
+    nodes, warnings = _memory_nodes(ranks, topo)
     sharing = {n: sum(n in rank_nodes for rank_nodes in nodes) for n in topo.nodes}
     weights = model.weight_bytes(dtype, tp)
     block_bytes = model.kv_bytes_per_token(kv_dtype, tp) * kv.block_size
+    wanted = [int(kv.memory * _budget(rank_nodes, sharing, topo, len(ranks))) if isinstance(kv.memory, float)
+              else kv.memory for rank_nodes in nodes]
     plans = []
-    for rank_nodes in nodes:
-        budget = _budget(rank_nodes, sharing, topo, len(ranks))
-        wanted = int(kv.memory * budget) if isinstance(kv.memory, float) else kv.memory
-        blocks = wanted // block_bytes
+    for index, rank_nodes in enumerate(nodes):
+        # The TP ranks of a replica share one block table: each gets the block count of the smallest.
+        replica = range(index - index % tp, index - index % tp + tp)
+        blocks = min(wanted[i] for i in replica) // block_bytes
         policy = "bind" if len(rank_nodes) == 1 else "interleave"
         plans.append(RankMemory(rank_nodes, policy, weights, blocks * block_bytes, blocks))
-    _check_holds_a_sequence(plans[0], kv, max_model_len, block_bytes)
-    warnings = _check_fit(plans, topo)
+    _check_holds_a_sequence(min(plans, key=lambda p: p.kv_blocks), kv, max_model_len, block_bytes)
+    warnings += _check_fit(plans, topo)
     return plans, warnings
+
+
+def _memory_nodes(ranks: tuple[tuple[int, ...], ...], topo: Topology) -> tuple[list[tuple[int, ...]], list[str]]:
+    """Each rank's memory nodes: those of its CPUs, within the nodes the cgroup lets us allocate on."""
+    allowed = topo.allowed_mems
+    result, warnings = [], []
+    for index, cpus in enumerate(ranks):
+        own = tuple(sorted({topo.node_of(cpu) for cpu in cpus}))
+        usable = tuple(n for n in own if n in allowed) or allowed
+        if usable != own:
+            warnings.append(f"rank {index}'s CPUs are on NUMA node(s) {list(own)} but the cgroup allows memory "
+                            f"only on {list(allowed)} (cpuset.mems): its memory goes to {list(usable)}")
+        result.append(usable)
+    return result, warnings
 
 
 def _budget(rank_nodes: tuple[int, ...], sharing: dict[int, int], topo: Topology, world: int) -> float:
@@ -54,6 +70,7 @@ def _budget(rank_nodes: tuple[int, ...], sharing: dict[int, int], topo: Topology
 
 
 def _check_holds_a_sequence(rank: RankMemory, kv: KvCacheSpec, max_model_len: int, block_bytes: int) -> None:
+    """The smallest rank's cache must hold one sequence of max_model_len tokens."""
     needed = -(-max_model_len // kv.block_size)
     if rank.kv_blocks >= needed:
         return

@@ -58,15 +58,28 @@ def make_plan(spec: Spec, topo: Topology, model: ModelFootprint, openmp_runtime:
     runtime = openmp_runtime if spec.runtime.openmp == "auto" else spec.runtime.openmp
     max_model_len = _max_model_len(spec, model)
     tp, dp = spec.parallel.tp, spec.parallel.dp
+    if tp > model.num_heads:
+        raise SpecError([Problem("parallel.tp", f"at most the model's {model.num_heads} attention heads, "
+                                                "so that every rank has one", tp)])
     layout = layout_cores(spec.cores, tp, dp, topo)
     memory, memory_warnings = size_memory(spec.kv_cache, layout.ranks, topo, model, dtype, kv_dtype, tp, max_model_len)
     ranks = tuple(
         _rank(index // tp, index % tp, cpus, mem, runtime)
         for index, (cpus, mem) in enumerate(zip(layout.ranks, memory, strict=True))
     )
-    warnings += _head_split(model, tp)
+    warnings += _head_split(model, tp) + _uneven_threads(layout.ranks, tp)
     return Plan(ranks, layout.frontend, layout.frontend_shared, runtime, dtype, kv_dtype, spec.kv_cache.block_size,
                 max_model_len, tuple(warnings) + layout.warnings + tuple(memory_warnings))
+
+
+def _uneven_threads(ranks: tuple[tuple[int, ...], ...], tp: int) -> list[str]:
+    warnings = []
+    for replica in range(len(ranks) // tp):
+        threads = [len(cpus) for cpus in ranks[replica * tp:(replica + 1) * tp]]
+        if len(set(threads)) > 1:
+            warnings.append(f"the TP ranks of replica {replica} have unequal threads {threads}: each step waits "
+                            f"for the smallest, so {sum(threads) - min(threads) * tp} thread(s) mostly idle")
+    return warnings
 
 
 def _head_split(model: ModelFootprint, tp: int) -> list[str]:

@@ -40,7 +40,7 @@ def _show(value: Any) -> str:
     if isinstance(value, Described):
         return str(value)
     if isinstance(value, str):
-        return repr(value)
+        return repr(value if len(value) <= 80 else value[:77] + "...")
     if value is None:
         return "null"
     if isinstance(value, bool):

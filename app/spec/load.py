@@ -44,6 +44,9 @@ def read_spec(path: str | Path | None, overrides: Sequence[str] = ()) -> SpecDoc
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError([Problem("", "a readable YAML spec file", Described(f"{source} ({exc.strerror})"))]) from None
+    except UnicodeDecodeError as exc:
+        found = Described(f"a byte that is not UTF-8 at offset {exc.start}")
+        raise SpecError([Problem("", "a UTF-8 YAML text file", found)], source) from None
     return parse_spec(text, source, overrides)
 
 
@@ -75,9 +78,11 @@ def _read_yaml(text: str, source: str) -> tuple[dict, dict[Loc, int | str]]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as exc:
-        line = exc.problem_mark.line + 1 if exc.problem_mark else None
-        problem = Problem("", "well-formed YAML", Described(f"a syntax error: {exc.problem}"), line)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = Problem("", "well-formed YAML", Described(f"a syntax error: {what}"), line)
         raise SpecError([problem], source) from None
     if data is None:
         return {}, {}
@@ -85,13 +90,22 @@ def _read_yaml(text: str, source: str) -> tuple[dict, dict[Loc, int | str]]:
         raise SpecError([Problem("", "a mapping of sections (model, parallel, cores, ...)", data, 1)], source)
     lines: dict[Loc, int | str] = {}
     duplicates: list[Problem] = []
-    _index_lines(node, (), lines, duplicates)
+    try:
+        _index_lines(node, (), lines, duplicates)
+    except SpecError as error:
+        raise SpecError(error.problems, source) from None
     if duplicates:
         raise SpecError(duplicates, source)
     return data, lines
 
 
-def _index_lines(node: yaml.Node, loc: Loc, lines: dict, duplicates: list[Problem]) -> None:
+def _index_lines(node: yaml.Node, loc: Loc, lines: dict, duplicates: list[Problem], visited: set | None = None) -> None:
+    visited = set() if visited is None else visited
+    if id(node) in visited:  # an alias: a spec needs none, and following them can blow up exponentially
+        raise SpecError([Problem(_dotted(loc), "plain YAML values (anchors and aliases are not supported)",
+                                 Described("an alias (*name)"), lines.get(loc, node.start_mark.line + 1))])
+    if isinstance(node, yaml.MappingNode | yaml.SequenceNode):
+        visited.add(id(node))
     lines[loc] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
@@ -101,11 +115,12 @@ def _index_lines(node: yaml.Node, loc: Loc, lines: dict, duplicates: list[Proble
                 where = _dotted(loc + (key,))
                 duplicates.append(Problem(where, f"each key once (first set on line {seen[key]})", Described("the key again"), line))
             seen[key] = line
-            _index_lines(value_node, loc + (key,), lines, duplicates)
+            lines[loc + (key,)] = line
+            _index_lines(value_node, loc + (key,), lines, duplicates, visited)
             lines[loc + (key,)] = line
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _index_lines(item, loc + (index,), lines, duplicates)
+            _index_lines(item, loc + (index,), lines, duplicates, visited)
 
 
 # --- --set overrides ----------------------------------------------------------------------------
@@ -230,7 +245,13 @@ def _number_range(field: Any, kind: str, ctx: dict) -> str:
 
 
 def _line_of(loc: Loc, lines: dict[Loc, int | str]) -> int | str | None:
-    for end in range(len(loc), -1, -1):
+    """The line of `loc`, else of a key inside it (what set it), else of the nearest section around it."""
+    if loc in lines or not loc:
+        return lines.get(loc)
+    inside = [lines[key] for key in lines if key[: len(loc)] == loc and len(key) > len(loc)]
+    if inside:
+        return inside[0]
+    for end in range(len(loc) - 1, 0, -1):
         if loc[:end] in lines:
             return lines[loc[:end]]
     return None

@@ -22,7 +22,7 @@ class Section(BaseModel):
     """Base of every spec section: unknown keys are errors, values are immutable."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
+        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True, strict=True
     )
 
 

@@ -13,7 +13,7 @@ from pydantic import BeforeValidator, PlainSerializer, PlainValidator
 from app.spec.errors import FieldError
 
 from app.topology.cpulist import format_cpulist, parse_cpulist
-from app.units import SIZE_HELP, format_size, parse_size
+from app.units import MAX_SIZE, SIZE_HELP, exact_size, has_unit, parse_size
 
 CPULIST_HELP = 'a CPU list such as "0-3,8,10-11" or a YAML list of CPU numbers'
 RANKS_HELP = (
@@ -23,13 +23,13 @@ KV_MEMORY_HELP = f'{SIZE_HELP}, or a fraction of the rank\'s NUMA node memory su
 
 
 def _to_cpus(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
     if isinstance(value, str):
         try:
             cpus = parse_cpulist(value)
         except ValueError as exc:
             raise ValueError(f"{CPULIST_HELP} ({exc})") from None
-    elif isinstance(value, int) and not isinstance(value, bool):
-        cpus = parse_cpulist(str(value))
     elif isinstance(value, list | tuple) and all(_is_cpu_id(v) for v in value):
         cpus = tuple(sorted(set(value)))
     else:
@@ -80,7 +80,7 @@ RankCpus = Annotated[
 
 
 def _to_size(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE:
         return value
     if isinstance(value, str):
         try:
@@ -95,18 +95,25 @@ def _to_size(value: Any) -> int:
 ByteSize = Annotated[
     int,
     BeforeValidator(_to_size),
-    PlainSerializer(format_size, return_type=str),
+    PlainSerializer(exact_size, return_type=str),
 ]
 """A number of bytes, written "4GiB", "512MiB" or as a plain integer."""
 
 
 def _to_kv_memory(value: Any) -> int | float:
-    if isinstance(value, float | int) and not isinstance(value, bool) and 0 < value < 1:
-        return float(value)
+    """A fraction in (0, 1) ("30%" too), or bytes: a size with a unit, or a plain integer."""
+    if isinstance(value, str) and not has_unit(value) and not value.strip().endswith("%"):
+        try:  # a bare number written as a string: read it as the number it is
+            value = int(value) if value.strip().isdigit() else float(value)
+        except ValueError:
+            pass
+    if isinstance(value, float) and 0 < value < 1:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE:
+        return value
     if isinstance(value, str) and value.strip().endswith("%"):
-        number = value.strip()[:-1]
         try:
-            percent = float(number)
+            percent = float(value.strip()[:-1])
         except ValueError:
             percent = -1.0
         if 0 < percent < 100:
@@ -122,7 +129,7 @@ def _to_kv_memory(value: Any) -> int | float:
 
 
 def _show_kv_memory(value: int | float) -> str | float:
-    return value if isinstance(value, float) else format_size(value)
+    return value if isinstance(value, float) else exact_size(value)
 
 
 KvMemory = Annotated[

@@ -10,7 +10,6 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from app.topology.cpulist import parse_cpulist
 from app.topology.root import Root
 
 UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as a page-rounded LONG_MAX
@@ -24,6 +23,7 @@ class CgroupLimits:
     cpuset_source: str | None
     memory_max: int | None
     memory_source: str | None
+    mems: tuple[int, ...] | None = None  # NUMA nodes memory may come from (cpuset.mems)
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,11 @@ def read_cgroup_limits(root: Root) -> CgroupLimits:
     groups = _groups(root)
     cpuset_dir = _controller_dir(root, mounts, groups, "cpuset")
     memory_dir = _controller_dir(root, mounts, groups, "memory")
-    cpuset, cpuset_source = _cpuset(root, cpuset_dir)
+    cpuset, cpuset_source = _cpuset(root, cpuset_dir, ("cpuset.cpus.effective", "cpuset.cpus"),
+                                    ("cpuset.effective_cpus", "cpuset.cpus"))
+    mems, _ = _cpuset(root, cpuset_dir, ("cpuset.mems.effective", "cpuset.mems"), ("cpuset.effective_mems", "cpuset.mems"))
     memory_max, memory_source = _memory_max(root, memory_dir)
-    return CgroupLimits(cpuset, cpuset_source, memory_max, memory_source)
+    return CgroupLimits(cpuset, cpuset_source, memory_max, memory_source, mems)
 
 
 def _unescape(path: str) -> str:
@@ -104,16 +106,18 @@ def _ancestors(cg: _Dir) -> list[str]:
         path = posixpath.dirname(path.rstrip("/")) or "/"
 
 
-def _cpuset(root: Root, cg: _Dir | None) -> tuple[tuple[int, ...] | None, str | None]:
+def _cpuset(root: Root, cg: _Dir | None, v2_names: tuple[str, ...],
+            v1_names: tuple[str, ...]) -> tuple[tuple[int, ...] | None, str | None]:
+    """The first non-empty list among `names`, from the group up to the mount point."""
     if cg is None:
         return None, None
-    names = ("cpuset.cpus.effective", "cpuset.cpus") if cg.version == 2 else ("cpuset.effective_cpus", "cpuset.cpus")
+    names = v2_names if cg.version == 2 else v1_names
     for directory in _ancestors(cg):
         for name in names:
             file = posixpath.join(directory, name)
-            text = root.line(file)
-            if text:
-                return parse_cpulist(text), file
+            cpus = root.cpulist(file)
+            if cpus:
+                return cpus, file
     return None, None
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.spec.errors import Problem, SpecError
 from app.topology.cgroup import CgroupLimits, read_cgroup_limits
 from app.topology.cpulist import parse_cpulist
 from app.topology.root import Root
@@ -67,6 +68,14 @@ class Topology:
     def memory_limit(self) -> int | None:
         return self.cgroup.memory_max
 
+    @property
+    def allowed_mems(self) -> tuple[int, ...]:
+        """NUMA nodes with memory this process may allocate on (the cgroup's cpuset.mems)."""
+        with_memory = tuple(n for n, node in sorted(self.nodes.items()) if node.mem_total > 0)
+        if self.cgroup.mems is None:
+            return with_memory
+        return tuple(n for n in with_memory if n in self.cgroup.mems) or with_memory
+
     def has(self, flag: str) -> bool:
         return flag in self.isa
 
@@ -80,7 +89,8 @@ def read_with(root: Root) -> Topology:
     online = _online_cpus(root)
     nodes, notes = _nodes(root, online)
     node_of = {cpu: node.id for node in nodes.values() for cpu in node.cpus}
-    cpus = {cpu: _cpu(root, cpu, node_of.get(cpu, 0)) for cpu in online}
+    first = min(nodes)  # a CPU no node lists (seen on odd firmware) goes to the first node
+    cpus = {cpu: _cpu(root, cpu, node_of.get(cpu, first)) for cpu in online}
     cgroup = read_cgroup_limits(root)
     allowed = set(online) & set(_affinity(root, online))
     if cgroup.cpuset is not None:
@@ -92,20 +102,20 @@ def read_with(root: Root) -> Topology:
 
 def _online_cpus(root: Root) -> tuple[int, ...]:
     for name in ("online", "present", "possible"):
-        text = root.line(f"{SYS_CPU}/{name}")
-        if text:
-            return parse_cpulist(text)
+        cpus = root.cpulist(f"{SYS_CPU}/{name}")
+        if cpus:
+            return cpus
     processors = re.findall(r"^processor\s*:\s*(\d+)", root.text("proc/cpuinfo") or "", re.M)
     return tuple(sorted(int(p) for p in processors))
 
 
 def _cpu(root: Root, cpu: int, node: int) -> Cpu:
     base = f"{SYS_CPU}/cpu{cpu}/topology"
-    siblings_text = root.line(f"{base}/thread_siblings_list") or root.line(f"{base}/core_cpus_list")
-    siblings = parse_cpulist(siblings_text) if siblings_text else (cpu,)
-    socket = root.line(f"{base}/physical_package_id")
-    return Cpu(cpu, min(siblings), int(socket) if socket and socket.lstrip("-").isdigit() else 0,
-               node, siblings)
+    siblings = root.cpulist(f"{base}/thread_siblings_list") or root.cpulist(f"{base}/core_cpus_list") or (cpu,)
+    if cpu not in siblings:
+        siblings = (cpu,)
+    socket = (root.integers(f"{base}/physical_package_id") or (0,))[0]
+    return Cpu(cpu, min(siblings), max(socket, 0), node, siblings)
 
 
 def _nodes(root: Root, online: tuple[int, ...]) -> tuple[dict[int, NumaNode], list[str]]:
@@ -117,8 +127,8 @@ def _nodes(root: Root, online: tuple[int, ...]) -> tuple[dict[int, NumaNode], li
     for node in ids:
         base = f"{SYS_NODE}/node{node}"
         total, available = _meminfo(root.text(f"{base}/meminfo") or "")
-        cpus = tuple(c for c in parse_cpulist(root.line(f"{base}/cpulist") or "") if c in online)
-        distances = tuple(int(d) for d in (root.line(f"{base}/distance") or "").split())
+        cpus = tuple(c for c in root.cpulist(f"{base}/cpulist") or () if c in online)
+        distances = root.integers(f"{base}/distance") or ()
         nodes[node] = NumaNode(node, cpus, total, available, distances)
     notes = []
     if len(nodes) == 1 and system_total > nodes[ids[0]].mem_total:
@@ -146,7 +156,13 @@ def _affinity(root: Root, online: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(sorted(os.sched_getaffinity(0)))
     status = root.text("proc/self/status") or ""
     match = re.search(r"^Cpus_allowed_list:\s*(\S+)", status, re.M)
-    return parse_cpulist(match.group(1)) if match else online
+    if not match:
+        return online
+    try:
+        return parse_cpulist(match.group(1))
+    except ValueError:
+        raise SpecError([Problem("(machine)", f"a CPU list in {root.path / 'proc/self/status'}",
+                                 match.group(1))]) from None
 
 
 def _isa(root: Root) -> tuple[str, str, frozenset[str]]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from app.spec.errors import Described, Problem, SpecError
+from app.topology.cpulist import parse_cpulist
+
 
 class Root:
     """Read files of a (possibly captured) machine, relative to its root."""
@@ -36,6 +39,25 @@ class Root:
         text = self.text(rel)
         return text.strip().split("\n", 1)[0].strip() if text is not None else None
 
+    def cpulist(self, rel: str) -> tuple[int, ...] | None:
+        """A CPU (or node) list file, None when absent; a malformed one is a SpecError naming the file."""
+        text = self.line(rel)
+        if text is None:
+            return None
+        try:
+            return parse_cpulist(text)
+        except ValueError as exc:
+            raise _malformed(self, rel, text, f"a CPU list ({exc})") from None
+
+    def integers(self, rel: str) -> tuple[int, ...] | None:
+        text = self.line(rel)
+        if text is None:
+            return None
+        try:
+            return tuple(int(word) for word in text.split())
+        except ValueError:
+            raise _malformed(self, rel, text, "whitespace-separated integers") from None
+
     def exists(self, rel: str) -> bool:
         found = self._abs(rel).exists()
         if found and self._abs(rel).is_dir():
@@ -49,3 +71,8 @@ class Root:
             return names
         except OSError:
             return []
+
+
+def _malformed(root: Root, rel: str, text: str, expected: str) -> SpecError:
+    where = root.path / rel.lstrip("/")
+    return SpecError([Problem("(machine)", f"{expected} in {where}", Described(f"{text[:80]!r}"))])

@@ -110,10 +110,40 @@ BAD = [
 ]
 
 
+# Inputs that once raised a traceback (found in review): each must be a clean exit 2 now.
+BAD += [
+    ("tp-bool", "parallel:\n  tp: true\n", [], THIS, ["spec.yaml:2: parallel.tp: found true", "allowed: an integer"]),
+    ("smt-string", "cores:\n  use_smt: 'yes'\n", [], THIS, ["cores.use_smt: found 'yes'", "allowed: true or false"]),
+    ("huge-size", "kv_cache:\n  memory: " + "9" * 400 + "GiB\n", [], THIS, ["spec.yaml:2: kv_cache.memory: found '999", "allowed: a size"]),
+    ("huge-body", "server:\n  max_body_size: '" + "9" * 400 + "'\n", [], THIS, ["server.max_body_size: found '999", "allowed: a size"]),
+    ("negative-frontend", "cores:\n  frontend: -1\n", [], THIS, ["cores.frontend: found -1", "allowed: a CPU list such as"]),
+    ("unknown-user-home", "model:\n  path: ~nosuchuser/m.gguf\n", [], THIS,
+     ["spec.yaml:2: model.path: found '~nosuchuser/m.gguf', whose ~user is unknown"]),
+    ("truncated-gguf", "model:\n  path: {dir}/cut.gguf\n", [], THIS,
+     ["spec.yaml:2: model.path: found", "cut.gguf, which cannot be read (GGUFFormatError: the file ends inside its header)",
+      "allowed: a readable GGUF file or Hugging Face model directory"]),
+    ("hf-config-empty", "model:\n  path: {dir}/hf\n", [], THIS,
+     ["spec.yaml:2: model.path: found", "which cannot be read (no 'num_attention_heads' in its metadata)"]),
+    ("yaml-alias", "a: &x [1, 2]\nb: *x\n", [], THIS,
+     ["spec.yaml:2: b: found an alias (*name)", "allowed: plain YAML values (anchors and aliases are not supported)"]),
+    ("control-character", "model:\n  name: a\x01b\n", [], THIS, ["(top level): found a syntax error", "well-formed YAML"]),
+    ("set-too-many-ranks", "", ["--set", "parallel.tp=8", "--set", "parallel.dp=8"], THIS,
+     ["--set parallel: found tp x dp = 8 x 8 = 64 ranks"]),
+]
+
+
+@pytest.fixture
+def model_files(tmp_path):
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    return tmp_path
+
+
 @pytest.mark.parametrize(("spec", "args", "root", "expected"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_spec_is_refused_with_path_found_and_allowed(tmp_spec, spec, args, root, expected):
+def test_bad_spec_is_refused_with_path_found_and_allowed(tmp_spec, model_files, spec, args, root, expected):
     path = tmp_spec("")
-    tmp_spec(spec.replace("{spec}", path))
+    tmp_spec(spec.replace("{spec}", path).replace("{dir}", str(model_files)))
     result = run_cli("validate", "-c", path, "--root", root, *args)
     assert result.code == 2, result
     assert "Traceback" not in result.err
@@ -127,6 +157,27 @@ def test_every_problem_of_a_file_is_reported_together(tmp_spec):
     assert result.code == 2
     assert [line.split(": ")[1] for line in result.err.strip().splitlines()] == [
         "parallel.tp", "server.port", "runtime.log_level"]
+
+
+def test_spec_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("model:\n  name: caf\xe9\n".encode("latin-1"))
+    result = run_cli("validate", "-c", str(path), "--root", THIS)
+    assert result.code == 2 and "found a byte that is not UTF-8 at offset 18; allowed: a UTF-8 YAML text file" in result.err
+
+
+def test_malformed_topology_files_name_the_file(tmp_path):
+    import shutil
+
+    tree = tmp_path / "tree"
+    shutil.copytree(TOPOLOGIES / "2s-2n-32c-smt2", tree)
+    (tree / "sys/devices/system/node/node1/distance").write_text("21 ten\n")
+    result = run_cli("plan", "--root", str(tree))
+    assert result.code == 2 and "node1/distance" in result.err and "found '21 ten'" in result.err
+    (tree / "sys/devices/system/node/node1/distance").write_text("21 10\n")
+    (tree / "sys/fs/cgroup/user.slice/user-0.slice/session-1.scope/cpuset.cpus.effective").write_text("garbage\n")
+    result = run_cli("plan", "--root", str(tree))
+    assert result.code == 2 and "cpuset.cpus.effective" in result.err and "allowed: a CPU list" in result.err
 
 
 def test_missing_spec_file():

@@ -188,10 +188,12 @@ def test_numa_nodes_filter_and_explicit_frontend():
 
 def test_more_ranks_than_cores_falls_back_to_smt_siblings_with_a_warning():
     plan = _plan("k8s-cpuset8-smt", "parallel: {dp: 6}")
-    # 7 CPUs left after the frontend's 39, one unit each; the first rank takes the odd one out
-    assert [r.cpus for r in plan.ranks] == [(4, 5), (6,), (7,), (36,), (37,), (38,)]
+    # 7 CPUs left after the frontend's 39, one unit each, core by core (4,36,5,37,6,38,7);
+    # the first rank takes the odd one out, so it holds both threads of core 4
+    assert [r.cpus for r in plan.ranks] == [(4, 36), (5,), (37,), (6,), (38,), (7,)]
     assert any("fewer physical cores (4) than ranks (6)" in w for w in plan.warnings)
-    assert any("rank 0 and rank 3 share 1 physical core" in w for w in plan.warnings)
+    assert any("rank 1 and rank 2 share 1 physical core" in w for w in plan.warnings)
+    assert not any(w.startswith("rank 0 ") for w in plan.warnings)
 
 
 def test_unequal_nodes_give_the_smallest_rank_the_most_cores():
@@ -263,6 +265,42 @@ def test_kv_must_hold_one_full_sequence():
     assert "to hold one sequence of 8192 tokens" in error.value.render()
     plan = _plan("1s-4n-nps4", "kv_cache: {memory: 64MiB}\nmodel: {max_model_len: 2048}")
     assert plan.max_model_len == 2048
+
+
+def test_tp_ranks_of_a_replica_get_the_same_kv_blocks():
+    # tp=3 on two equal nodes: node 0 holds two ranks (16 cores each), node 1 one rank (32 cores)
+    plan = _plan("2s-2n-32c-smt2", "parallel: {tp: 3}")
+    assert [len(r.cpus) for r in plan.ranks] == [16, 16, 32]
+    assert len({r.kv_blocks for r in plan.ranks}) == 1  # one block table for the whole TP group
+    per_token = 2 * 30 * 1 * 64 * 2
+    assert plan.ranks[2].kv_blocks == _blocks(128 * 1024**3, 0.2, per_token)  # node 0's ranks bound it
+    assert any("unequal threads [16, 16, 32]" in w for w in plan.warnings)
+
+
+def test_every_rank_must_hold_a_sequence_not_just_the_first():
+    # rank 0 alone on node 1 would have room; ranks 1 and 2 share node 0 and do not
+    text = 'parallel: {tp: 3}\ncores: {ranks: "32-47|0-7|8-15"}\nkv_cache: {memory: 0.0003}'
+    with pytest.raises(SpecError, match="to hold one sequence"):
+        _plan("2s-2n-32c-smt2", text)
+
+
+def test_tp_beyond_the_attention_heads_is_refused():
+    with pytest.raises(SpecError, match="at most the model's 9 attention heads"):
+        _plan("2s-2n-32c-smt2", "parallel: {tp: 16}")
+
+
+def test_memory_follows_the_cgroup_cpuset_mems(tmp_path):
+    import shutil
+
+    tree = tmp_path / "pod"
+    shutil.copytree(topology("k8s-cpuset8-smt").root, tree)
+    (tree / "sys/fs/cgroup/cpuset.mems.effective").write_text("1\n")
+    from app.topology.machine import read_topology
+
+    plan = make_plan(parse_spec("").spec, read_topology(tree), SMOLLM2, "gnu")
+    assert plan.ranks[0].node == 1 and plan.ranks[0].memory_nodes == (1,)
+    assert any("cgroup allows memory only on [1] (cpuset.mems)" in w for w in plan.warnings)
+    assert topology("k8s-cpuset8-smt").allowed_mems == (0,)
 
 
 def test_bf16_forced_on_a_cpu_without_it_is_refused():
