@@ -13,6 +13,10 @@ import pytest
 from app.model.footprint import ModelFootprint
 from app.topology.machine import Topology, read_topology
 
+# Nothing may come from a model hub: every model is a file on disk.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = Path(__file__).resolve().parent / "topologies"
 CONFIG = REPO / "config"

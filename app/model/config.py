@@ -1,0 +1,138 @@
+"""The hyper-parameters of a Llama-family decoder, read from GGUF metadata or a HF config.json.
+
+Llama 2/3, SmolLM2, TinyLlama and Mistral are the plain architecture; Qwen2 adds a bias to the
+Q/K/V projections and Qwen3 an RMSNorm on each head of Q and K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF architecture name -> (GGUF architecture name, qkv_bias, qk_norm)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("llama", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedModel(ValueError):
+    """An architecture or tensor type this appliance does not run; the message lists what it does."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "none"  # "none", "llama3" or "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # HF name, a key of ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    rotary_dim: int | None = None  # None: the whole head
+
+    @property
+    def qkv_bias(self) -> bool:
+        return ARCHITECTURES[self.architecture][1]
+
+    @property
+    def qk_norm(self) -> bool:
+        return ARCHITECTURES[self.architecture][2]
+
+
+def _check_architecture(name: str) -> None:
+    if name not in ARCHITECTURES:
+        raise UnsupportedModel(f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    name = (cfg.get("architectures") or ["?"])[0]
+    _check_architecture(name)
+    heads = int(cfg["num_attention_heads"])
+    return ModelConfig(
+        architecture=name,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_parameters(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=_hf_rope_scaling(_rope_parameters(cfg)),
+    )
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes "rope_parameters"; older configs "rope_scaling" (and "rope_theta" beside it)."""
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def _hf_rope_scaling(params: dict[str, Any]) -> RopeScaling:
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "llama3":
+        return RopeScaling("llama3", float(params["factor"]), float(params.get("low_freq_factor", 1.0)),
+                           float(params.get("high_freq_factor", 4.0)),
+                           int(params.get("original_max_position_embeddings", 8192)))
+    if kind == "linear":
+        return RopeScaling("linear", float(params["factor"]))
+    raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported; supported: default, llama3, linear")
+
+
+def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output: bool) -> ModelConfig:
+    arch = str(meta.get("general.architecture"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rot = meta.get(f"{arch}.rope.dimension_count")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings=not has_output,
+        rope_scaling=_gguf_rope_scaling(meta, arch),
+        rotary_dim=int(rot) if rot is not None and int(rot) != head_dim else None,
+    )
+
+
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", float(meta[f"{arch}.rope.scaling.factor"]))
+    raise UnsupportedModel(f"GGUF RoPE scaling {kind!r} is not supported; supported: none, linear "
+                           "(Llama-3 scaling comes as the rope_freqs tensor)")

@@ -1,0 +1,113 @@
+"""Reading checkpoints into Hugging Face-named tensors: one GGUF file, or a HF directory of safetensors.
+
+GGUF tensors are dequantized to float32 at load (quantized GEMMs come later). llama.cpp stores the
+Q and K projections of "llama" models permuted for its interleaved RoPE; they are put back here so
+that one NeoX-layout rotary kernel serves every format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app.model.config import ModelConfig, UnsupportedModel, config_from_gguf, config_from_hf
+
+GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
+GGUF_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+              "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+class GGUFCheckpoint:
+    """A GGUF file: its config, its tensors (by HF name, dequantized), its chat template."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        self.meta = {key: _field_value(field) for key, field in self.reader.fields.items()
+                     if not key.startswith("tokenizer.ggml.")}
+        names = {t.name for t in self.reader.tensors}
+        vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in self.reader.fields \
+            else int(self.meta.get(f"{self.meta['general.architecture']}.vocab_size", 0))
+        self.config = config_from_gguf(self.meta, vocab, "output.weight" in names)
+        self.chat_template = self.meta.get("tokenizer.chat_template")
+        unsupported = sorted({t.tensor_type.name for t in self.reader.tensors} - set(GGUF_TYPES))
+        if unsupported:
+            raise UnsupportedModel(f"GGUF tensor type(s) {', '.join(unsupported)} are not supported; "
+                                   f"supported: {', '.join(GGUF_TYPES)}")
+
+    def __len__(self) -> int:
+        return len(self.reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        import gguf
+
+        arch = self.meta["general.architecture"]
+        for tensor in self.reader.tensors:
+            name = _hf_name(tensor.name)
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is mapped read-only
+            if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                heads = self.config.num_heads if ".q_proj" in name else self.config.num_kv_heads
+                weight = _unpermute(weight, heads)
+            yield name, weight
+
+
+def _field_value(field) -> object:
+    try:
+        return field.contents()
+    except Exception:  # a field type gguf cannot render as Python; not one a model needs
+        return None
+
+
+def _hf_name(name: str) -> str:
+    if name in GGUF_TOP:
+        return GGUF_TOP[name]
+    parts = name.split(".")  # blk.<i>.<kind>.<weight|bias>
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    raise UnsupportedModel(f"GGUF tensor {name!r} is not part of a supported Llama-family model")
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave of the rotary halves: rows (h, d/2, 2) -> (h, 2, d/2)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class HFCheckpoint:
+    """A Hugging Face directory: config.json, tokenizer files, one or more safetensors files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.config: ModelConfig = config_from_hf(json.loads((path / "config.json").read_text()))
+        self.files = sorted(path.glob("*.safetensors"))
+        if not self.files:
+            raise UnsupportedModel(f"{path} has no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+        self.chat_template = None  # the tokenizer files carry it
+
+    def __len__(self) -> int:
+        from safetensors import safe_open
+
+        total = 0
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                total += len(list(f.keys()))
+        return total
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)

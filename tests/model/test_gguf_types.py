@@ -1,0 +1,124 @@
+"""Every GGUF tensor type we support, in a small random Llama written here, against transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.model.config import UnsupportedModel
+from app.model.loader import load_model
+from app.model.source import ModelSource
+from tests.model.test_parity import Session
+
+HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 256, 4, 2, 512, 2, 512
+# K-quant blocks (256 values): bytes per block and where their float16 scales sit
+K_BLOCKS = {"Q2_K": (84, [80, 82]), "Q3_K": (110, [108]), "Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]),
+            "Q6_K": (210, [208])}
+LAYER_TYPES = [  # (q, k, v, o, gate, up, down) for each layer
+    ("Q4_K", "Q5_K", "Q8_0", "Q4_0", "F16", "BF16", "Q6_K"),
+    ("Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1", "F32", "Q8_0"),
+]
+
+
+def _tensor(rng: np.random.Generator, rows: int, cols: int, kind: str):
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind] if kind in gguf.GGMLQuantizationType.__members__ else None
+    if kind in K_BLOCKS:  # gguf cannot quantize these: random blocks with small scales
+        size, scale_offsets = K_BLOCKS[kind]
+        blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+        for offset in scale_offsets:
+            blocks[..., offset: offset + 2] = np.frombuffer(np.float16(2e-3).tobytes(), dtype=np.uint8)
+        return blocks.reshape(rows, -1), qtype
+    values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    if kind == "NORM":  # 1-D, near 1, as llama.cpp stores norm weights
+        return 1 + values[0], None
+    if kind == "F32":
+        return values, None
+    return gguf.quants.quantize(values, qtype), qtype
+
+
+def write_tiny_llama(path) -> None:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(VOCAB)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+
+    def add(name: str, rows: int, cols: int, kind: str) -> None:
+        data, qtype = _tensor(rng, rows, cols, kind)
+        w.add_tensor(name, data, raw_dtype=qtype) if qtype is not None else w.add_tensor(name, data)
+
+    add("token_embd.weight", VOCAB, HIDDEN, "Q6_K")
+    add("output.weight", VOCAB, HIDDEN, "Q4_K")  # untied head
+    add("output_norm.weight", 1, HIDDEN, "NORM")
+    d = HIDDEN // HEADS
+    for i, types in enumerate(LAYER_TYPES):
+        shapes = [(HEADS * d, HIDDEN), (KV_HEADS * d, HIDDEN), (KV_HEADS * d, HIDDEN), (HIDDEN, HEADS * d),
+                  (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
+        names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+        for name, (rows, cols), kind in zip(names, shapes, types, strict=True):
+            add(f"blk.{i}.{name}.weight", rows, cols, kind)
+        add(f"blk.{i}.attn_norm.weight", 1, HIDDEN, "NORM")
+        add(f"blk.{i}.ffn_norm.weight", 1, HIDDEN, "NORM")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    write_tiny_llama(path)
+    return path
+
+
+def test_every_tensor_type_loads_like_transformers(tiny):
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tiny.parent), gguf_file=tiny.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=tiny.name, dequantize=True)).eval()
+    ours = load_model(ModelSource(tiny, "gguf", "tiny"), "float32", tokenizer=False)
+    assert not ours.config.tie_word_embeddings and ours.config.num_kv_heads == KV_HEADS
+    ids = [[5, 17, 300, 2, 511, 64, 9]]
+    with torch.inference_mode():
+        expected = reference(torch.tensor(ids)).logits[0, -1]
+    got = Session(ours.model, 1).step(ids)[0]
+    assert (got - expected).abs().max().item() < 1e-3 * max(1.0, expected.abs().max().item())
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(UnsupportedModel, match="'falcon' is not supported; supported: llama, qwen2, qwen3"):
+        load_model(ModelSource(tmp_path / "m.gguf", "gguf", "m"), "float32", tokenizer=False)
+
+
+def test_unsupported_tensor_type_lists_the_supported_ones(tiny, tmp_path):
+    import gguf
+
+    reader = gguf.GGUFReader(str(tiny))
+    w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    for key in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count"):
+        w.add_uint32(key, int(reader.fields[key].contents()))
+    w.add_tensor("token_embd.weight", np.zeros((4, 66), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(UnsupportedModel, match="IQ2_XXS are not supported; supported: F32, F16, BF16, Q8_0"):
+        load_model(ModelSource(tmp_path / "iq.gguf", "gguf", "m"), "float32", tokenizer=False)

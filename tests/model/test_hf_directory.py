@@ -1,0 +1,59 @@
+"""The Hugging Face directory loader: the GGUF converted to an HF folder by transformers gives the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.model.loader import load_model
+from app.model.source import resolve_source
+from app.spec.schema import ModelSpec
+from tests.model.test_parity import PROMPTS, Session
+
+
+@pytest.fixture(scope="module")
+def hf_dir(request):
+    """transformers dequantizes the GGUF and saves config, tokenizer and float32 safetensors (cached)."""
+    out = request.config.cache.mkdir("smollm2-135m-hf-fp32")
+    if not (out / "model.safetensors").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        gguf = resolve_source(ModelSpec()).path
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+        model.config.quantization_config = None
+        model.hf_quantizer = None
+        model.save_pretrained(str(out))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
+
+
+def test_hf_directory_gives_the_same_outputs_as_the_gguf(hf_dir):
+    source = resolve_source(ModelSpec(path=str(hf_dir)))
+    assert source.format == "hf"
+    from_hf = load_model(source, "float32")
+    from_gguf = load_model(resolve_source(ModelSpec()), "float32")
+    assert from_hf.config == from_gguf.config  # same hyper-parameters through both readers
+    ids = [from_gguf.tokenizer(p).input_ids for p in PROMPTS]
+    assert [from_hf.tokenizer(p).input_ids for p in PROMPTS] == ids
+    a = Session(from_hf.model, len(ids)).step(ids)
+    b = Session(from_gguf.model, len(ids)).step(ids)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert from_hf.chat_template == from_gguf.chat_template
+
+
+def test_sharded_safetensors_load_the_same(hf_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({n: tensors[n] for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+    sharded = load_model(resolve_source(ModelSpec(path=str(tmp_path))), "float32", tokenizer=False)
+    single = load_model(resolve_source(ModelSpec(path=str(hf_dir))), "float32", tokenizer=False)
+    ids = [[1, 2, 3, 4, 5]]
+    torch.testing.assert_close(Session(sharded.model, 1).step(ids), Session(single.model, 1).step(ids), atol=0, rtol=0)

@@ -1,0 +1,133 @@
+"""SmolLM2-135M-Instruct through our model against Hugging Face transformers loading the same GGUF.
+
+transformers (with gguf and accelerate) dequantizes the file itself and runs its own Llama code: an
+independent reference for the loader (Q/K un-permutation, tied embeddings) and for every kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.model.batch import make_batch
+from app.model.loader import load_model
+from app.model.source import ModelSource, resolve_source
+from app.spec.schema import ModelSpec
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+    "<|im_start|>user\nWhat are three good reasons to learn a second language?<|im_end|>\n<|im_start|>assistant\n",
+    "1, 1, 2, 3, 5, 8, 13,",
+]
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def source() -> ModelSource:
+    return resolve_source(ModelSpec())
+
+
+@pytest.fixture(scope="module")
+def reference(source):
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=source.path.name, dequantize=True))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours_fp32(source):
+    return load_model(source, "float32")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(ours_fp32):
+    return [ours_fp32.tokenizer(p).input_ids for p in PROMPTS]
+
+
+class Session:
+    """Greedy generation for a few sequences through our model and a paged cache with shuffled blocks."""
+
+    def __init__(self, model, seqs: int, block_size: int = 16, capacity: int = 256):
+        per_seq = -(-capacity // block_size)
+        order = torch.randperm(per_seq * seqs, generator=torch.Generator().manual_seed(0)).tolist()
+        self.blocks = [order[i * per_seq:(i + 1) * per_seq] for i in range(seqs)]
+        self.model, self.block_size = model, block_size
+        self.cache = model.new_kv_cache(per_seq * seqs, block_size)
+        self.tokens: list[list[int]] = [[] for _ in range(seqs)]
+
+    def step(self, new: list[list[int]]) -> torch.Tensor:
+        """Run `new[s]` more tokens of each sequence; returns the logits of each one's last token."""
+        done = [len(t) for t in self.tokens]
+        batch = make_batch(self.blocks, done, [len(n) for n in new], self.block_size)
+        ids = torch.tensor([tok for n in new for tok in n])
+        for t, n in zip(self.tokens, new, strict=True):
+            t.extend(n)
+        hidden = self.model.forward(ids, batch, self.cache)
+        return self.model.logits(hidden[batch.logit_indices])
+
+    def greedy(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        logits = self.step(prompts)
+        out = [[] for _ in prompts]
+        for _ in range(steps):
+            nxt = logits.argmax(-1).tolist()
+            for o, tok in zip(out, nxt, strict=True):
+                o.append(tok)
+            logits = self.step([[tok] for tok in nxt])
+        return out
+
+
+def reference_greedy(model, ids: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """transformers' own forward with its KV cache; returns the prompt's last logits and the tokens."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+        first, past, tokens = out.logits[0, -1].clone(), out.past_key_values, []
+        for _ in range(steps):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+    return first, tokens
+
+
+@pytest.fixture(scope="module")
+def reference_runs(reference, prompt_ids):
+    return [reference_greedy(reference, ids, STEPS) for ids in prompt_ids]
+
+
+def test_fp32_last_logits_match_transformers(ours_fp32, prompt_ids, reference_runs):
+    logits = Session(ours_fp32.model, len(prompt_ids)).step(prompt_ids)  # all five prompts in one batch
+    for row, (expected, _) in zip(logits, reference_runs, strict=True):
+        assert (row - expected).abs().max().item() < 1e-3
+
+
+def test_fp32_greedy_64_tokens_match_transformers(ours_fp32, prompt_ids, reference_runs):
+    generated = Session(ours_fp32.model, len(prompt_ids)).greedy(prompt_ids, STEPS)
+    for mine, (_, expected) in zip(generated, reference_runs, strict=True):
+        assert mine == expected
+
+
+def test_bf16_top1_agrees_on_teacher_forced_positions(source, prompt_ids, reference, reference_runs):
+    ours = load_model(source, "bfloat16", tokenizer=False)
+    agree = total = 0
+    for ids, (_, continuation) in zip(prompt_ids, reference_runs, strict=True):
+        sequence = ids + continuation
+        with torch.inference_mode():
+            expected = reference(torch.tensor([sequence])).logits[0].argmax(-1)
+        session = Session(ours.model, 1)
+        batch = make_batch(session.blocks, [0], [len(sequence)], session.block_size)
+        hidden = ours.model.forward(torch.tensor(sequence), batch, session.cache)
+        mine = ours.model.logits(hidden).argmax(-1)
+        agree += int((mine == expected).sum())
+        total += len(sequence)
+    assert agree / total >= 0.98, f"top-1 agreement {agree}/{total} = {agree / total:.4f}"
+
+
+def test_chat_template_comes_from_the_file(ours_fp32):
+    assert ours_fp32.chat_template and "<|im_start|>" in ours_fp32.chat_template
+    text = ours_fp32.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "Hi<|im_end|>" in text
