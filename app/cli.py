@@ -47,6 +47,14 @@ def _parser() -> argparse.ArgumentParser:
              lambda p: p.add_argument("--json", action="store_true", help="JSON instead of a table"))
     _command(commands, "preflight", _preflight, "check ISA and preloaded libraries; re-exec with them preloaded",
              lambda p: p.add_argument("--json", action="store_true", help="JSON instead of text"))
+    bench = commands.add_parser("bench-model", help="time prefill and decode steps of the model on this machine")
+    bench.add_argument("-c", "--config", metavar="SPEC", help="the spec whose model to time (default: every default)")
+    bench.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default: both")
+    bench.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
+    bench.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
+    bench.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
+    bench.add_argument("--steps", type=int, default=32, help="decode steps timed (median reported)")
+    bench.set_defaults(run=_bench_model)
     docs = commands.add_parser("spec-docs", help="print docs/SPEC.md, generated from the spec's field docs")
     docs.set_defaults(run=_spec_docs)
     topo = commands.add_parser("topology", help="show the CPU/NUMA/cgroup topology as the planner sees it")
@@ -131,6 +139,15 @@ def _preflight(args: argparse.Namespace) -> int:
                 print(f"{key:15} {value}")
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    from app.benchmark.model import run
+
+    doc = read_spec(args.config, [])
+    run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
+        args.prompt, args.steps)
     return 0
 
 

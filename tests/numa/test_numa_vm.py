@@ -6,6 +6,7 @@ CI sets APPLIANCE_REQUIRE_NUMA_VM=1 so that a missing tool fails instead of skip
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -53,3 +54,27 @@ def test_tp2_inside_a_kubelet_style_cpuset(run_in_guest):
                               "--set", "model.max_model_len=4096", "--json"))
     assert plan["machine"]["allowed_cpus"] == "1-2" and plan["machine"]["memory_limit"] == 3 * 1024**3
     assert [(r["cpus"], r["node"]) for r in plan["ranks"]] == [([1], 0), ([2], 1)]
+
+
+GUEST_BIND = """
+import mmap, re, sys
+import app._native as native  # the extension alone: importing torch takes a minute in the guest
+print(native.bind_threads([2, 3], [1], False))
+buf = mmap.mmap(-1, 64 << 20)
+for offset in range(0, len(buf), 4096):
+    buf[offset] = 1  # touch every page so it is allocated now, under the policy
+address = hex(__import__("ctypes").addressof(__import__("ctypes").c_char.from_buffer(buf)))[2:]
+line = next(l for l in open("/proc/self/numa_maps") if l.startswith(address))
+print("NUMA_MAPS", line.strip())
+"""
+
+
+def test_threads_pinned_and_memory_bound_to_node_1(run_in_guest):
+    child = run_in_guest(sys.executable, "-c", GUEST_BIND)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "thread 0 (tid" in child.stdout and "-> CPU 2" in child.stdout and "-> CPU 3" in child.stdout
+    assert "memory: bound to NUMA node(s) 1" in child.stdout
+    numa_maps = next(line for line in child.stdout.splitlines() if line.startswith("NUMA_MAPS"))
+    assert " bind:1 " in numa_maps
+    pages = dict(re.findall(r" N(\d+)=(\d+)", numa_maps))
+    assert int(pages.get("1", 0)) >= 16384 and "0" not in pages  # all 64 MiB of pages on node 1

@@ -1,0 +1,83 @@
+"""Forward-pass timings of the model on this machine: prefill throughput and decode step time.
+
+`python -m app bench-model` runs the real model and paged KV cache (no scheduler, no server), with
+threads pinned one per allowed CPU, and prints one line per measurement plus a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from app import kernels
+from app.model.batch import make_batch
+from app.model.loader import load_model
+from app.model.source import ModelSource
+
+
+@dataclass
+class Result:
+    what: str
+    dtype: str
+    batch: int
+    context: int
+    value: float
+    unit: str
+
+
+class Bench:
+    def __init__(self, source: ModelSource, dtype: str, block_size: int = 16, capacity: int = 1024):
+        self.loaded = load_model(source, dtype, tokenizer=False)
+        self.model, self.dtype, self.block_size, self.capacity = self.loaded.model, dtype, block_size, capacity
+        self.vocab = self.loaded.config.vocab_size
+
+    def _cache(self, seqs: int):
+        per_seq = self.capacity // self.block_size
+        blocks = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(seqs)]
+        return blocks, self.model.new_kv_cache(per_seq * seqs, self.block_size)
+
+    def _run(self, blocks, cache, done: list[int], new: list[int]) -> None:
+        batch = make_batch(blocks, done, new, self.block_size)
+        ids = torch.randint(0, self.vocab, (sum(new),), generator=torch.Generator().manual_seed(0))
+        hidden = self.model.forward(ids, batch, cache)
+        self.model.logits(hidden[batch.logit_indices])
+
+    def prefill(self, tokens: int, repeats: int) -> Result:
+        blocks, cache = self._cache(1)
+        self._run(blocks, cache, [0], [tokens])  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._run(blocks, cache, [0], [tokens])
+            times.append(time.perf_counter() - start)
+        return Result("prefill", self.dtype, 1, tokens, tokens / statistics.median(times), "tokens/s")
+
+    def decode(self, batch: int, context: int, steps: int) -> Result:
+        blocks, cache = self._cache(batch)
+        self._run(blocks, cache, [0] * batch, [context] * batch)  # fill every sequence's context
+        self._run(blocks, cache, [context] * batch, [1] * batch)  # warm-up step
+        times = []
+        for step in range(steps):
+            start = time.perf_counter()
+            self._run(blocks, cache, [context + 1 + step] * batch, [1] * batch)
+            times.append(time.perf_counter() - start)
+        return Result("decode step", self.dtype, batch, context, statistics.median(times) * 1000, "ms")
+
+
+def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int) -> list[Result]:
+    cpus = sorted(os.sched_getaffinity(0))
+    print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
+    results = []
+    for dtype in dtypes:
+        bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16))
+        for result in [bench.prefill(prompt, repeats=3)] + [bench.decode(b, context, steps) for b in batches]:
+            print(f"{result.what:12} {result.dtype:9} batch {result.batch:3} context {result.context:5}  "
+                  f"{result.value:9.1f} {result.unit}", flush=True)
+            results.append(result)
+    print(json.dumps([asdict(r) for r in results]))
+    return results

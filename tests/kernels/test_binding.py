@@ -1,0 +1,56 @@
+"""Thread pinning and memory binding, checked in a child process through /proc."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+CHILD = """
+import json, os, re, sys
+import torch
+from app import kernels
+cpus = json.loads(sys.argv[1])
+report = kernels.bind_threads(cpus, [0])
+tids = [int(t) for t in re.findall(r"tid (\\d+)", report)]
+allowed = {t: open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0] for t in tids}
+print(json.dumps({"report": report, "allowed": allowed, "main": sorted(os.sched_getaffinity(0)),
+                  "torch_threads": torch.get_num_threads()}))
+"""
+
+
+def _bind(cpus: list[int]) -> dict:
+    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cpus)], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def test_each_openmp_thread_is_pinned_to_its_cpu():
+    result = _bind([1, 0])
+    tids = [int(t) for t in re.findall(r"tid (\d+)", result["report"])]
+    assert len(tids) == 2 and len(set(tids)) == 2
+    assert [result["allowed"][str(t)] for t in tids] == ["1", "0"]  # thread i on cpus[i]
+    assert result["main"] == [1]  # thread 0 is the calling thread
+    assert result["torch_threads"] == 2
+    assert "memory: bound to NUMA node(s) 0" in result["report"]
+
+
+def test_one_cpu():
+    result = _bind([0])
+    assert result["main"] == [0] and result["torch_threads"] == 1
+    assert result["report"].startswith("threads: 1 OpenMP thread(s) pinned")
+
+
+def test_bad_arguments_are_value_errors():
+    import pytest
+
+    from app import kernels
+
+    with pytest.raises(ValueError, match="cpus must not be empty"):
+        kernels.bind_threads([])
+    with pytest.raises(ValueError, match="CPU -3 is out of range"):
+        kernels.bind_threads([-3])
