@@ -27,9 +27,9 @@ def run_in_guest():
             pytest.fail(f"{NUMA_VM}/run.sh is missing but APPLIANCE_REQUIRE_NUMA_VM=1")
         pytest.skip(f"no NUMA guest tool at {NUMA_VM}")
 
-    def run(*command: str, mem: str = "2G") -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(NUMA_VM / "run.sh"), "--mem-per-node", mem, "--timeout", "300", "--",
-                               *command], cwd=REPO, capture_output=True, text=True, timeout=400)
+    def run(*command: str, mem: str = "2G", cpu: str = "max") -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(NUMA_VM / "run.sh"), "--mem-per-node", mem, "--cpu", cpu, "--timeout",
+                               "300", "--", *command], cwd=REPO, capture_output=True, text=True, timeout=400)
 
     return run
 
@@ -78,3 +78,33 @@ def test_threads_pinned_and_memory_bound_to_node_1(run_in_guest):
     assert " bind:1 " in numa_maps
     pages = dict(re.findall(r" N(\d+)=(\d+)", numa_maps))
     assert int(pages.get("1", 0)) >= 16384 and "0" not in pages  # all 64 MiB of pages on node 1
+
+
+GUEST_DISPATCH = """
+import array, math
+import app._native as native  # raw buffers instead of torch tensors: no torch import in the guest
+x = array.array("f", [float(i % 7 - 3) for i in range(2 * 37)])
+w = array.array("f", [0.5 + i / 37 for i in range(37)])
+ref = []
+for t in range(2):
+    row = x[t * 37:(t + 1) * 37]
+    inv = 1 / math.sqrt(sum(v * v for v in row) / 37 + 1e-5)
+    ref += [v * inv * w[i] for i, v in enumerate(row)]
+print("BEST", native.best_isa(), native.isa())
+for isa in [native.best_isa(), "portable"]:
+    native.select_isa(isa)
+    out = array.array("f", [0.0] * (2 * 37))
+    ref_of = lambda buf, shape: (buf.buffer_info()[0], 0, shape, [shape[-1], 1] if len(shape) == 2 else [1])
+    native.rms_norm(ref_of(out, [2, 37]), ref_of(x, [2, 37]), ref_of(w, [37]), 1e-5)
+    print("DIFF", isa, max(abs(a - b) for a, b in zip(out, ref)))
+"""
+
+
+@pytest.mark.parametrize(("cpu", "best"), [("max", "avx2"), ("Westmere", "portable")])
+def test_kernels_dispatch_to_what_an_older_cpu_has(run_in_guest, cpu, best):
+    # qemu's "max" CPU has AVX2 but no AVX-512; Westmere has no AVX at all: no SIGILL on either.
+    child = run_in_guest(sys.executable, "-c", GUEST_DISPATCH, cpu=cpu)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert f"BEST {best} {best}" in child.stdout
+    diffs = [float(line.split()[2]) for line in child.stdout.splitlines() if line.startswith("DIFF")]
+    assert len(diffs) == 2 and max(diffs) < 1e-5

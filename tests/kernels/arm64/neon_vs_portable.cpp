@@ -1,0 +1,56 @@
+// The arm64 NEON kernels against the portable ones on random inputs, built with the aarch64 cross
+// compiler and run under qemu-aarch64 by tests/kernels/test_arm64.py (the portable kernels are
+// themselves checked against torch on x86). Exit code: number of mismatches.
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+#include "kernels.h"
+#include "vec.h"
+using namespace appliance;
+static std::mt19937 rng(1);
+static std::vector<float> rnd(size_t n) { std::normal_distribution<float> d; std::vector<float> v(n); for (auto& x : v) x = d(rng); return v; }
+static float maxdiff(const std::vector<float>& a, const std::vector<float>& b) { float m = 0; for (size_t i = 0; i < a.size(); ++i) m = std::fmax(m, std::fabs(a[i] - b[i])); return m; }
+static std::vector<bf16> tobf(const std::vector<float>& v) { std::vector<bf16> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = float_to_bf16(v[i]); return o; }
+static std::vector<float> fromb(const std::vector<bf16>& v) { std::vector<float> o(v.size()); for (size_t i = 0; i < v.size(); ++i) o[i] = bf16_to_float(v[i]); return o; }
+int main() {
+  int fails = 0;
+  auto check = [&](const char* what, float d, float tol) { printf("%-28s max diff %.3g %s\n", what, d, d <= tol ? "ok" : "FAIL"); fails += d > tol; };
+  const int64_t T = 5, H = 4109;
+  auto x = rnd(T * H), w = rnd(H);
+  std::vector<float> o1(T * H), o2(T * H);
+  neon::rms_norm({DType::f32, o1.data(), x.data(), w.data(), T, H, H, H, 1e-5f});
+  portable::rms_norm({DType::f32, o2.data(), x.data(), w.data(), T, H, H, H, 1e-5f});
+  check("rms_norm f32", maxdiff(o1, o2), 1e-4);
+  auto xb = tobf(x), wb = tobf(w); std::vector<bf16> b1(T * H), b2(T * H);
+  neon::rms_norm({DType::bf16, b1.data(), xb.data(), wb.data(), T, H, H, H, 1e-5f});
+  portable::rms_norm({DType::bf16, b2.data(), xb.data(), wb.data(), T, H, H, H, 1e-5f});
+  check("rms_norm bf16", maxdiff(fromb(b1), fromb(b2)), 5e-2);
+  const int64_t I = 1531; auto g = rnd(T * 2 * I); std::vector<float> s1(T * I), s2(T * I);
+  for (auto& v : g) v *= 4;
+  neon::silu_and_mul({DType::f32, s1.data(), g.data(), T, I, 2 * I, I});
+  portable::silu_and_mul({DType::f32, s2.data(), g.data(), T, I, 2 * I, I});
+  check("silu_and_mul f32", maxdiff(s1, s2), 1e-4);
+  // attention: 2 sequences, GQA 9/3, head 64, block 16, contexts 37 and 70 with 37 and 4 new tokens
+  const int64_t Hq = 9, Hk = 3, D = 64, B = 16, NB = 8;
+  auto kc = rnd(NB * Hk * B * D), vc = rnd(NB * Hk * B * D);
+  int32_t tables[2 * 5] = {3, 0, 7, -1, -1, 1, 6, 2, 5, 4};
+  int32_t lens[2] = {37, 70};
+  int64_t starts[3] = {0, 37, 41};
+  auto q = rnd(41 * Hq * D); std::vector<float> a1(41 * Hq * D), a2(41 * Hq * D);
+  AttentionArgs args{DType::f32, a1.data(), q.data(), kc.data(), vc.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f};
+  neon::paged_attention(args); args.out = a2.data(); portable::paged_attention(args);
+  check("paged_attention f32", maxdiff(a1, a2), 1e-4);
+  auto qb = tobf(q), kb = tobf(kc), vb = tobf(vc); std::vector<bf16> c1(41 * Hq * D), c2(41 * Hq * D);
+  AttentionArgs bargs{DType::bf16, c1.data(), qb.data(), kb.data(), vb.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f};
+  neon::paged_attention(bargs); bargs.out = c2.data(); portable::paged_attention(bargs);
+  check("paged_attention bf16", maxdiff(fromb(c1), fromb(c2)), 2e-2);
+  // rope
+  const int64_t P = 64, rot = 64; std::vector<float> cs(P * rot); for (int64_t p = 0; p < P; ++p) for (int64_t i = 0; i < rot / 2; ++i) { double a = p * std::pow(10000.0, -2.0 * i / rot); cs[p * rot + i] = std::cos(a); cs[p * rot + rot / 2 + i] = std::sin(a); }
+  int64_t pos[5] = {0, 3, 17, 63, 9}; auto rq = rnd(5 * Hq * D), rk = rnd(5 * Hk * D); auto rq2 = rq, rk2 = rk;
+  neon::rotary_embedding({DType::f32, rq.data(), rk.data(), pos, cs.data(), 5, Hq, Hk, D, rot, Hq * D, Hk * D, P});
+  portable::rotary_embedding({DType::f32, rq2.data(), rk2.data(), pos, cs.data(), 5, Hq, Hk, D, rot, Hq * D, Hk * D, P});
+  check("rotary f32", std::fmax(maxdiff(rq, rq2), maxdiff(rk, rk2)), 1e-5);
+  printf("%s\n", fails ? "NEON DIFFERS" : "NEON matches portable");
+  return fails;
+}

@@ -1,0 +1,40 @@
+"""The arm64 NEON kernels, cross-compiled and run under qemu-aarch64, against the portable ones.
+
+Needs `g++-aarch64-linux-gnu` and `qemu-user` (Debian packages; the README's test command installs
+them). CI sets APPLIANCE_REQUIRE_ARM64=1 so that missing tools fail instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+NATIVE = REPO / "native"
+SOURCES = ["norm", "rope", "activation", "cache", "attention"]
+
+
+def test_neon_kernels_match_portable_ones(tmp_path):
+    compiler, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+    if not (compiler and qemu):
+        if os.environ.get("APPLIANCE_REQUIRE_ARM64") == "1":
+            pytest.fail("aarch64-linux-gnu-g++ or qemu-aarch64 is missing but APPLIANCE_REQUIRE_ARM64=1")
+        pytest.skip("no aarch64 cross compiler or qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    flags = ["-std=c++17", "-O3", "-fopenmp", f"-I{NATIVE / 'include'}"]
+    objects = []
+    for isa in ("neon", "portable"):
+        for name in SOURCES:
+            obj = tmp_path / f"{isa}_{name}.o"
+            subprocess.run([compiler, *flags, f"-DAPPLIANCE_ISA={isa}", "-c", str(NATIVE / "src" / f"{name}.cpp"),
+                            "-o", str(obj)], check=True)
+            objects.append(str(obj))
+    harness = tmp_path / "harness"
+    subprocess.run([compiler, *flags, "-DAPPLIANCE_ISA=portable", str(REPO / "tests/kernels/arm64/neon_vs_portable.cpp"),
+                    *objects, "-o", str(harness)], check=True)
+    run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(harness)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "NEON matches portable" in run.stdout and run.stdout.count(" ok") == 6
