@@ -1,0 +1,1 @@
+"""The engine: KV cache manager, scheduler, model runner, sampler and the step loop."""

@@ -1,0 +1,99 @@
+"""The engine core: receive new and aborted requests -> schedule -> execute -> update -> emit.
+
+It speaks token ids only (no text, no JSON), so it can run in its own process behind IPC (step 4),
+and `execute` is the one call that a tensor-parallel group would fan out (step 5).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from app.engine.kv_cache import KVCacheManager
+from app.engine.model_runner import ModelRunner, TokenLogprobs
+from app.engine.params import SamplingParams
+from app.engine.request import FinishReason, Request
+from app.engine.scheduler import Scheduler, SchedulerConfig
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (too long for the context or the cache)."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_id: int | None
+    logprobs: TokenLogprobs | None
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_hit_rate: float
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, num_blocks: int, block_size: int,
+                 prefix_caching: bool, model_id: str):
+        self.runner = runner
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching, model_id)
+        self.scheduler = Scheduler(scheduler_cfg, self.kv)
+        self.max_model_len = scheduler_cfg.max_model_len
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None,
+                    wait_for: str | None = None) -> None:
+        self._check(prompt_ids)
+        request = Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for)
+        self.runner.add_request(request_id, params, request.prompt_ids, eos_token_id)
+        self.scheduler.add(request)
+
+    def _check(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                                  f"{self.max_model_len} (prompt and output together)")
+        if self.kv.blocks_needed(len(prompt_ids) + 1) > self.kv.num_blocks:
+            raise RequestRejected(f"the prompt needs {self.kv.blocks_needed(len(prompt_ids) + 1)} KV blocks; the "
+                                  f"cache has {self.kv.num_blocks}")
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> TokenDelta | None:
+        request = self.scheduler.finish(request_id, reason)
+        self.runner.remove_request(request_id)
+        if request is None:
+            return None
+        return TokenDelta(request_id, None, None, reason, len(request.prompt_ids), len(request.output_ids))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.runner.execute(plan)
+        finished = {r.request_id: r for r in self.scheduler.update(plan, result.sampled)}
+        deltas = []
+        for request_id, token in result.sampled.items():
+            request = finished.get(request_id) or self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            reason = request.finish_reason if request_id in finished else None
+            deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
+                                     len(request.prompt_ids), len(request.output_ids)))
+            if reason is not None:
+                self.runner.remove_request(request_id)
+        return deltas
+
+    def stats(self) -> EngineStats:
+        queries = self.kv.queries
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
+                           self.kv.hits / queries if queries else 0.0)

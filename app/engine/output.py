@@ -1,0 +1,88 @@
+"""From token ids to text: incremental detokenization and stop strings, per sequence.
+
+This is the text side of the engine: in-process for the offline `LLM`, in the HTTP frontend once the
+engine core runs in its own process. Stop strings are matched on the decoded text; text that could
+still turn out to be the start of a stop string is held back, so no part of one ever leaks out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.model_runner import TokenLogprobs
+from app.engine.request import FinishReason
+
+_REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+
+
+class Detokenizer:
+    """Decodes a growing list of token ids a few at a time, correct across split multi-byte characters.
+
+    Each step decodes a short window ending at the newest token twice, with and without it; the
+    difference is the new text, emitted only once it no longer ends in an incomplete character.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids = list(prompt_ids[-6:])  # a little context: some decoders drop a leading space otherwise
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # tokens already turned into text
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+
+@dataclass
+class SequenceText:
+    """The text of one output sequence, its stop strings, and how much of it was already handed out."""
+
+    detokenizer: Detokenizer
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...] = ()
+    text: str = ""
+    sent: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, token_id: int | None, logprobs: TokenLogprobs | None, hidden: bool = False) -> bool:
+        """Take one new token; True if a stop string ended the sequence. `hidden` tokens add no text."""
+        if token_id is None:
+            return False
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if hidden:
+            return False
+        start = len(self.text)
+        self.text += self.detokenizer.add(token_id)
+        return self._cut_at_stop(start)
+
+    def _cut_at_stop(self, start: int) -> bool:
+        longest = max((len(s) for s in self.stop), default=0)
+        search_from = max(start - longest + 1, 0)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        self.finish_reason = FinishReason.STOP
+        return True
+
+    def take_new_text(self) -> str:
+        """Text not handed out yet, minus a tail that could still begin a stop string."""
+        end = len(self.text)
+        if self.finish_reason is None and self.stop:
+            end -= max(len(s) for s in self.stop) - 1
+        if end <= self.sent:
+            return ""
+        new, self.sent = self.text[self.sent:end], end
+        return new

@@ -1,0 +1,68 @@
+"""How to sample one request's output: the knobs of OpenAI's and vLLM's APIs, checked on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Completions to generate from the prompt (they share the prompt's KV blocks)."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 or -1: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    repetition_penalty: float = 1.0
+    """Tokens seen in the prompt or output: positive logits divided by it, negative ones multiplied."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it appears in the output."""
+    presence_penalty: float = 0.0
+    """Subtracted from a token's logit if it appears in the output at all."""
+    seed: int | None = None
+    """Makes this request's sampling reproducible, whatever else is in the batch."""
+    max_tokens: int | None = 16
+    """Most tokens to generate (None: until the context is full)."""
+    min_tokens: int = 0
+    """EOS and stop token ids are not sampled before this many tokens."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    stop: tuple[str, ...] = ()
+    """Stop when the output text contains one of these; the stop string itself is not returned."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop after sampling one of these token ids (the token is not returned in the text)."""
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token and of this many most likely tokens."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n >= 1, "n must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= -1, "top_k must be -1, 0 (all tokens) or positive"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,50 @@
+"""A request as the engine core sees it: token ids in, token ids out, and how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from app.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again: its blocks were taken, its KV is recomputed when it resumes
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context is full
+    ABORT = "abort"  # the client went away, or the engine gave up on it
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival: float = 0.0
+    wait_for: str | None = None  # n > 1: start after this sibling's prompt is cached, to share its blocks
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        prompt = len(self.prompt_ids)
+        end = self.num_tokens if end is None else end
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - prompt, 0):end - prompt]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,211 @@
+"""The sampler against distributions and penalty values computed by hand or with numpy, not with its helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from app.engine.params import SamplingParams
+from app.engine.sampler import Sampler, apply_penalties, new_state
+
+# Token probabilities of the test distribution, most likely first, placed at shuffled token ids so
+# that a sampler mixing up sorted positions and token ids fails.
+PROBS = np.array([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
+TOKEN_OF_RANK = [3, 0, 6, 1, 7, 2, 5, 4]
+V = len(PROBS)
+DRAWS = 20_000
+TVD_LIMIT = 0.02  # expected TVD of 20000 draws from 8 tokens is about 0.008; sampler seeds are fixed
+
+
+def fixed_logits() -> torch.Tensor:
+    # -> [V]: log PROBS at the shuffled token ids
+    logits = torch.empty(V)
+    logits[TOKEN_OF_RANK] = torch.tensor(np.log(PROBS), dtype=torch.float32)
+    return logits
+
+
+def reference(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """The distribution the definitions give, by rank: p^(1/T), top k, then top p, then min p."""
+    p = PROBS ** (1 / temperature)
+    p = p / p.sum()
+    if top_k > 0:
+        p[top_k:] = 0
+        p = p / p.sum()
+    before = np.concatenate([[0.0], np.cumsum(p)[:-1]])  # mass of the more likely tokens
+    p = np.where(before < top_p, p, 0)
+    p = np.where(p >= min_p * p[0], p, 0)
+    return p / p.sum()
+
+
+def empirical(tokens: torch.Tensor) -> np.ndarray:
+    # tokens: [N] token ids -> frequency of each rank
+    counts = np.bincount(tokens.numpy(), minlength=V)
+    return counts[TOKEN_OF_RANK] / len(tokens)
+
+
+def tvd(p: np.ndarray, q: np.ndarray) -> float:
+    return 0.5 * float(np.abs(p - q).sum())
+
+
+def sample_many(params: SamplingParams, draws: int = DRAWS, seed: int = 0) -> torch.Tensor:
+    states = [new_state(params, [], None) for _ in range(draws)]
+    return Sampler(V, seed=seed)(fixed_logits().expand(draws, V), states).tokens
+
+
+def test_greedy_picks_argmax():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    # top_k and friends must not matter when temperature is 0
+    states = [new_state(SamplingParams(temperature=0, top_k=3, top_p=0.5), [], None) for _ in range(6)]
+    out = Sampler(50)(logits, states)
+    assert out.tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert out.tokens.dtype == torch.int64
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+
+
+@pytest.mark.parametrize("knobs, support", [
+    (dict(), 8),
+    (dict(top_k=-1), 8),
+    (dict(temperature=0.5), 8),
+    (dict(temperature=2.0), 8),
+    (dict(top_k=3), 3),
+    (dict(top_p=0.6), 3),  # cumulative 0.30, 0.50, 0.65: the third token reaches 0.6
+    (dict(min_p=0.3), 5),  # keeps p >= 0.09
+    # each filter cuts: top 5 of p^1.25, of which top 0.8 is 4 tokens, of which min_p keeps 3
+    (dict(temperature=0.8, top_k=5, top_p=0.8, min_p=0.35), 3),
+])
+def test_distribution_matches_definition(knobs, support):
+    """20000 unseeded draws are within total variation distance 0.02 of the exact distribution."""
+    expected = reference(**knobs)
+    assert np.count_nonzero(expected) == support  # the reference itself is what the comment says
+    got = empirical(sample_many(SamplingParams(**knobs)))
+    assert tvd(got, expected) < TVD_LIMIT, (got, expected)
+    assert got[expected == 0].sum() == 0  # filtered tokens are never drawn
+
+
+def test_rows_with_different_params_in_one_batch():
+    """Interleaved rows of two settings each follow their own distribution (TVD < 0.02 per setting)."""
+    a, b = dict(top_k=2), dict(temperature=0.5, min_p=0.3)
+    states = [new_state(SamplingParams(**(a if i % 2 else b)), [], None) for i in range(2 * DRAWS)]
+    tokens = Sampler(V, seed=3)(fixed_logits().expand(2 * DRAWS, V), states).tokens
+    assert tvd(empirical(tokens[1::2]), reference(**a)) < TVD_LIMIT
+    assert tvd(empirical(tokens[0::2]), reference(**b)) < TVD_LIMIT
+
+
+def run_steps(states, target: int, steps: int, sampler_seed: int) -> list[int]:
+    """Samples `steps` tokens for every row, feeding them back; returns row `target`'s tokens."""
+    sampler = Sampler(50, seed=sampler_seed)
+    logit_stream = torch.Generator().manual_seed(7)  # the same logits at every step, whatever the batch
+    tokens = []
+    for _ in range(steps):
+        step_logits = torch.randn(50, generator=logit_stream)
+        logits = torch.randn(len(states), 50)
+        logits[target] = step_logits
+        out = sampler(logits, states).tokens
+        for state, token in zip(states, out.tolist()):
+            state.output_ids.append(token)
+        tokens.append(out[target].item())
+    return tokens
+
+
+def seeded(seed: int):
+    return new_state(SamplingParams(seed=seed, top_k=20, presence_penalty=0.5), [1, 2, 3], None)
+
+
+def test_seeded_request_is_reproducible_in_any_batch():
+    alone = run_steps([seeded(1234)], target=0, steps=20, sampler_seed=0)
+    others = [
+        new_state(SamplingParams(), [], None),
+        new_state(SamplingParams(temperature=0), [], None),
+        new_state(SamplingParams(seed=99, top_p=0.9), [], None),
+        new_state(SamplingParams(temperature=0.7, min_p=0.1, logprobs=2), [], None),
+    ]
+    batch = others[:3] + [seeded(1234)] + others[3:]
+    in_batch = run_steps(batch, target=3, steps=20, sampler_seed=5)
+    assert in_batch == alone
+    assert run_steps([seeded(4321)], target=0, steps=20, sampler_seed=0) != alone
+
+
+def penalty_state(prompt, output, **knobs):
+    state = new_state(SamplingParams(**knobs), prompt, None)
+    state.output_ids.extend(output)
+    return state
+
+
+def test_penalties_exact_values():
+    """Prompt [0, 1], output [2, 2, 4]: repetition on prompt+output, frequency/presence on output only."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0]).expand(5, 6)
+    prompt, output = [0, 1], [2, 2, 4]
+    states = [
+        penalty_state(prompt, output, repetition_penalty=2.0),
+        penalty_state(prompt, output, frequency_penalty=0.5),
+        penalty_state(prompt, output, presence_penalty=0.25),
+        penalty_state(prompt, output, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        penalty_state(prompt, output),
+    ]
+    expected = torch.tensor([
+        [1.0, -2.0, 0.25, 3.0, -4.0, 1.0],  # positive / 2, negative * 2, unseen 3 and 5 untouched
+        [2.0, -1.0, -0.5, 3.0, -2.5, 1.0],  # 0.5 per occurrence in the output; the prompt does not count
+        [2.0, -1.0, 0.25, 3.0, -2.25, 1.0],  # 0.25 once per generated token, however often
+        [1.0, -2.0, -1.0, 3.0, -4.75, 1.0],  # 0.5/2 - 2*0.5 - 0.25; -2*2 - 0.5 - 0.25
+        [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
+    ])
+    before = logits.clone()
+    assert torch.equal(apply_penalties(logits, states), expected)
+    assert torch.equal(logits, before)
+
+
+def test_penalty_changes_greedy_choice():
+    logits = torch.tensor([[1.0, 1.2, 0.0]])
+    state = penalty_state([], [1], temperature=0, presence_penalty=0.5)
+    assert Sampler(3)(logits, [state]).tokens.tolist() == [0]
+    assert Sampler(3)(logits, [penalty_state([], [1], temperature=0)]).tokens.tolist() == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    eos, stop = 4, 3
+    logits = torch.tensor([0.0, 1.0, 2.0, 5.0, 6.0]).expand(DRAWS, 5)
+    params = SamplingParams(min_tokens=2, stop_token_ids=(stop,))
+    early = [new_state(params, [], eos) for _ in range(DRAWS)]
+    tokens = Sampler(5)(logits, early).tokens
+    assert not ((tokens == eos) | (tokens == stop)).any()
+    assert set(tokens.tolist()) == {0, 1, 2}
+    # once min_tokens are out, EOS (the argmax) is back
+    done = new_state(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(stop,)), [], eos)
+    done.output_ids.extend([0, 1])
+    assert Sampler(5)(logits[:1], [done]).tokens.tolist() == [eos]
+    early_greedy = new_state(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(stop,)), [], eos)
+    assert Sampler(5)(logits[:1], [early_greedy]).tokens.tolist() == [2]
+
+
+def test_ignore_eos_does_not_mask_eos():
+    state = new_state(SamplingParams(temperature=0, ignore_eos=True), [], 4)
+    assert Sampler(5)(torch.tensor([[0.0, 1.0, 2.0, 5.0, 6.0]]), [state]).tokens.tolist() == [4]
+
+
+def test_logprobs_come_from_raw_logits():
+    raw = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 3
+    knobs = [
+        dict(logprobs=0, temperature=0.5, repetition_penalty=1.5),
+        dict(logprobs=3, top_k=5, frequency_penalty=1.0),
+        dict(),  # asks for nothing: its columns are junk but the call still works
+        dict(logprobs=5, temperature=0, presence_penalty=2.0),
+    ]
+    states = [penalty_state([7, 8], [9, 9, 10], **k) for k in knobs]
+    out = Sampler(50)(raw, states)
+    expected = torch.log_softmax(raw, dim=-1)
+    assert torch.allclose(out.logprobs, expected.gather(1, out.tokens[:, None]).squeeze(1))
+    assert out.top_ids.shape == (4, 5) and out.top_logprobs.shape == (4, 5)
+    for row, k in [(1, 3), (3, 5)]:
+        top_values, top_ids = torch.topk(expected[row], k)
+        assert out.top_ids[row, :k].tolist() == top_ids.tolist()
+        assert torch.allclose(out.top_logprobs[row, :k], top_values)
+        assert (out.top_logprobs[row, :k].diff() <= 0).all()
+
+
+def test_rejects_wrong_shapes():
+    sampler = Sampler(8)
+    with pytest.raises(ValueError, match="logits must be"):
+        sampler(torch.zeros(1, 9), [new_state(SamplingParams(), [], None)])
+    with pytest.raises(ValueError, match="2 sampling states"):
+        sampler(torch.zeros(1, 8), [new_state(SamplingParams(), [], None)] * 2)
