@@ -55,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
     bench.add_argument("--steps", type=int, default=32, help="decode steps timed (median reported)")
     bench.set_defaults(run=_bench_model)
+    offline = commands.add_parser("bench-offline", help="offline throughput through the engine (LLM.generate)")
+    offline.add_argument("-c", "--config", metavar="SPEC", help="the spec (default: every default)")
+    offline.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    offline.add_argument("--requests", type=int, default=64)
+    offline.add_argument("--input-len", type=int, default=256)
+    offline.add_argument("--output-len", type=int, default=128)
+    offline.set_defaults(run=_bench_offline)
     docs = commands.add_parser("spec-docs", help="print docs/SPEC.md, generated from the spec's field docs")
     docs.set_defaults(run=_spec_docs)
     topo = commands.add_parser("topology", help="show the CPU/NUMA/cgroup topology as the planner sees it")
@@ -148,6 +155,13 @@ def _bench_model(args: argparse.Namespace) -> int:
     doc = read_spec(args.config, [])
     run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
         args.prompt, args.steps)
+    return 0
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from app.benchmark.offline import run
+
+    run(args.config, args.dtype, args.requests, args.input_len, args.output_len)
     return 0
 
 

@@ -46,6 +46,13 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
+    """One rank of the appliance in this process.
+
+    `spec` is a YAML spec path; keyword sections override it (`model={"dtype": "float32"}`). With
+    `bind_threads` (the default, as the server does) the calling thread and the OpenMP pool are pinned
+    to the plan's CPUs and memory to its NUMA node; this process then sees only those CPUs.
+    """
+
     def __init__(self, spec: str | Path | None = None, *, bind_threads: bool = True, **sections: dict):
         from app import kernels
         from app.bootstrap.preflight import check, default_search_dirs
@@ -59,11 +66,11 @@ class LLM:
         overrides = [] if "cores" in sections else ["cores.reserve_frontend=0"]  # no HTTP frontend in-process
         overrides += [f"{key}={json.dumps(value)}" for key, value in _flatten(sections)]
         self.spec = read_spec(spec, overrides).spec
+        if self.spec.parallel.tp * self.spec.parallel.dp != 1:
+            raise ValueError("the offline LLM runs a single rank; tp x dp > 1 needs the server (`app serve`)")
         topo, source = read_topology("/"), resolve_source(self.spec.model)
         runtime = check(self.spec.runtime, topo.arch, {}, default_search_dirs(), "").openmp_runtime
         plan = make_plan(self.spec, topo, read_footprint(source, source_key(self.spec.model)), runtime)
-        if len(plan.ranks) != 1:
-            raise ValueError("the offline LLM runs a single rank; tp x dp > 1 needs the server (`app serve`)")
         rank = plan.ranks[0]
         if bind_threads:
             kernels.bind_threads(rank.cpus, rank.memory_nodes, rank.memory_policy == "interleave")

@@ -56,8 +56,8 @@ class SequenceText:
 
     def add(self, token_id: int | None, logprobs: TokenLogprobs | None, hidden: bool = False) -> bool:
         """Take one new token; True if a stop string ended the sequence. `hidden` tokens add no text."""
-        if token_id is None:
-            return False
+        if token_id is None or self.finish_reason is not None:
+            return self.finish_reason == FinishReason.STOP
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)

@@ -53,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     # --- requests in and out ---
 
@@ -105,6 +106,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens, request.status = 0, Status.PREEMPTED

@@ -1,0 +1,137 @@
+"""The engine with the real SmolLM2 model in float32: batching, chunking, prefix caching and preemption
+change nothing about a greedy request's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.core import EngineCore
+from app.engine.model_runner import ModelRunner
+from app.engine.params import SamplingParams
+from app.engine.scheduler import SchedulerConfig
+from app.model.loader import load_model
+from app.model.source import resolve_source
+from app.spec.schema import ModelSpec
+
+BLOCK = 16
+STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, counting each of the one "
+         "hundred and twelve steps, listening to the sea hammer the rocks below, and wondering whether the "
+         "ships that passed in the night ever thought of the small light that kept them from harm. ")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(resolve_source(ModelSpec()), "float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded) -> list[list[int]]:
+    tok = loaded.tokenizer
+    texts = [
+        "Hi", "The capital of France is", "List three primary colors:", "def add(a, b):",
+        STORY, STORY * 2 + "In the morning,", "Translate to French: good night", "Water boils at",
+        # four prompts sharing a long prefix (two full copies of the story), then different questions
+        STORY * 2 + "Question: who climbed the stairs?", STORY * 2 + "Question: how many steps were there?",
+        STORY * 2 + "Question: what did the keeper hear?", STORY * 2 + "Summary:",
+        "1 2 3 4 5", "Once upon a time", STORY[:90], "Why is the sky blue?",
+    ]
+    return [tok(t).input_ids for t in texts]
+
+
+def run_engine(loaded, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams, *,
+               blocks: int = 2048, budget: int = 2048, seqs: int = 64, chunked: bool = True, prefix: bool = True,
+               max_len: int = 8192) -> tuple[list[list[int]], EngineCore]:
+    runner = ModelRunner(loaded.model, blocks, BLOCK, budget, seqs)
+    core = EngineCore(runner, SchedulerConfig(seqs, budget, max_len, chunked), blocks, BLOCK, prefix, "smollm2")
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(str(i), ids, p, loaded.tokenizer.eos_token_id)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_work():
+        for delta in core.step():
+            tokens[delta.request_id].append(delta.token_id)
+    assert core.kv.usage() == 0.0 and all(c == 0 for c in core.kv.pool.ref_count)  # nothing leaked
+    return [tokens[str(i)] for i in range(len(prompts))], core
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(loaded, prompts) -> list[list[int]]:
+    return [run_engine(loaded, [p], GREEDY)[0][0] for p in prompts]
+
+
+def test_prompts_are_mixed_lengths(prompts):
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] <= 2 and lengths[-1] > 100 and len(set(lengths)) >= 10
+
+
+def test_batch_of_16_equals_each_alone(loaded, prompts, alone):
+    together, _ = run_engine(loaded, prompts, GREEDY)
+    assert together == alone
+
+
+def test_shared_prefix_is_reused_and_changes_nothing(loaded, prompts, alone):
+    # prompts 8-11 share two copies of the story; the first one caches it, the others find it
+    first, core = run_engine(loaded, [prompts[8]], GREEDY)
+    shared = run_engine_on(core, loaded, prompts[9:12])
+    assert [first[0], *shared] == alone[8:12]
+    story_blocks = len(loaded.tokenizer(STORY * 2).input_ids) // BLOCK
+    assert core.kv.hits >= 3 * (story_blocks - 1) * BLOCK
+
+
+def run_engine_on(core: EngineCore, loaded, prompts: list[list[int]]) -> list[list[int]]:
+    """More requests through an engine that already ran some (its prefix cache is warm)."""
+    for i, ids in enumerate(prompts):
+        core.add_request(f"more-{i}", ids, GREEDY, loaded.tokenizer.eos_token_id)
+    tokens: dict[str, list[int]] = {f"more-{i}": [] for i in range(len(prompts))}
+    while core.has_work():
+        for delta in core.step():
+            tokens[delta.request_id].append(delta.token_id)
+    return [tokens[f"more-{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("chunked prefill, small budget", dict(budget=48, chunked=True)),
+    ("no chunked prefill", dict(budget=512, chunked=False)),
+    ("no prefix caching", dict(prefix=False)),
+])
+def test_scheduling_options_do_not_change_tokens(loaded, prompts, alone, name, options):
+    together, core = run_engine(loaded, prompts, GREEDY, **options)
+    assert together == alone, name
+    if options.get("budget") == 48:  # admitted over many steps: later prompts find the story cached
+        assert core.kv.hits > 0
+
+
+def test_preemption_under_a_small_cache_does_not_change_tokens(loaded, prompts, alone):
+    total = sum(len(p) + 12 for p in prompts)
+    together, core = run_engine(loaded, prompts, GREEDY, blocks=total // BLOCK // 3, max_len=1024)
+    assert core.scheduler.num_preemptions > 0
+    assert together == alone
+
+
+def test_seeded_requests_reproduce_alone_and_in_a_batch(loaded, prompts):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
+    solo, _ = run_engine(loaded, [prompts[4]], seeded)
+    mixed = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 5
+    mixed[3] = seeded
+    batch, _ = run_engine(loaded, prompts[:3] + [prompts[4]] + prompts[5:6], mixed)
+    assert batch[3] == solo[0]
+    other, _ = run_engine(loaded, [prompts[4]], SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=10,
+                                                               ignore_eos=True))
+    assert other[0] != solo[0]
+
+
+def test_prompt_too_long_is_rejected(loaded):
+    from app.engine.core import RequestRejected
+
+    runner = ModelRunner(loaded.model, 64, BLOCK, 256, 4)
+    core = EngineCore(runner, SchedulerConfig(4, 256, 100, True), 64, BLOCK, True, "m")
+    with pytest.raises(RequestRejected, match="the prompt has 150 tokens; this model's context holds 100"):
+        core.add_request("x", [5] * 150, GREEDY, 0)
+    with pytest.raises(RequestRejected, match="empty"):
+        core.add_request("y", [], GREEDY, 0)
+    assert not core.has_work()
+    torch.testing.assert_close(torch.tensor(core.kv.usage()), torch.tensor(0.0))

@@ -1,0 +1,74 @@
+"""The offline API end to end: `from app import LLM, SamplingParams`."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # bind_threads=False: pinning would confine the whole test process to the rank's CPUs
+    return LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB"}, bind_threads=False)
+
+
+def test_chat_answers_the_capital_of_france(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"  # the model ended its turn itself
+    assert out[0].outputs[0].token_ids[-1] == llm.eos_token_id and "<|im_end|>" not in out[0].outputs[0].text
+
+
+def test_generate_returns_outputs_in_input_order(llm):
+    prompts = ["Water boils at", "One, two, three,", "The capital of Italy is"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.prompt for o in outs] == prompts
+    single = [llm.generate(p, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text for p in prompts]
+    assert [o.outputs[0].text for o in outs] == single
+    assert outs[0].prompt_token_ids == llm.tokenizer(prompts[0]).input_ids
+
+
+def test_token_id_prompts_and_per_prompt_params(llm):
+    ids = llm.tokenizer("Count: 1, 2,").input_ids
+    outs = llm.generate([ids, "Hello"], [SamplingParams(temperature=0, max_tokens=3),
+                                         SamplingParams(temperature=0, max_tokens=5)])
+    assert outs[0].prompt is None and outs[0].prompt_token_ids == ids
+    assert len(outs[0].outputs[0].token_ids) == 3 and len(outs[1].outputs[0].token_ids) == 5
+    assert outs[0].outputs[0].finish_reason == "length"
+
+
+def test_n_completions_share_the_prompt_and_differ(llm):
+    before = llm.core.kv.hits
+    prompt = "Write a one-line poem about the ocean, with vivid imagery and a surprising final word:"
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert llm.core.kv.hits - before >= 2 * 16  # siblings found the prompt's full blocks cached
+    again = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_stop_strings_never_appear_in_the_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    free = llm.generate("The three primary colors are", params)[0].outputs[0].text
+    stop = free.strip().split()[2]  # a word the model does produce
+    out = llm.generate("The three primary colors are", SamplingParams(temperature=0, max_tokens=40, stop=(stop,)))
+    text = out[0].outputs[0].text
+    assert stop not in text and free.startswith(text) and out[0].outputs[0].finish_reason == "stop"
+
+
+def test_logprobs_of_sampled_and_top_tokens(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    for token, lp in zip(c.token_ids, c.logprobs, strict=True):
+        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the sampled token is the most likely
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0
+
+
+def test_offline_llm_refuses_more_than_one_rank():
+    with pytest.raises(ValueError, match="single rank"):
+        LLM(parallel={"dp": 2}, bind_threads=False)

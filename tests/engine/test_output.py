@@ -1,0 +1,85 @@
+"""Incremental detokenization and stop strings, with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.output import Detokenizer, SequenceText
+from app.engine.request import FinishReason
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from app.model.loader import _tokenizer
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+
+    return _tokenizer(resolve_source(ModelSpec()))
+
+
+TEXTS = [
+    "Plain ASCII, with punctuation!",
+    "Café crème brûlée: naïve façade.",
+    "Emoji 🙂🚀 and flags 🇫🇷 split across byte tokens",
+    "日本語のテキストと中文混合",
+    "  leading spaces\nand\ttabs  ",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_decode_equals_decoding_everything(tokenizer, text):
+    prompt = tokenizer("Say:").input_ids
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detok = Detokenizer(tokenizer, prompt)
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)  # never half a character
+
+
+def test_multibyte_character_waits_for_all_its_tokens(tokenizer):
+    ids = tokenizer("🙂", add_special_tokens=False).input_ids
+    assert len(ids) > 1  # byte-level BPE splits it
+    detok = Detokenizer(tokenizer, [])
+    pieces = [detok.add(t) for t in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🙂"
+
+
+def _sequence(tokenizer, stop):
+    return SequenceText(Detokenizer(tokenizer, []), stop)
+
+
+def test_stop_string_ends_the_text_before_it(tokenizer):
+    seq = _sequence(tokenizer, ("STOP",))
+    ended = [seq.add(t, None) for t in tokenizer("go on STOP and more", add_special_tokens=False).input_ids]
+    assert any(ended) and seq.finish_reason == FinishReason.STOP
+    assert seq.text == "go on " and seq.take_new_text() == "go on "
+
+
+def test_stop_string_split_across_tokens_never_leaks_while_streaming(tokenizer):
+    stop = ("</answer>",)
+    ids = tokenizer("The result is 42</answer> trailing", add_special_tokens=False).input_ids
+    seq, streamed = _sequence(tokenizer, stop), ""
+    for t in ids:
+        done = seq.add(t, None)
+        streamed += seq.take_new_text()
+        assert not any(streamed.endswith(stop[0][:k]) for k in range(2, len(stop[0]) + 1)) or done
+        if done:
+            break
+    assert streamed == "The result is 42" and "</" not in streamed
+
+
+def test_text_is_released_once_it_cannot_start_a_stop_string(tokenizer):
+    seq = _sequence(tokenizer, ("xyz",))
+    for t in tokenizer("hello world", add_special_tokens=False).input_ids:
+        seq.add(t, None)
+    assert seq.take_new_text() == "hello wor"  # the last 2 characters could still begin "xyz"
+    seq.finish_reason = FinishReason.LENGTH
+    assert seq.take_new_text() == "ld"
+
+
+def test_hidden_stop_token_is_kept_in_ids_but_not_in_text(tokenizer):
+    seq = _sequence(tokenizer, ())
+    eos = tokenizer.eos_token_id
+    seq.add(tokenizer("Hi", add_special_tokens=False).input_ids[0], None)
+    seq.add(eos, None, hidden=True)
+    assert seq.token_ids[-1] == eos and seq.text == "Hi"

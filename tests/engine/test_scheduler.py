@@ -1,0 +1,259 @@
+"""Scheduler and KV cache manager with fake requests and no model: every step is checked, and every
+test ends by asserting that no block leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.kv_cache import KVCacheManager
+from app.engine.params import SamplingParams
+from app.engine.request import FinishReason, Request, Status
+from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+BLOCK = 4
+EOS = 0
+
+
+class Harness:
+    """A scheduler whose "model" samples token 7 for every sequence (or what a test scripts)."""
+
+    def __init__(self, blocks: int = 64, seqs: int = 8, budget: int = 32, chunked: bool = True,
+                 prefix: bool = True, max_len: int = 256):
+        self.kv = KVCacheManager(blocks, BLOCK, prefix, "test-model")
+        self.sched = Scheduler(SchedulerConfig(seqs, budget, max_len, chunked), self.kv)
+        self.finished: list[Request] = []
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:
+        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw), EOS)
+        self.sched.add(request)
+        return request
+
+    def step(self, tokens: dict[str, int] | None = None) -> SchedulerOutput:
+        out = self.sched.schedule()
+        self.check_step(out)
+        sampled = {r.request_id: (tokens or {}).get(r.request_id, 7) for r in out.requests if r.sample}
+        self.finished += self.sched.update(out, sampled)
+        return out
+
+    def check_step(self, out: SchedulerOutput) -> None:
+        cfg = self.sched.cfg
+        assert out.num_tokens <= cfg.max_num_batched_tokens
+        assert len(out.requests) <= cfg.max_num_seqs
+        for r in out.requests:  # every scheduled token has a cache slot in the request's own blocks
+            assert len(r.block_ids) * BLOCK >= r.num_computed + len(r.token_ids)
+        used = [b for r in self.sched.running for b in self.kv.block_ids(r.request_id)]
+        shared = {b for b in used if used.count(b) > 1}
+        for b in set(used):
+            assert self.kv.pool.ref_count[b] == used.count(b)  # one reference per holder
+        assert not shared & set(self.kv.pool.free)
+
+    def run(self, limit: int = 200) -> None:
+        for _ in range(limit):
+            if not self.sched.has_work():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def assert_no_leaks(self) -> None:
+        assert not self.sched.running and not self.sched.waiting
+        assert all(c == 0 for c in self.kv.pool.ref_count)
+        assert self.kv.num_free_blocks() == self.kv.num_blocks
+
+
+@pytest.fixture
+def h():
+    harness = Harness()
+    yield harness
+    harness.assert_no_leaks()
+
+
+def make(blocks=64, **kw):
+    return Harness(blocks, **kw)
+
+
+def test_decode_goes_one_token_a_step_and_stops_at_max_tokens(h):
+    h.add("a", [1, 2, 3, 4, 5], max_tokens=3)
+    first = h.step()
+    assert [(r.token_ids, r.num_computed, r.sample) for r in first.requests] == [((1, 2, 3, 4, 5), 0, True)]
+    second = h.step()
+    assert [(r.token_ids, r.num_computed) for r in second.requests] == [((7,), 5)]
+    h.run()
+    assert h.finished[0].output_ids == [7, 7, 7] and h.finished[0].finish_reason == FinishReason.LENGTH
+
+
+def test_token_budget_and_sequence_limit():
+    h = make(seqs=2, budget=10)
+    for i in range(4):
+        h.add(f"r{i}", list(range(1, 7)), max_tokens=2)  # 6 tokens each
+    out = h.step()
+    assert [r.request_id for r in out.requests] == ["r0", "r1"] and out.num_tokens == 10  # r1 chunked to 4
+    assert [len(r.token_ids) for r in out.requests] == [6, 4] and [r.sample for r in out.requests] == [True, False]
+    h.run()
+    assert sorted(r.request_id for r in h.finished) == ["r0", "r1", "r2", "r3"]
+    h.assert_no_leaks()
+
+
+def test_chunked_prefill_splits_and_resumes_with_decodes_first():
+    h = make(budget=8)
+    h.add("short", [1, 2, 3], max_tokens=5)
+    h.step()  # short's prompt
+    h.add("long", list(range(10, 30)), max_tokens=1)  # 20 tokens: 7 + 8 + 5
+    chunks = []
+    for _ in range(3):
+        out = h.step()
+        assert out.requests[0].request_id == "short" and len(out.requests[0].token_ids) == 1  # decode first
+        chunks.append([(r.num_computed, len(r.token_ids), r.sample) for r in out.requests if r.request_id == "long"][0])
+    assert chunks == [(0, 7, False), (7, 7, False), (14, 6, True)]
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_big_enough_budget():
+    h = make(budget=8, chunked=False)
+    h.add("fits", [1, 2, 3, 4, 5, 6], max_tokens=3)
+    h.add("too-long-now", list(range(21, 28)), max_tokens=1)  # 7 tokens > 8 - 6 left this step
+    out = h.step()
+    assert [r.request_id for r in out.requests] == ["fits"]
+    out = h.step()
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("fits", 1), ("too-long-now", 7)]
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_prefix_blocks_are_shared_and_reference_counted(h):
+    prefix = list(range(100, 112))  # three full blocks
+    h.add("a", prefix + [1, 2], max_tokens=5)
+    h.step()
+    a_blocks = h.kv.block_ids("a")
+    h.add("b", prefix + [3, 4, 5], max_tokens=2)
+    out = h.step()
+    b = next(r for r in out.requests if r.request_id == "b")
+    assert b.num_computed == 12 and b.token_ids == (3, 4, 5)  # only the tail is computed
+    assert h.kv.block_ids("b")[:3] == a_blocks[:3]
+    assert all(h.kv.pool.ref_count[x] == 2 for x in a_blocks[:3])
+    assert h.kv.hits == 12
+    h.sched.finish("a", FinishReason.ABORT)
+    assert all(h.kv.pool.ref_count[x] == 1 for x in a_blocks[:3])
+    h.run()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(h):
+    prompt = list(range(200, 208))  # exactly two blocks
+    h.add("a", prompt, max_tokens=1)
+    h.run()
+    h.add("b", prompt, max_tokens=1)
+    out = h.step()
+    assert [(r.num_computed, r.token_ids) for r in out.requests] == [(4, (204, 205, 206, 207))]  # block 2 redone
+
+
+def test_cached_blocks_outlive_their_request_and_are_evicted_least_recently_used_first():
+    h = make(blocks=6)
+    h.add("old", list(range(10, 18)), max_tokens=1)  # fills 2 blocks (+1 for the output token)
+    h.run()
+    h.add("new", list(range(30, 38)), max_tokens=1)
+    h.run()
+    assert h.kv.num_free_blocks() == 6
+    # both prefixes are still findable
+    assert h.kv.find_prefix(Request("q1", list(range(10, 19)), SamplingParams())).num_tokens == 8
+    assert h.kv.find_prefix(Request("q2", list(range(30, 39)), SamplingParams())).num_tokens == 8
+    h.add("big", list(range(50, 63)), max_tokens=1)  # needs 4 blocks: the 4 least recently used go
+    h.run()
+    assert h.kv.find_prefix(Request("q3", list(range(10, 19)), SamplingParams())).num_tokens == 0  # "old" evicted
+    assert h.kv.find_prefix(Request("q4", list(range(30, 39)), SamplingParams())).num_tokens == 8  # "new" kept
+    h.assert_no_leaks()
+
+
+def test_preemption_frees_the_latest_request_and_recomputes_it():
+    h = make(blocks=6, budget=64)
+    h.add("first", [1] * 8, max_tokens=12)  # grows to 20 tokens = 5 blocks
+    h.add("second", [2] * 8, max_tokens=12)
+    h.step()
+    assert len(h.kv.block_ids("first")) == 2 and len(h.kv.block_ids("second")) == 2  # 8 tokens: 2 blocks each
+    preempted = []
+    for _ in range(60):
+        if not h.sched.has_work():
+            break
+        out = h.step()
+        preempted += out.preempted
+    assert preempted and preempted[0] == "second"  # the most recently started one
+    second = next(r for r in h.finished if r.request_id == "second")
+    assert second.output_ids == [7] * 12 and second.finish_reason == FinishReason.LENGTH
+    h.assert_no_leaks()
+
+
+def test_preempted_request_resumes_with_its_output_so_far():
+    h = make(blocks=5, budget=64, prefix=False)
+    h.add("a", [1] * 7, max_tokens=10)
+    h.add("b", [2] * 7, max_tokens=10)
+    seen_resume = False
+    for _ in range(80):
+        if not h.sched.has_work():
+            break
+        out = h.step()
+        for r in out.requests:
+            if r.request_id == "b" and r.num_computed == 0 and len(r.token_ids) > 7:
+                seen_resume = True  # recomputes prompt + the tokens it had produced
+                assert r.token_ids[:7] == (2,) * 7 and set(r.token_ids[7:]) == {7}
+    assert seen_resume
+    h.assert_no_leaks()
+
+
+def test_abort_frees_everything_at_any_point(h):
+    h.add("a", list(range(1, 20)), max_tokens=50)
+    h.add("b", list(range(1, 20)), max_tokens=50)
+    h.add("c", list(range(1, 5)), max_tokens=50)
+    h.step()
+    h.step()
+    for rid in ("a", "b", "c"):
+        assert h.sched.finish(rid, FinishReason.ABORT).finish_reason == FinishReason.ABORT
+    assert h.sched.finish("a", FinishReason.ABORT) is None  # unknown now: ignored
+
+
+def test_abort_while_waiting_and_update_after_abort(h):
+    h.add("a", [1, 2, 3], max_tokens=3)
+    out = h.sched.schedule()
+    h.sched.finish("a", FinishReason.ABORT)  # the client left while the step ran
+    assert h.sched.update(out, {"a": 9}) == []
+    h.add("w", [1, 2], max_tokens=1)
+    h.sched.finish("w", FinishReason.ABORT)
+
+
+def test_stop_conditions(h):
+    h.add("eos", [1, 2], max_tokens=10)
+    h.add("min", [1, 2], max_tokens=10, min_tokens=2)
+    h.add("ignore", [1, 2], max_tokens=2, ignore_eos=True)
+    h.add("stopid", [1, 2], max_tokens=10, stop_token_ids=(5,))
+    h.step({"eos": EOS, "min": EOS, "ignore": EOS, "stopid": 5})
+    assert {r.request_id: r.finish_reason for r in h.finished} == {"eos": FinishReason.STOP, "stopid": FinishReason.STOP}
+    h.step({"min": EOS, "ignore": EOS})
+    assert {r.request_id for r in h.finished} == {"eos", "stopid", "min", "ignore"}
+    assert next(r for r in h.finished if r.request_id == "ignore").finish_reason == FinishReason.LENGTH
+
+
+def test_context_length_ends_a_request(h):
+    short = make(max_len=8)
+    short.add("a", [1, 2, 3, 4, 5, 6], max_tokens=None)
+    short.run()
+    assert short.finished[0].output_ids == [7, 7] and short.finished[0].finish_reason == FinishReason.LENGTH
+    short.assert_no_leaks()
+
+
+def test_sibling_waits_for_the_first_prompt_then_shares_its_blocks(h):
+    prompt = list(range(40, 53))  # 13 tokens: 3 full blocks
+    h.add("x-0", prompt, max_tokens=4)
+    h.sched.add(Request("x-1", prompt, SamplingParams(max_tokens=2), EOS, wait_for="x-0"))
+    out = h.step()
+    assert [r.request_id for r in out.requests] == ["x-0"]
+    out = h.step()
+    sibling = next(r for r in out.requests if r.request_id == "x-1")
+    assert sibling.num_computed == 12 and h.kv.block_ids("x-1")[:3] == h.kv.block_ids("x-0")[:3]
+    h.run()
+
+
+def test_status_moves_through_the_life_cycle(h):
+    r = h.add("a", [1, 2, 3], max_tokens=1)
+    assert r.status == Status.WAITING
+    h.sched.schedule()
+    assert r.status == Status.RUNNING
+    h.sched.finish("a", FinishReason.ABORT)
+    assert r.status == Status.FINISHED and r.finished
