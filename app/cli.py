@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     offline.set_defaults(run=_bench_offline)
     docs = commands.add_parser("spec-docs", help="print docs/SPEC.md, generated from the spec's field docs")
     docs.set_defaults(run=_spec_docs)
+    serve = commands.add_parser("serve", help="start the appliance: engine process and OpenAI-compatible HTTP server")
+    serve.add_argument("-c", "--config", metavar="SPEC", help="the YAML spec (default: every default)")
+    serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    serve.set_defaults(run=_serve)
     topo = commands.add_parser("topology", help="show the CPU/NUMA/cgroup topology as the planner sees it")
     topo.add_argument("--root", default="/", help="read a captured tree instead of this machine")
     topo.add_argument("--json", action="store_true", help="JSON instead of text")
@@ -147,6 +151,12 @@ def _preflight(args: argparse.Namespace) -> int:
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.bootstrap.serve import serve
+
+    return serve(args.config, args.set)
 
 
 def _bench_model(args: argparse.Namespace) -> int:

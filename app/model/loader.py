@@ -42,7 +42,7 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True) -> Loade
     bar.close()
     model = LlamaForCausalLM(checkpoint.config, weights, DTYPES[dtype])
     del weights
-    tok = _tokenizer(source) if tokenizer else None
+    tok = load_tokenizer(source) if tokenizer else None
     template = _chat_template(tok, checkpoint.chat_template)
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident", source.served_name,
@@ -51,7 +51,7 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True) -> Loade
     return LoadedModel(model, checkpoint.config, tok, template, seconds)
 
 
-def _tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     if source.format == "gguf":

@@ -107,6 +107,8 @@ class SchedulerSpec(Section):
     """Split long prompts across steps so decodes keep flowing."""
     prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes already computed."""
+    max_waiting_requests: int = Field(default=256, ge=1, le=1 << 20)
+    """Requests that may wait for a slot; more are refused with HTTP 429 rather than queued."""
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> SchedulerSpec:
@@ -153,6 +155,8 @@ class ServerSpec(Section):
     """Largest request body accepted (larger gets HTTP 413)."""
     cors_origins: list[str] = Field(default_factory=list)
     """Origins allowed by CORS ("*" for any); default: none."""
+    shutdown_grace: float = Field(default=30.0, ge=0, le=3600)
+    """Seconds that in-flight requests may take to finish after SIGTERM before they are cut off."""
 
     @field_validator("cors_origins")
     @classmethod

@@ -10,11 +10,11 @@ from app.engine.request import FinishReason
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from app.model.loader import _tokenizer
+    from app.model.loader import load_tokenizer
     from app.model.source import resolve_source
     from app.spec.schema import ModelSpec
 
-    return _tokenizer(resolve_source(ModelSpec()))
+    return load_tokenizer(resolve_source(ModelSpec()))
 
 
 TEXTS = [

@@ -1,0 +1,84 @@
+"""The messages between HTTP frontend workers and an engine process, over ZeroMQ.
+
+msgpack via msgspec with a closed set of tagged structs: decoding checks every field's type, and
+nothing from a socket is ever unpickled. A frontend worker is a DEALER (its identity names it);
+the engine is a ROUTER that answers each worker on its own identity.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class WireParams(msgspec.Struct, frozen=True):
+    """SamplingParams for one sequence (n > 1 becomes n requests in the frontend)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: WireParams
+    eos_token_id: int | None = None
+    wait_for: str | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_ids: list[str]
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """A worker announcing itself, so that it gets heartbeats before it sends any request."""
+
+
+class Delta(msgspec.Struct, array_like=True, frozen=True):
+    request_id: str
+    token_id: int | None
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+
+
+class Outputs(msgspec.Struct, tag="outputs", frozen=True):
+    deltas: list[Delta]
+
+
+class Rejected(msgspec.Struct, tag="rejected", frozen=True):
+    request_id: str
+    status: int  # the HTTP status the frontend should answer with
+    message: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    ready: bool
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+
+ToEngine = AddRequest | Abort | Hello
+FromEngine = Outputs | Rejected | Heartbeat
+
+encoder = msgspec.msgpack.Encoder()
+decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode
+decode_from_engine = msgspec.msgpack.Decoder(FromEngine).decode

@@ -1,0 +1,265 @@
+"""The Starlette application of one frontend worker: routes, the request gate, errors, OpenAPI."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.server import openai_api
+from app.server.engine_client import EngineClient
+from app.server.errors import APIError, error_response, from_api_error
+from app.server.metrics import EngineCollector, Metrics, render
+from app.server.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("app.server")
+VERSION = "0.1.0"
+
+
+@dataclass
+class FrontendConfig:
+    served_name: str
+    model_path: str
+    model_format: str
+    max_model_len: int
+    engine_address: str
+    chat_template: str | None = None
+    api_key: str | None = None
+    max_body_size: int = 4 << 20
+    cors_origins: list[str] = field(default_factory=list)
+    draining_marker: str | None = None  # the bootstrap creates this file when SIGTERM arrives
+    metrics_dir: str | None = None
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def loads(cls, text: str) -> FrontendConfig:
+        return cls(**json.loads(text))
+
+
+class Context:
+    """What every handler of this worker shares."""
+
+    def __init__(self, cfg: FrontendConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.served_name, self.max_model_len = cfg.served_name, cfg.max_model_len
+        self.eos_token_id = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        self.engine = EngineClient(cfg.engine_address)
+        self.metrics = Metrics(cfg.served_name)
+        self.collector = EngineCollector(cfg.served_name, self.engine)
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.served_name}`.",
+                           "model", "model_not_found")
+
+    def prompt_ids(self, prompt) -> list[list[int]]:
+        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        out = []
+        for p in prompts:
+            ids = self.tokenizer(p).input_ids if isinstance(p, str) else list(p)
+            self._check_ids(ids, "prompt")
+            out.append(ids)
+        return out
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      chat_template=self.cfg.chat_template)
+        except Exception as exc:  # the template refused this conversation (roles, order, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        self._check_ids(ids, "messages")
+        return ids
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param, "empty_prompt")
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{self.vocab_size - 1})", param)
+
+    def output_limit(self, ids: list[int], requested: int | None, param: str) -> int:
+        """How many tokens a sequence may generate; 400 when prompt plus request exceed the context."""
+        room = self.max_model_len - len(ids)
+        if room < 1 or (requested is not None and requested > room):
+            asked = f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion)" \
+                if requested is not None else f"{len(ids)} tokens in the prompt"
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {asked}. Please reduce the prompt or the completion.", param,
+                           "context_length_exceeded")
+        return room if requested is None else requested
+
+
+# --- the gate: body size, API key, draining ---
+
+
+class Gate:
+    """Pure ASGI middleware: checks that must happen before a body is read or a handler runs."""
+
+    def __init__(self, app, cfg: FrontendConfig):
+        self.app, self.cfg = app, cfg
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._refuse(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        await self.app(scope, self._limited(receive), send)
+
+    def _refuse(self, scope) -> Response | None:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.cfg.max_body_size:
+            return error_response(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,
+                                  "body_too_large")
+        path = scope["path"]
+        if self.cfg.api_key and path.startswith("/v1"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
+                return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)", None,
+                                      "invalid_api_key")
+        if self.cfg.draining_marker and path.startswith("/v1") and scope["method"] == "POST" and \
+                os.path.exists(self.cfg.draining_marker):
+            return error_response(503, "the server is shutting down", None, "draining", {"Retry-After": "5"})
+        return None
+
+    def _limited(self, receive):
+        seen = 0
+
+        async def wrapped():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.cfg.max_body_size:
+                    raise APIError(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,
+                                   "body_too_large")
+            return message
+
+        return wrapped
+
+
+# --- small routes ---
+
+
+async def models(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    return JSONResponse({"object": "list", "data": [{"id": ctx.served_name, "object": "model", "created": ctx.created,
+                                                     "owned_by": "appliance", "max_model_len": ctx.max_model_len}]})
+
+
+async def tokenize(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    body: TokenizeRequest = await openai_api.read_body(request, TokenizeRequest)
+    ctx.check_model(body.model)
+    if body.messages is not None:
+        ids = ctx.chat_ids(body.messages, body.add_generation_prompt)
+    else:
+        ids = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+
+
+async def detokenize(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    body: DetokenizeRequest = await openai_api.read_body(request, DetokenizeRequest)
+    ctx.check_model(body.model)
+    bad = [t for t in body.tokens if t >= ctx.vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{ctx.vocab_size - 1})", "tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
+async def health(request: Request) -> Response:
+    engine = request.app.state.ctx.engine
+    if engine.ready():
+        return JSONResponse({"status": "ok"})
+    return error_response(503, f"the engine is {engine.state()}", None, engine.state())
+
+
+async def metrics(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    return Response(render(ctx.collector, ctx.cfg.metrics_dir), media_type="text/plain; version=0.0.4")
+
+
+async def openapi(request: Request) -> Response:
+    from app.server.openapi import openapi_document
+
+    return JSONResponse(openapi_document(VERSION))
+
+
+# --- errors ---
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return from_api_error(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = "no such route" if exc.status_code == 404 else exc.detail
+    return error_response(exc.status_code, f"{message}: {request.method} {request.url.path}", None,
+                          "not_found" if exc.status_code == 404 else None)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return error_response(500, "internal server error", None, "internal_error")
+
+
+def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
+    if tokenizer is None:
+        from pathlib import Path
+
+        from app.model.loader import load_tokenizer
+        from app.model.source import ModelSource
+
+        tokenizer = load_tokenizer(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name))
+    ctx = Context(cfg, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await ctx.engine.start()
+        yield
+        await ctx.engine.close()
+
+    routes = [
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    middleware = [Middleware(Gate, cfg=cfg)]
+    if cfg.cors_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["*"],
+                                        allow_headers=["*"]))
+    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    app.state.ctx = ctx
+    return app

@@ -1,0 +1,133 @@
+"""A frontend worker's connection to the engine process: send requests, stream their tokens back.
+
+The engine heartbeats every half second with its stats; a silence of DEAD_AFTER seconds means it is
+gone, and every request in flight is failed with EngineUnavailable instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from app.engine.ipc import (Abort, AddRequest, Delta, Heartbeat, Hello, Outputs, Rejected, WireParams,
+                            decode_from_engine, encoder)
+
+log = logging.getLogger("app.server.engine")
+DEAD_AFTER = 3.0
+
+
+class EngineUnavailable(Exception):
+    """The engine is starting, has stopped, or stopped answering."""
+
+
+class EngineRejected(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class EngineClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.identity = f"worker-{os.getpid()}".encode()
+        self.socket: zmq.asyncio.Socket | None = None
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stats = Heartbeat(ready=False)
+        self.last_beat = 0.0
+        self.was_ready = False
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, self.identity)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.address)
+        await self._send(Hello())
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.socket is not None:
+            self.socket.close(0)
+
+    # --- health ---
+
+    def ready(self) -> bool:
+        return self.stats.ready and time.monotonic() - self.last_beat < DEAD_AFTER
+
+    def state(self) -> str:
+        if self.ready():
+            return "ready"
+        return "unavailable" if self.was_ready else "starting"
+
+    # --- requests ---
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: WireParams, eos_token_id: int | None,
+                       wait_for: str | None = None) -> AsyncIterator[Delta]:
+        """The request's token deltas as the engine produces them; aborts it if the caller stops early."""
+        if not self.ready():
+            raise EngineUnavailable(f"the engine is {self.state()}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        finished = False
+        try:
+            await self._send(AddRequest(request_id, prompt_ids, params, eos_token_id, wait_for))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:  # the client went away, or a sibling failed: free its KV blocks now
+                with contextlib.suppress(Exception):
+                    await self._send(Abort([request_id]))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._send(Abort(request_ids))
+
+    async def _send(self, message) -> None:
+        await self.socket.send(encoder.encode(message))
+
+    # --- background ---
+
+    async def _read(self) -> None:
+        while True:
+            payload = await self.socket.recv()
+            try:
+                message = decode_from_engine(payload)
+            except Exception as exc:
+                log.warning("dropping a malformed message from the engine: %s", exc)
+                continue
+            if isinstance(message, Heartbeat):
+                self.stats, self.last_beat = message, time.monotonic()
+                self.was_ready = self.was_ready or message.ready
+            elif isinstance(message, Outputs):
+                for delta in message.deltas:
+                    queue = self.queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            elif isinstance(message, Rejected):
+                queue = self.queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(EngineRejected(message.status, message.message))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.was_ready and not self.ready() and self.queues:
+                log.error("the engine stopped answering; failing %d request(s) in flight", len(self.queues))
+                for queue in list(self.queues.values()):
+                    queue.put_nowait(EngineUnavailable("the engine process stopped; the request was not finished"))

@@ -1,0 +1,36 @@
+"""OpenAI's error shape: {"error": {"message", "type", "param", "code"}} with the matching status."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def from_api_error(error: APIError) -> JSONResponse:
+    return error_response(error.status, error.message, error.param, error.code, error.headers)
+
+
+def from_validation_error(error: ValidationError) -> APIError:
+    """The first problem of a request body, with its JSON path as `param`."""
+    first = error.errors()[0]
+    param = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "list[", "str", "int")))
+    message = first["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}" if param else message, param or None, "invalid_value")

@@ -1,0 +1,15 @@
+"""gunicorn's settings for the frontend (the bootstrap passes bind, workers and timeouts on top)."""
+
+worker_class = "uvicorn_worker.UvicornWorker"
+# Workers load a tokenizer at start; give them time before gunicorn declares them dead.
+timeout = 120
+keepalive = 5
+accesslog = None  # request logs come from our own handlers, not one line per HTTP hit
+proc_name = "appliance-http"
+
+
+def child_exit(server, worker):
+    """Let prometheus-client drop the live gauges of a worker that exited."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)

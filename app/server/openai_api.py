@@ -1,0 +1,222 @@
+"""POST /v1/completions and POST /v1/chat/completions: JSON in, engine requests out, JSON or SSE back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app.engine.ipc import WireParams
+from app.server.engine_client import EngineRejected, EngineUnavailable
+from app.server.errors import APIError, from_validation_error
+from app.server.generation import Event, Generation
+from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+async def read_body(request: Request, model):
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def completions(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    body: CompletionRequest = await read_body(request, CompletionRequest)
+    ctx.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
+    prompts = ctx.prompt_ids(body.prompt)
+    gen = _generation(ctx, body, body.logprobs, "cmpl")
+    for ids in prompts:
+        gen.add_prompt(ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens"))
+    echo = [ctx.tokenizer.decode(ids) for ids in prompts] if body.echo else None
+    if body.stream:
+        return _sse(_completion_chunks(gen, body, ctx.served_name, echo))
+    events = await _collect(gen, request)
+    choices = []
+    for seq in gen.sequences:
+        text = seq.text.text if echo is None else echo[seq.index // body.n] + seq.text.text
+        logprobs = _completion_logprobs(ctx.tokenizer, seq.text) if body.logprobs is not None else None
+        choices.append({"index": seq.index, "text": text, "logprobs": logprobs,
+                        "finish_reason": _reason(seq)})
+    return JSONResponse({"id": gen.response_id, "object": "text_completion", "created": int(time.time()),
+                         "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+    ctx.check_model(body.model)
+    ids = ctx.chat_ids(body.messages, body.add_generation_prompt)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    gen = _generation(ctx, body, top, "chatcmpl")
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    gen.add_prompt(ids, body.n, ctx.output_limit(ids, body.output_limit(), param))
+    if body.stream:
+        return _sse(_chat_chunks(gen, body, ctx.served_name))
+    events = await _collect(gen, request)
+    choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text.text},
+                "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None,
+                "finish_reason": _reason(s)} for s in gen.sequences]
+    return JSONResponse({"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
+                         "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
+
+
+# --- building a generation ---
+
+
+def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
+    params = WireParams(
+        temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
+        top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or ()),
+        logprobs=logprobs)
+    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, body.stops(), body.skip_special_tokens,
+                      ctx.eos_token_id, prefix)
+
+
+async def _collect(gen: Generation, request: Request) -> list[Event]:
+    """All events of a non-streaming request; a client that hangs up aborts its sequences."""
+    async def consume() -> list[Event]:
+        return [event async for event in gen.events()]
+
+    work, gone = asyncio.create_task(consume()), asyncio.create_task(_disconnected(request))
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise APIError(499, "the client closed the connection")
+    gone.cancel()
+    try:
+        return work.result()
+    except EngineRejected as exc:
+        raise _rejected(exc) from None
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), None, "engine_unavailable") from None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _rejected(exc: EngineRejected) -> APIError:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return APIError(exc.status, exc.message, None, "queue_full" if exc.status == 429 else "rejected", headers)
+
+
+def _reason(seq) -> str | None:
+    reason = seq.text.finish_reason
+    return reason.value if reason is not None else None
+
+
+def _usage(gen: Generation, events: list[Event] | None = None) -> dict:
+    prompts = {id(s.prompt_ids): len(s.prompt_ids) for s in gen.sequences}
+    prompt_tokens = sum(prompts.values())
+    completion_tokens = sum(len(s.text.token_ids) for s in gen.sequences)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- streaming ---
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def encode() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+        except EngineRejected as exc:
+            yield _sse_error(exc.status, exc.message)
+        except EngineUnavailable as exc:
+            yield _sse_error(503, str(exc))
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _sse_error(status: int, message: str) -> bytes:
+    from app.server.errors import TYPES
+
+    error = {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": None, "code": status}}
+    return f"data: {json.dumps(error)}\n\n".encode()
+
+
+async def _completion_chunks(gen: Generation, body: CompletionRequest, model: str,
+                             echo: list[str] | None) -> AsyncIterator[dict]:
+    created = int(time.time())
+    echoed: set[int] = set()
+    async for event in gen.events():
+        text = event.text
+        if echo is not None and event.index not in echoed:
+            echoed.add(event.index)
+            text = echo[event.index // body.n] + text
+        if not text and event.finish_reason is None:
+            continue
+        logprobs = None
+        if body.logprobs is not None and event.token_ids:
+            logprobs = _completion_logprobs_of(gen.tokenizer, event.token_ids, event.logprobs)
+        yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": event.finish_reason}]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
+               "choices": [], "usage": _usage(gen)}
+
+
+async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str) -> AsyncIterator[dict]:
+    created = int(time.time())
+    base = {"id": gen.response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    for seq in gen.sequences:  # the role comes first, as OpenAI sends it
+        yield {**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    async for event in gen.events():
+        if not event.text and event.finish_reason is None:
+            continue
+        delta = {"content": event.text} if event.text else {}
+        logprobs = _chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
+        yield {**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": event.finish_reason}]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**base, "choices": [], "usage": _usage(gen)}
+
+
+# --- logprobs in OpenAI's two shapes ---
+
+
+def _completion_logprobs(tokenizer, text) -> dict:
+    return _completion_logprobs_of(tokenizer, text.token_ids, text.logprobs)
+
+
+def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs) -> dict:
+    tokens = [tokenizer.decode([t]) for t in token_ids[: len(logprobs)]]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{tokenizer.decode([t]): p for t, p in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, p) for i, p in lp.top]}
+                        for t, lp in zip(token_ids, logprobs, strict=False)]}

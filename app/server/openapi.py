@@ -1,0 +1,48 @@
+"""/openapi.json, built from the same pydantic models that validate requests."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from pydantic.json_schema import models_json_schema
+
+from app.server import protocol as p
+
+ENDPOINTS = [  # (method, path, summary, request model, response model)
+    ("post", "/v1/completions", "Create a completion", p.CompletionRequest, p.CompletionResponse),
+    ("post", "/v1/chat/completions", "Create a chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("get", "/v1/models", "List the served model", None, p.ModelList),
+    ("post", "/tokenize", "Tokenize a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse),
+    ("post", "/detokenize", "Turn token ids back into text", p.DetokenizeRequest, p.DetokenizeResponse),
+]
+PLAIN = [("/version", "The server's version"), ("/health", "200 when every engine is ready, else 503"),
+         ("/metrics", "Prometheus metrics (vLLM's names)")]
+
+
+@cache
+def openapi_document(version: str) -> dict:
+    models = [m for _, _, _, req, resp in ENDPOINTS for m in (req, resp) if m is not None] + [p.ErrorResponse]
+    _, schemas = models_json_schema([(m, "validation") for m in models],
+                                    ref_template="#/components/schemas/{model}")
+    paths: dict = {}
+    for method, path, summary, request, response in ENDPOINTS:
+        operation = {"summary": summary, "responses": {
+            "200": {"description": "OK", "content": {"application/json": {"schema": _ref(response)}}},
+            "400": _error("Bad request"), "401": _error("Missing or wrong API key"), "404": _error("Unknown model"),
+            "413": _error("Body too large"), "429": _error("Waiting queue full"), "503": _error("Not ready")}}
+        if request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+        paths[path] = {method: operation}
+    for path, summary in PLAIN:
+        paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"},
+                                                                 "503": _error("Not ready")}}}
+    return {"openapi": "3.1.0", "info": {"title": "CPU LLM appliance (OpenAI-compatible)", "version": version},
+            "paths": paths, "components": {"schemas": schemas.get("$defs", {})}}
+
+
+def _ref(model) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(p.ErrorResponse)}}}
