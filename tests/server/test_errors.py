@@ -1,0 +1,126 @@
+"""Bad requests get OpenAI-shaped errors with the right status, and never disturb the server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.conftest import BASE_SPEC, Appliance
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+LONG = "word " * 9000  # far past the 8192-token context
+
+# (id, method, path, body (dict, or bytes sent as is), status, error code or None, text the message must contain)
+CASES = [
+    ("not-json", "POST", C, b"{not json", 400, "invalid_json", "not valid JSON"),
+    ("not-an-object", "POST", C, b"[1, 2]", 400, "invalid_json", "JSON object"),
+    ("missing-prompt", "POST", C, {"max_tokens": 2}, 400, "invalid_value", "prompt"),
+    ("missing-messages", "POST", CHAT, {"max_tokens": 2}, 400, "invalid_value", "messages"),
+    ("empty-messages", "POST", CHAT, {"messages": []}, 400, "invalid_value", "messages"),
+    ("temperature-negative", "POST", C, {"prompt": "x", "temperature": -1}, 400, "invalid_value", "temperature"),
+    ("temperature-too-high", "POST", C, {"prompt": "x", "temperature": 3}, 400, "invalid_value", "temperature"),
+    ("top-p-zero", "POST", C, {"prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
+    ("n-zero", "POST", C, {"prompt": "x", "n": 0}, 400, "invalid_value", "n"),
+    ("max-tokens-zero", "POST", C, {"prompt": "x", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    ("max-tokens-past-context", "POST", C, {"prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded",
+     "maximum context length is 8192 tokens"),
+    ("prompt-past-context", "POST", C, {"prompt": LONG, "max_tokens": 1}, 400, "context_length_exceeded",
+     "in the prompt"),
+    ("chat-past-context", "POST", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400,
+     "context_length_exceeded", "8192"),
+    ("unknown-model", "POST", C, {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found", "`gpt-9` does not exist"),
+    ("unknown-route", "GET", "/v1/nothing", None, 404, "not_found", "no such route"),
+    ("wrong-method", "GET", C, None, 405, None, "Method Not Allowed"),
+    ("body-too-large", "POST", C, b"{" + b" " * (5 << 20) + b"}", 413, "body_too_large", "larger than"),
+    ("logprobs-too-many", "POST", C, {"prompt": "x", "logprobs": 30}, 400, "invalid_value", "logprobs"),
+    ("top-logprobs-alone", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "invalid_value",
+     "top_logprobs needs logprobs"),
+    ("logit-bias", "POST", C, {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "invalid_value", "logit_bias"),
+    ("tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_value", "tools"),
+    ("json-mode", "POST", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "invalid_value", "response_format"),
+    ("bad-role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", "role"),
+    ("image-content", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                                  "image_url": {"url": "x"}}]}]},
+     400, "invalid_value", "messages"),
+    ("too-many-stops", "POST", C, {"prompt": "x", "stop": [str(i) for i in range(20)]}, 400, "invalid_value", "stop"),
+    ("empty-stop", "POST", C, {"prompt": "x", "stop": [""]}, 400, "invalid_value", "stop"),
+    ("token-outside-vocab", "POST", C, {"prompt": [1, 2, 999999]}, 400, None, "outside the vocabulary"),
+    ("empty-prompt-string", "POST", C, {"prompt": ""}, 400, "empty_prompt", "empty"),
+    ("empty-prompt-list", "POST", C, {"prompt": []}, 400, "invalid_value", "prompt"),
+    ("presence-penalty", "POST", C, {"prompt": "x", "presence_penalty": 5}, 400, "invalid_value", "presence_penalty"),
+    ("best-of", "POST", C, {"prompt": "x", "best_of": 3}, 400, "invalid_value", "best_of"),
+    ("echo-logprobs", "POST", C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "unsupported", "echo"),
+    ("suffix", "POST", C, {"prompt": "x", "suffix": "y"}, 400, "invalid_value", "suffix"),
+    ("seed-string", "POST", C, {"prompt": "x", "seed": "abc"}, 400, "invalid_value", "seed"),
+    ("min-p", "POST", C, {"prompt": "x", "min_p": 2}, 400, "invalid_value", "min_p"),
+    ("max-completion-tokens", "POST", CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "invalid_value",
+     "max_completion_tokens"),
+    ("tokenize-both", "POST", "/tokenize", {"prompt": "x", "messages": MSG}, 400, "invalid_value", "exactly one"),
+    ("detokenize-outside", "POST", "/detokenize", {"tokens": [999999]}, 400, None, "outside the vocabulary"),
+    ("tokenize-wrong-model", "POST", "/tokenize", {"model": "other", "prompt": "x"}, 404, "model_not_found", "other"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "code", "text"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_request_gets_its_status_and_error_json(appliance, method, path, body, status, code, text):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else \
+        ({"json": body} if body is not None else {})
+    response = httpx.request(method, appliance.url + path, timeout=60, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert text in error["message"] and error["code"] == code
+    assert isinstance(error["type"], str) and error["type"]
+
+
+def test_the_server_is_unharmed_after_the_bad_requests(appliance):
+    assert len(CASES) >= 30
+    ok = httpx.post(appliance.url + C, json={"prompt": "The capital of France is", "max_tokens": 3,
+                                             "temperature": 0}, timeout=60)
+    assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["text"]
+    assert httpx.get(appliance.url + "/health").status_code == 200
+
+
+def test_prompt_too_long_names_both_numbers(appliance):
+    error = httpx.post(appliance.url + C, json={"prompt": [1930] * 8000, "max_tokens": 500}).json()["error"]
+    assert "maximum context length is 8192 tokens" in error["message"]
+    assert "(8000 in the prompt, 500 for the completion)" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    app = Appliance(tmp_path_factory.mktemp("keyed"), BASE_SPEC, ("server.api_key.env=TEST_KEY",),
+                    env={"TEST_KEY": "sk-test-123456"}).wait_ready()
+    yield app
+    assert app.stop() == 0
+
+
+def test_api_key_is_required_when_configured(keyed):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    missing = httpx.post(keyed.url + C, json=body)
+    wrong = httpx.post(keyed.url + C, json=body, headers={"Authorization": "Bearer nope"})
+    right = httpx.post(keyed.url + C, json=body, headers={"Authorization": "Bearer sk-test-123456"}, timeout=60)
+    assert missing.status_code == wrong.status_code == 401 and right.status_code == 200
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(keyed.url + "/health").status_code == 200  # probes need no key
+
+
+def test_schemathesis_finds_no_server_error(tmp_path):
+    # a short context keeps each generated request quick; every response must be below 500
+    app = Appliance(tmp_path, BASE_SPEC + "\n", ("model.max_model_len=96", "kv_cache.memory=64MiB")).wait_ready()
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "schemathesis.cli", "run", app.url + "/openapi.json", "--checks",
+             "not_a_server_error", "--phases", "fuzzing", "--max-examples", "30", "--request-timeout", "60",
+             "--no-color", "--suppress-health-check", "all", "--seed", "1"],
+            capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+        assert "No issues found" in run.stdout
+    finally:
+        assert app.stop() == 0

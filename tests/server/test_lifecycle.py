@@ -1,0 +1,75 @@
+"""Signals and failures: SIGTERM drains in-flight streams and exits 0; a dead engine makes the appliance
+unhealthy, fails requests in flight and exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import Appliance
+
+
+def _stream(app: Appliance, out: dict, max_tokens: int = 48) -> None:
+    body = {"prompt": "Count slowly:", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    lines = []
+    try:
+        with httpx.stream("POST", app.url + "/v1/completions", json=body, timeout=120) as response:
+            out["status"] = response.status_code
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    out.setdefault("first", time.monotonic())
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    out["lines"] = lines
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(tmp_path):
+    app = Appliance(tmp_path).wait_ready()
+    out: dict = {}
+    worker = threading.Thread(target=_stream, args=(app, out))
+    worker.start()
+    while "first" not in out and worker.is_alive():
+        time.sleep(0.05)
+    app.process.send_signal(signal.SIGTERM)
+    worker.join(120)
+    code = app.stop()
+    assert code == 0, app.logs()[-3000:]
+    assert out["status"] == 200 and out["lines"][-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in out["lines"][:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # every token arrived
+    assert "draining" in app.logs() and "stopped" in app.logs()
+
+
+def test_killing_the_engine_fails_health_and_requests_and_exits_non_zero(tmp_path):
+    app = Appliance(tmp_path).wait_ready()
+    out: dict = {}
+    worker = threading.Thread(target=_stream, args=(app, out, 400))
+    worker.start()
+    while "first" not in out and worker.is_alive():
+        time.sleep(0.05)
+    killed = time.monotonic()
+    os.kill(app.engine_pid(), signal.SIGKILL)
+    unhealthy = None
+    while time.monotonic() - killed < 15:
+        try:
+            if httpx.get(app.url + "/health", timeout=1).status_code == 503:
+                unhealthy = time.monotonic() - killed
+                break
+        except httpx.HTTPError:
+            unhealthy = time.monotonic() - killed  # already gone counts as unhealthy too
+            break
+        time.sleep(0.2)
+    assert unhealthy is not None and unhealthy < 10
+    app.process.wait(30)
+    assert app.process.returncode != 0 and time.monotonic() - killed < 30
+    worker.join(30)
+    tail = " ".join(out.get("lines", [])[-3:]) + out.get("error", "")
+    assert "engine" in tail or "error" in tail.lower(), tail  # the stream was failed, not left hanging
+    assert "the engine process exited" in app.logs()
+    app.stop()

@@ -1,0 +1,124 @@
+"""The running appliance driven with the official `openai` client, sync and async, streaming and not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def client(appliance):
+    return openai.OpenAI(base_url=appliance.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(appliance):
+    return openai.AsyncOpenAI(base_url=appliance.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_answers_paris(client):
+    out = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=32,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_completion_and_its_stream_agree(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0.8, seed=11)
+    whole = client.completions.create(**kwargs)
+    pieces = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed = "".join(c.choices[0].text for c in pieces if c.choices)
+    assert streamed == whole.choices[0].text and len(streamed) > 10
+    assert pieces[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in pieces if c.choices][-1] == "length"
+
+
+def test_chat_and_its_stream_agree(client):
+    kwargs = dict(model=MODEL, max_tokens=40, temperature=0.7, seed=5,
+                  messages=[{"role": "user", "content": "Describe a cat in two sentences."}])
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_async_client_streams_both_endpoints(aclient):
+    async def run():
+        chat = await aclient.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, stream=True,
+                                                     messages=[{"role": "user", "content": "Count to five."}])
+        chat_text = "".join([c.choices[0].delta.content or "" async for c in chat])
+        comp = await aclient.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0,
+                                                stream=True)
+        comp_text = "".join([c.choices[0].text async for c in comp])
+        whole = await aclient.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0)
+        return chat_text, comp_text, whole.choices[0].text
+
+    chat_text, comp_text, whole = asyncio.run(run())
+    assert chat_text and comp_text == whole
+
+
+def test_n_choices_and_prompt_lists(client):
+    out = client.completions.create(model=MODEL, prompt=["The sky is", "Grass is"], n=2, max_tokens=6,
+                                    temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+    assert 4 <= out.usage.completion_tokens <= 4 * 6
+    assert out.choices[0].text != out.choices[1].text or out.choices[2].text != out.choices[3].text
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_logprobs_in_both_shapes(client):
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                     logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == comp.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    content = chat.choices[0].logprobs.content
+    assert len(content) >= 1 and len(content[0].top_logprobs) == 3
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)
+
+
+def test_stop_sequences_and_echo(client):
+    free = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0).choices[0].text
+    stop = free.split(",")[1].strip()
+    cut = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0, stop=[stop])
+    assert stop not in cut.choices[0].text and free.startswith(cut.choices[0].text)
+    assert cut.choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Monday, Tuesday,")
+
+
+def test_models_tokenize_detokenize_version_openapi(appliance, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    tok = httpx.post(appliance.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) == 2 and tok["max_model_len"] == 8192
+    text = httpx.post(appliance.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    chat = httpx.post(appliance.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 3
+    assert httpx.get(appliance.url + "/version").json()["version"]
+    spec = httpx.get(appliance.url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(spec["paths"])
+
+
+def test_metrics_use_vllm_names(appliance, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    text = httpx.get(appliance.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_success_total"):
+        assert name in text, name
+    assert appliance.metric("vllm:generation_tokens_total") >= 2
