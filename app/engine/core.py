@@ -6,6 +6,7 @@ and `execute` is the one call that a tensor-parallel group would fan out (step 5
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ from app.engine.model_runner import ModelRunner, TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request
 from app.engine.scheduler import Scheduler, SchedulerConfig
+
+
+log = logging.getLogger("app.engine")
 
 
 class RequestRejected(ValueError):
@@ -50,14 +54,22 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None,
                     wait_for: str | None = None) -> None:
-        self._check(prompt_ids)
+        self._check(prompt_ids, params)
         request = Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for)
         self.runner.add_request(request_id, params, request.prompt_ids, eos_token_id)
         self.scheduler.add(request)
 
-    def _check(self, prompt_ids: list[int]) -> None:
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
+        vocab = self.runner.model.cfg.vocab_size
+        outside = [t for t in (*prompt_ids, *params.stop_token_ids) if not 0 <= t < vocab]
+        if outside:
+            raise RequestRejected(f"token id {outside[0]} is outside the vocabulary (0-{vocab - 1})")
+        sched = self.scheduler.cfg
+        if not sched.chunked_prefill and len(prompt_ids) > sched.max_num_batched_tokens:
+            raise RequestRejected(f"the prompt has {len(prompt_ids)} tokens, more than one step computes "
+                                  f"({sched.max_num_batched_tokens}) with chunked prefill off")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestRejected(f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
                                   f"{self.max_model_len} (prompt and output together)")
@@ -79,7 +91,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception:  # a bug must not take every other request down: fail this step's requests only
+            log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
+            return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
         finished = {r.request_id: r for r in self.scheduler.update(plan, result.sampled)}
         deltas = []
         for request_id, token in result.sampled.items():

@@ -2,7 +2,8 @@
 
 msgpack via msgspec with a closed set of tagged structs: decoding checks every field's type, and
 nothing from a socket is ever unpickled. A frontend worker is a DEALER (its identity names it);
-the engine is a ROUTER that answers each worker on its own identity.
+the engine is a ROUTER that answers each worker on its own identity. Heartbeats go out on a separate
+PUB socket from their own thread, so that a long step cannot look like a dead engine.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class Outputs(msgspec.Struct, tag="outputs", frozen=True):
     deltas: list[Delta]
 
 
+class Accepted(msgspec.Struct, tag="accepted", frozen=True):
+    """The engine queued the request (sent before any of its tokens)."""
+
+    request_id: str
+
+
 class Rejected(msgspec.Struct, tag="rejected", frozen=True):
     request_id: str
     status: int  # the HTTP status the frontend should answer with
@@ -77,8 +84,13 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 
 ToEngine = AddRequest | Abort | Hello
-FromEngine = Outputs | Rejected | Heartbeat
+FromEngine = Outputs | Accepted | Rejected | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode
 decode_from_engine = msgspec.msgpack.Decoder(FromEngine).decode
+
+
+def heartbeat_address(address: str) -> str:
+    """Where an engine publishes its heartbeats: beside its request socket."""
+    return address + "-heartbeat"

@@ -114,9 +114,13 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.queries += len(tokens)
-        self.hits += len(blocks) * self.block_size
         return PrefixHit(tuple(blocks), len(blocks) * self.block_size)
+
+    def count_prefix(self, request: Request, hit: PrefixHit) -> None:
+        """Record one admitted request's lookup (retries of a request still waiting do not count)."""
+        if self.prefix_caching:
+            self.queries += request.num_tokens
+            self.hits += hit.num_tokens
 
     def _hash(self, parent: bytes, tokens: Sequence[int]) -> bytes:
         data = parent + b"".join(t.to_bytes(4, "little", signed=True) for t in tokens)

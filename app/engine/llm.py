@@ -123,26 +123,36 @@ class LLM:
     def _run(self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         sequences: dict[str, SequenceText] = {}
         outputs = []
-        for text, prompt_ids, p in zip(texts, ids, params, strict=True):
-            request_id = str(self._next_id)
-            self._next_id += 1
-            for i in range(p.n):
-                child = f"{request_id}-{i}"
-                sequences[child] = self._add(child, prompt_ids, p, i, f"{request_id}-0" if i else None)
-            outputs.append(RequestOutput(request_id, text, prompt_ids, []))
-        while self.core.has_work():
-            for delta in self.core.step():
-                seq = sequences[delta.request_id]
-                if seq.add(delta.token_id, delta.logprobs, hidden=self._is_stop_token(delta, seq)):
-                    self.core.abort(delta.request_id, FinishReason.STOP)  # a stop string matched
-                elif delta.finish_reason is not None:
-                    seq.finish_reason = delta.finish_reason
+        try:
+            for text, prompt_ids, p in zip(texts, ids, params, strict=True):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                for i in range(p.n):
+                    child = f"{request_id}-{i}"
+                    sequences[child] = self._add(child, prompt_ids, p, i, f"{request_id}-0" if i else None)
+                outputs.append(RequestOutput(request_id, text, prompt_ids, []))
+            self._loop(sequences)
+        finally:  # a rejected prompt or an interrupt leaves nothing behind in the engine
+            for request_id, seq in sequences.items():
+                if seq.finish_reason is None:
+                    self.core.abort(request_id)
         for output, p in zip(outputs, params, strict=True):
             for i in range(p.n):
                 seq = sequences[f"{output.request_id}-{i}"]
                 reason = seq.finish_reason.value if seq.finish_reason else None
                 output.outputs.append(CompletionOutput(i, seq.text, seq.token_ids, reason, seq.logprobs or None))
         return outputs
+
+    def _loop(self, sequences: dict[str, SequenceText]) -> None:
+        while self.core.has_work():
+            for delta in self.core.step():
+                seq = sequences.get(delta.request_id)
+                if seq is None:
+                    continue
+                if seq.add(delta.token_id, delta.logprobs, hidden=self._is_stop_token(delta, seq)):
+                    self.core.abort(delta.request_id, FinishReason.STOP)  # a stop string matched
+                elif delta.finish_reason is not None:
+                    seq.finish_reason = delta.finish_reason
 
     def _add(self, child_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
              wait_for: str | None) -> SequenceText:

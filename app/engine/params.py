@@ -60,6 +60,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if 0 < self.temperature < 1e-5:  # dividing by this would overflow: it means greedy (as vLLM does)
+            object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

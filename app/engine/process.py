@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ def run_engine(cfg: EngineProcessConfig) -> None:
     from app.logs import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the bootstrap, which drains first
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean exit: finalizers run, nothing leaks
     configure_logging(cfg.log_level, cfg.log_format, f"engine-{cfg.replica}")
     core = _build_core(cfg)
     EngineServer(core, cfg.address, cfg.max_waiting_requests).serve_forever()
@@ -84,18 +86,21 @@ class EngineServer:
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
-        self.workers: set[bytes] = set()
+        self.address = address
         self.owner: dict[str, bytes] = {}
-        self.next_heartbeat = 0.0
+        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
 
     def serve_forever(self) -> None:
+        import threading
+
+        self._update_snapshot()
+        threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True).start()
         log.info("engine ready: %d KV blocks of %d tokens", self.core.kv.num_blocks, self.core.kv.block_size)
         while True:
             self._receive(timeout_ms=0 if self.core.has_work() else int(HEARTBEAT_SECONDS * 1000))
             if self.core.has_work():
                 self._send_outputs(self.core.step())
-            if time.monotonic() >= self.next_heartbeat:
-                self._heartbeat()
+            self._update_snapshot()
 
     def _receive(self, timeout_ms: int) -> None:
         import zmq
@@ -114,12 +119,11 @@ class EngineServer:
             except Exception as exc:  # a malformed message is logged and dropped, never fatal
                 log.warning("dropping a malformed message from %r: %s", worker, exc)
                 continue
-            self.workers.add(worker)
             self._handle(worker, message)
 
     def _handle(self, worker: bytes, message) -> None:
         from app.engine.core import RequestRejected
-        from app.engine.ipc import Abort, AddRequest, Rejected
+        from app.engine.ipc import Abort, Accepted, AddRequest, Rejected
 
         if isinstance(message, Abort):
             for request_id in message.request_ids:
@@ -137,6 +141,7 @@ class EngineServer:
                 self._send(worker, Rejected(message.request_id, 400, str(exc)))
                 return
             self.owner[message.request_id] = worker
+            self._send(worker, Accepted(message.request_id))
 
     def _send_outputs(self, deltas) -> None:
         from app.engine.ipc import Delta, Outputs
@@ -155,15 +160,26 @@ class EngineServer:
         for worker, batch in by_worker.items():
             self._send(worker, Outputs(batch))
 
-    def _heartbeat(self) -> None:
+    def _update_snapshot(self) -> None:
         from app.engine.ipc import Heartbeat
 
         stats, kv = self.core.stats(), self.core.kv
-        beat = Heartbeat(True, stats.running, stats.waiting, stats.kv_usage, kv.num_blocks - kv.num_free_blocks(),
-                         kv.num_blocks, kv.queries, kv.hits, self.core.scheduler.num_preemptions)
-        for worker in self.workers:
-            self._send(worker, beat)
-        self.next_heartbeat = time.monotonic() + HEARTBEAT_SECONDS
+        self.snapshot = Heartbeat(True, stats.running, stats.waiting, stats.kv_usage,
+                                  kv.num_blocks - kv.num_free_blocks(), kv.num_blocks, kv.queries, kv.hits,
+                                  self.core.scheduler.num_preemptions)
+
+    def _beat_forever(self) -> None:
+        """Publish the latest snapshot twice a second, whatever the main loop is doing."""
+        import zmq
+
+        from app.engine.ipc import encoder, heartbeat_address
+
+        beats = zmq.Context.instance().socket(zmq.PUB)
+        beats.setsockopt(zmq.LINGER, 0)
+        beats.bind(heartbeat_address(self.address))
+        while True:
+            beats.send(encoder.encode(self.snapshot))
+            time.sleep(HEARTBEAT_SECONDS)
 
     def _send(self, worker: bytes, message) -> None:
         import zmq

@@ -128,6 +128,7 @@ class Scheduler:
             if not self.kv.allocate(request, count, hit):
                 self.waiting.appendleft(request)
                 break
+            self.kv.count_prefix(request, hit)
             request.num_computed_tokens, request.status = hit.num_tokens, Status.RUNNING
             self.running.append(request)
             chosen.append((request, count))

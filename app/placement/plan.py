@@ -57,6 +57,7 @@ def make_plan(spec: Spec, topo: Topology, model: ModelFootprint, openmp_runtime:
     kv_dtype = dtype if spec.kv_cache.dtype == "auto" else spec.kv_cache.dtype
     runtime = openmp_runtime if spec.runtime.openmp == "auto" else spec.runtime.openmp
     max_model_len = _max_model_len(spec, model)
+    _check_budget(spec, max_model_len)
     tp, dp = spec.parallel.tp, spec.parallel.dp
     if tp > model.num_heads:
         raise SpecError([Problem("parallel.tp", f"at most the model's {model.num_heads} attention heads, "
@@ -92,6 +93,15 @@ def _head_split(model: ModelFootprint, tp: int) -> list[str]:
 def _rank(replica: int, rank: int, cpus: tuple[int, ...], mem: RankMemory, runtime: str) -> RankPlan:
     return RankPlan(replica, rank, cpus, mem.nodes[0], mem.policy, mem.nodes, openmp_env(runtime, cpus),
                     mem.weight_bytes, mem.kv_bytes, mem.kv_blocks)
+
+
+def _check_budget(spec: Spec, max_model_len: int) -> None:
+    """Without chunked prefill a sequence is (re)computed in one step, so one step must hold the longest."""
+    budget = spec.scheduler.max_num_batched_tokens
+    if not spec.scheduler.chunked_prefill and budget < max_model_len:
+        raise SpecError([Problem("scheduler.max_num_batched_tokens",
+                                 f"at least max_model_len ({max_model_len}) while scheduler.chunked_prefill is off "
+                                 "(or turn chunked prefill on, or lower model.max_model_len)", budget)])
 
 
 def _max_model_len(spec: Spec, model: ModelFootprint) -> int:

@@ -89,6 +89,9 @@ class Context:
         self._check_ids(ids, "messages")
         return ids
 
+    def check_stop_ids(self, ids: list[int] | None) -> None:
+        self._check_ids(ids or [0], "stop_token_ids")
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, "the prompt is empty", param, "empty_prompt")
@@ -193,7 +196,10 @@ async def version(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    engine = request.app.state.ctx.engine
+    ctx = request.app.state.ctx
+    engine = ctx.engine
+    if ctx.cfg.draining_marker and os.path.exists(ctx.cfg.draining_marker):
+        return error_response(503, "the server is shutting down", None, "draining")
     if engine.ready():
         return JSONResponse({"status": "ok"})
     return error_response(503, f"the engine is {engine.state()}", None, engine.state())

@@ -16,11 +16,14 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from app.engine.ipc import (Abort, AddRequest, Delta, Heartbeat, Hello, Outputs, Rejected, WireParams,
-                            decode_from_engine, encoder)
+from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Hello, Outputs, Rejected, WireParams,
+                            decode_from_engine, encoder, heartbeat_address)
 
 log = logging.getLogger("app.server.engine")
 DEAD_AFTER = 3.0
+
+
+ACCEPTED = object()  # what generate() yields first, once the engine has queued the request
 
 
 class EngineUnavailable(Exception):
@@ -49,14 +52,20 @@ class EngineClient:
         self.socket.setsockopt(zmq.IDENTITY, self.identity)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.address)
+        self.beats = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self.beats.setsockopt(zmq.LINGER, 0)
+        self.beats.setsockopt(zmq.SUBSCRIBE, b"")
+        self.beats.connect(heartbeat_address(self.address))
         await self._send(Hello())
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        self._tasks = [asyncio.create_task(self._read(self.socket)), asyncio.create_task(self._read(self.beats)),
+                       asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         if self.socket is not None:
             self.socket.close(0)
+            self.beats.close(0)
 
     # --- health ---
 
@@ -72,7 +81,7 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: WireParams, eos_token_id: int | None,
                        wait_for: str | None = None) -> AsyncIterator[Delta]:
-        """The request's token deltas as the engine produces them; aborts it if the caller stops early."""
+        """ACCEPTED once the engine queued the request, then its token deltas; aborts it if the caller stops early."""
         if not self.ready():
             raise EngineUnavailable(f"the engine is {self.state()}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -83,9 +92,14 @@ class EngineClient:
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    finished = True
+                    finished = isinstance(item, EngineRejected)  # rejected: the engine holds nothing
                     raise item
+                if item is ACCEPTED:
+                    yield item
+                    continue
                 finished = item.finish_reason is not None
+                if item.finish_reason == "abort":  # the engine gave up on it (a failed step): an error here
+                    raise EngineRejected(500, "the engine could not finish this request; see the engine log")
                 yield item
                 if finished:
                     return
@@ -103,9 +117,9 @@ class EngineClient:
 
     # --- background ---
 
-    async def _read(self) -> None:
+    async def _read(self, socket) -> None:
         while True:
-            payload = await self.socket.recv()
+            payload = await socket.recv()
             try:
                 message = decode_from_engine(payload)
             except Exception as exc:
@@ -119,6 +133,10 @@ class EngineClient:
                     queue = self.queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
+            elif isinstance(message, Accepted):
+                queue = self.queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(ACCEPTED)
             elif isinstance(message, Rejected):
                 queue = self.queues.get(message.request_id)
                 if queue is not None:

@@ -31,6 +31,13 @@ def from_api_error(error: APIError) -> JSONResponse:
 def from_validation_error(error: ValidationError) -> APIError:
     """The first problem of a request body, with its JSON path as `param`."""
     first = error.errors()[0]
-    param = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "list[", "str", "int")))
+    param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p))
     message = first["msg"].removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param or None, "invalid_value")
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic puts union branch names ("str", "list[int]", "function-after[...]") into error locations."""
+    text = str(part)
+    return not isinstance(part, int) and ("[" in text or text in ("str", "int", "float", "bool", "dict", "list",
+                                                                  "none", "tagged-union"))

@@ -17,7 +17,7 @@ from app.engine.ipc import Delta, WireParams
 from app.engine.model_runner import TokenLogprobs
 from app.engine.output import Detokenizer, SequenceText
 from app.engine.request import FinishReason
-from app.server.engine_client import EngineClient
+from app.server.engine_client import ACCEPTED, EngineClient
 from app.server.metrics import Metrics
 
 
@@ -78,35 +78,54 @@ class Generation:
     def response_id(self) -> str:
         return f"{self.prefix}-{self.id}"
 
-    async def events(self) -> AsyncIterator[Event]:
-        """Events of all sequences as they come; cancelling this cancels (and aborts) every sequence."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run(seq, queue)) for seq in self.sequences]
-        try:
-            for _ in range(len(tasks)):
-                while True:
-                    item = await queue.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
-                    if item.finish_reason is not None:
-                        break
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+    async def start(self) -> None:
+        """Submit every sequence; returns once the engine queued them all (raises if one was refused)."""
+        loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        accepted = [loop.create_future() for _ in self.sequences]
+        self._tasks = [asyncio.create_task(self._run(seq, fut)) for seq, fut in zip(self.sequences, accepted)]
+        outcomes = await asyncio.gather(*accepted, return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            await self.cancel()
+            raise failure
 
-    async def _run(self, seq: Sequence, queue: asyncio.Queue) -> None:
+    async def cancel(self) -> None:
+        """Stop every sequence (each aborts its engine request)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Events of all sequences as they come; leaving early cancels (and aborts) every sequence."""
+        try:
+            finished = 0
+            while finished < len(self.sequences):
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                finished += item.finish_reason is not None
+        finally:
+            await self.cancel()
+
+    async def _run(self, seq: Sequence, accepted: asyncio.Future) -> None:
         stream = self.engine.generate(seq.request_id, seq.prompt_ids, seq.params, self.eos_token_id, seq.wait_for)
         try:
             async with contextlib.aclosing(stream):  # leaving early aborts the engine request right away
                 async for delta in stream:
+                    if delta is ACCEPTED:
+                        accepted.set_result(True)
+                        continue
                     event = self._event(seq, delta)
-                    queue.put_nowait(event)
+                    self._queue.put_nowait(event)
                     if event.finish_reason is not None:
                         return
-        except Exception as exc:  # surfaced to the HTTP handler through the queue
-            queue.put_nowait(exc)
+        except Exception as exc:  # surfaced to the HTTP handler: through start() or the event queue
+            if accepted.done():
+                self._queue.put_nowait(exc)
+            else:
+                accepted.set_exception(exc)
 
     def _event(self, seq: Sequence, delta: Delta) -> Event:
         now = time.monotonic()
@@ -121,7 +140,8 @@ class Generation:
         reason = "stop" if stopped else delta.finish_reason
         if reason is not None:
             text.finish_reason = text.finish_reason or FinishReason(reason)
-            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids), seq.tokens)
+            first_of_prompt = seq.wait_for is None  # count each prompt once, not once per choice
+            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if first_of_prompt else 0, seq.tokens)
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],
                      reason)
 

@@ -6,6 +6,7 @@ timeout = 120
 keepalive = 5
 accesslog = None  # request logs come from our own handlers, not one line per HTTP hit
 proc_name = "appliance-http"
+control_socket_disable = True  # gunicorn 27's runtime-control socket: nothing here uses it
 
 
 def child_exit(server, worker):

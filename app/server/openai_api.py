@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,8 @@ from app.server.errors import APIError, from_validation_error
 from app.server.generation import Event, Generation
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
+log = logging.getLogger("app.server")
+MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill the waiting queue
 
 async def read_body(request: Request, model):
     try:
@@ -38,10 +41,13 @@ async def completions(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
     prompts = ctx.prompt_ids(body.prompt)
+    if len(prompts) * body.n > MAX_SEQUENCES:
+        raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n")
     gen = _generation(ctx, body, body.logprobs, "cmpl")
     for ids in prompts:
         gen.add_prompt(ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens"))
     echo = [ctx.tokenizer.decode(ids) for ids in prompts] if body.echo else None
+    await _start(gen)
     if body.stream:
         return _sse(_completion_chunks(gen, body, ctx.served_name, echo))
     events = await _collect(gen, request)
@@ -64,6 +70,7 @@ async def chat_completions(request: Request) -> Response:
     gen = _generation(ctx, body, top, "chatcmpl")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     gen.add_prompt(ids, body.n, ctx.output_limit(ids, body.output_limit(), param))
+    await _start(gen)
     if body.stream:
         return _sse(_chat_chunks(gen, body, ctx.served_name))
     events = await _collect(gen, request)
@@ -78,6 +85,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
+    ctx.check_stop_ids(body.stop_token_ids)
     params = WireParams(
         temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
@@ -87,6 +95,16 @@ def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) ->
         logprobs=logprobs)
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, body.stops(), body.skip_special_tokens,
                       ctx.eos_token_id, prefix)
+
+
+async def _start(gen: Generation) -> None:
+    """Queue the sequences in the engine before answering, so that refusals get their own status."""
+    try:
+        await gen.start()
+    except EngineRejected as exc:
+        raise _rejected(exc) from None
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), None, "engine_unavailable") from None
 
 
 async def _collect(gen: Generation, request: Request) -> list[Event]:
@@ -144,6 +162,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             yield _sse_error(exc.status, exc.message)
         except EngineUnavailable as exc:
             yield _sse_error(503, str(exc))
+        except Exception:  # whatever happens, the client gets an error event and the end of the stream
+            log.exception("a stream failed")
+            yield _sse_error(500, "internal server error")
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -160,16 +181,20 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
                              echo: list[str] | None) -> AsyncIterator[dict]:
     created = int(time.time())
     echoed: set[int] = set()
+    offsets: dict[int, int] = {}  # text_offset continues across a choice's chunks
     async for event in gen.events():
         text = event.text
         if echo is not None and event.index not in echoed:
             echoed.add(event.index)
             text = echo[event.index // body.n] + text
-        if not text and event.finish_reason is None:
+        with_logprobs = body.logprobs is not None and event.logprobs
+        if not text and event.finish_reason is None and not with_logprobs:
             continue
         logprobs = None
-        if body.logprobs is not None and event.token_ids:
-            logprobs = _completion_logprobs_of(gen.tokenizer, event.token_ids, event.logprobs)
+        if with_logprobs:
+            logprobs = _completion_logprobs_of(gen.tokenizer, event.token_ids, event.logprobs,
+                                               offsets.get(event.index, 0))
+            offsets[event.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
                             "finish_reason": event.finish_reason}]}
@@ -185,7 +210,7 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str)
         yield {**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
     async for event in gen.events():
-        if not event.text and event.finish_reason is None:
+        if not event.text and event.finish_reason is None and not (body.logprobs and event.logprobs):
             continue
         delta = {"content": event.text} if event.text else {}
         logprobs = _chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
@@ -202,9 +227,9 @@ def _completion_logprobs(tokenizer, text) -> dict:
     return _completion_logprobs_of(tokenizer, text.token_ids, text.logprobs)
 
 
-def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs) -> dict:
+def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, start: int = 0) -> dict:
     tokens = [tokenizer.decode([t]) for t in token_ids[: len(logprobs)]]
-    offsets, at = [], 0
+    offsets, at = [], start
     for token in tokens:
         offsets.append(at)
         at += len(token)

@@ -37,12 +37,12 @@ class SamplingFields(_Body):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] | None = None
     skip_special_tokens: bool = True
 
     @field_validator("stop")
@@ -64,8 +64,9 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0, lt=1 << 31)]] | \
+        list[list[Annotated[int, Field(ge=0, lt=1 << 31)]]]
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -104,8 +105,8 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
@@ -142,7 +143,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
 
 
 # --- responses (documented in /openapi.json; built as plain dicts on the hot path) ---------------

@@ -72,3 +72,12 @@ def test_logprobs_of_sampled_and_top_tokens(llm):
 def test_offline_llm_refuses_more_than_one_rank():
     with pytest.raises(ValueError, match="single rank"):
         LLM(parallel={"dp": 2}, bind_threads=False)
+
+
+def test_a_rejected_prompt_leaves_the_engine_usable(llm):
+    from app.engine.core import RequestRejected
+
+    with pytest.raises(RequestRejected, match="context holds"):
+        llm.generate(["Hello", [5] * 9000], SamplingParams(max_tokens=2))
+    assert not llm.core.has_work()
+    assert llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids

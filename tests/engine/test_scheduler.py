@@ -257,3 +257,15 @@ def test_status_moves_through_the_life_cycle(h):
     assert r.status == Status.RUNNING
     h.sched.finish("a", FinishReason.ABORT)
     assert r.status == Status.FINISHED and r.finished
+
+
+def test_a_request_that_keeps_waiting_is_counted_once_for_the_prefix_cache():
+    h = make(blocks=4, budget=64)
+    h.add("big", list(range(1, 13)), max_tokens=3)  # 12 tokens: 3 blocks, plus growth
+    h.add("blocked", list(range(50, 62)), max_tokens=1)  # cannot fit until "big" is done
+    for _ in range(3):
+        h.step()
+    assert h.kv.queries == 12  # "big" only: "blocked" was looked up but never admitted yet
+    h.run()
+    assert h.kv.queries == 24
+    h.assert_no_leaks()

@@ -63,6 +63,13 @@ CASES = [
     ("tokenize-both", "POST", "/tokenize", {"prompt": "x", "messages": MSG}, 400, "invalid_value", "exactly one"),
     ("detokenize-outside", "POST", "/detokenize", {"tokens": [999999]}, 400, None, "outside the vocabulary"),
     ("tokenize-wrong-model", "POST", "/tokenize", {"model": "other", "prompt": "x"}, 404, "model_not_found", "other"),
+    # found in review: each once crashed the engine, gave a 500 or lost its field name
+    ("stop-token-outside-vocab", "POST", C, {"prompt": "x", "min_tokens": 1, "stop_token_ids": [50000]}, 400, None,
+     "outside the vocabulary"),
+    ("huge-top-k", "POST", C, {"prompt": "x", "top_k": 10**30}, 400, "invalid_value", "top_k"),
+    ("huge-min-tokens", "POST", C, {"prompt": "x", "min_tokens": 10**30}, 400, "invalid_value", "min_tokens"),
+    ("stream-not-bool", "POST", C, {"prompt": "x", "stream": "maybe"}, 400, "invalid_value", "stream"),
+    ("too-many-sequences", "POST", C, {"prompt": ["a", "b", "c", "d", "e"], "n": 16}, 400, None, "more than 64"),
 ]
 
 
@@ -77,6 +84,14 @@ def test_bad_request_gets_its_status_and_error_json(appliance, method, path, bod
     assert set(error) == {"message", "type", "param", "code"}
     assert text in error["message"] and error["code"] == code
     assert isinstance(error["type"], str) and error["type"]
+
+
+@pytest.mark.parametrize(("body", "param"), [({"prompt": "x", "stream": "maybe"}, "stream"),
+                                            ({"prompt": "x", "stream_options": {"include_usage": "maybe"}},
+                                             "stream_options.include_usage"),
+                                            ({"prompt": "x", "temperature": "hot"}, "temperature")])
+def test_param_names_the_field_path(appliance, body, param):
+    assert httpx.post(appliance.url + C, json=body).json()["error"]["param"] == param
 
 
 def test_the_server_is_unharmed_after_the_bad_requests(appliance):

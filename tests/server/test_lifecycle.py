@@ -29,6 +29,13 @@ def _stream(app: Appliance, out: dict, max_tokens: int = 48) -> None:
     out["lines"] = lines
 
 
+def _status(app: Appliance, method: str, path: str) -> int | str:
+    try:
+        return httpx.request(method, app.url + path, json={"prompt": "x", "max_tokens": 1}, timeout=5).status_code
+    except httpx.ConnectError:
+        return "refused"
+
+
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(tmp_path):
     app = Appliance(tmp_path).wait_ready()
     out: dict = {}
@@ -37,8 +44,12 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(tmp_path):
     while "first" not in out and worker.is_alive():
         time.sleep(0.05)
     app.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    health, late = _status(app, "GET", "/health"), _status(app, "POST", "/v1/completions")
     worker.join(120)
     code = app.stop()
+    # gunicorn stops listening at once (new connections are refused); a request that still gets in is a 503
+    assert health in ("refused", 503) and late in ("refused", 503), (health, late)
     assert code == 0, app.logs()[-3000:]
     assert out["status"] == 200 and out["lines"][-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in out["lines"][:-1]]

@@ -122,3 +122,14 @@ def test_metrics_use_vllm_names(appliance, client):
                  "vllm:request_success_total"):
         assert name in text, name
     assert appliance.metric("vllm:generation_tokens_total") >= 2
+
+
+def test_streamed_logprobs_cover_every_token_even_when_text_is_held_back(client):
+    # the stop string holds text back; its tokens' logprobs must still all arrive
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                            logprobs=1, stream=True, stop=["</answer-never-appears>"],
+                                            stream_options={"include_usage": True}))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert len(tokens) == chunks[-1].usage.completion_tokens == 12
+    assert offsets == sorted(offsets) and offsets[0] == 0 and len(set(offsets)) == len(offsets)

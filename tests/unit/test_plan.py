@@ -314,3 +314,10 @@ def test_cpu_without_avx2_is_refused():
     with pytest.raises(SpecError) as error:
         _plan("x86-no-avx2", SPECS["tp1"])
     assert "without AVX2" in error.value.render()
+
+
+def test_without_chunked_prefill_one_step_must_hold_the_longest_sequence():
+    text = "scheduler: {chunked_prefill: false, max_num_batched_tokens: 2048}"
+    with pytest.raises(SpecError, match="at least max_model_len \\(8192\\) while scheduler.chunked_prefill is off"):
+        _plan("1s-4n-nps4", text)
+    assert _plan("1s-4n-nps4", text + "\nmodel: {max_model_len: 2048}").max_model_len == 2048
