@@ -10,29 +10,13 @@ from __future__ import annotations
 
 import msgspec
 
-
-class WireParams(msgspec.Struct, frozen=True):
-    """SamplingParams for one sequence (n > 1 becomes n requests in the frontend)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = []
-    logprobs: int | None = None
+from app.engine.params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):
     request_id: str
     prompt_ids: list[int]
-    params: WireParams
+    params: SamplingParams  # a dataclass: msgspec checks its field types and runs its own checks on decode
     eos_token_id: int | None = None
     wait_for: str | None = None
 

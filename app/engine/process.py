@@ -135,7 +135,7 @@ class EngineServer:
                                                                       f"({self.max_waiting} requests); retry later"))
                 return
             try:
-                self.core.add_request(message.request_id, message.prompt_ids, _params(message.params),
+                self.core.add_request(message.request_id, message.prompt_ids, message.params,
                                       message.eos_token_id, message.wait_for)
             except (RequestRejected, ValueError) as exc:
                 self._send(worker, Rejected(message.request_id, 400, str(exc)))
@@ -190,13 +190,3 @@ class EngineServer:
             self.socket.send_multipart([worker, encoder.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a worker that went away must not stop the engine
             log.debug("could not send to %r: %s", worker, exc)
-
-
-def _params(wire):
-    from app.engine.params import SamplingParams
-
-    return SamplingParams(temperature=wire.temperature, top_k=wire.top_k, top_p=wire.top_p, min_p=wire.min_p,
-                          repetition_penalty=wire.repetition_penalty, frequency_penalty=wire.frequency_penalty,
-                          presence_penalty=wire.presence_penalty, seed=wire.seed, max_tokens=wire.max_tokens,
-                          min_tokens=wire.min_tokens, ignore_eos=wire.ignore_eos,
-                          stop_token_ids=tuple(wire.stop_token_ids), logprobs=wire.logprobs)

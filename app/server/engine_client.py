@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Hello, Outputs, Rejected, WireParams,
+from app.engine.params import SamplingParams
+
+from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Hello, Outputs, Rejected,
                             decode_from_engine, encoder, heartbeat_address)
 
 log = logging.getLogger("app.server.engine")
@@ -79,7 +81,7 @@ class EngineClient:
 
     # --- requests ---
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: WireParams, eos_token_id: int | None,
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None,
                        wait_for: str | None = None) -> AsyncIterator[Delta]:
         """ACCEPTED once the engine queued the request, then its token deltas; aborts it if the caller stops early."""
         if not self.ready():

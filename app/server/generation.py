@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.engine.ipc import Delta, WireParams
+from app.engine.ipc import Delta
+from app.engine.params import SamplingParams
 from app.engine.model_runner import TokenLogprobs
 from app.engine.output import Detokenizer, SequenceText
 from app.engine.request import FinishReason
@@ -26,7 +28,7 @@ class Sequence:
     index: int  # the choice index in the response
     request_id: str
     prompt_ids: list[int]
-    params: WireParams
+    params: SamplingParams
     text: SequenceText
     wait_for: str | None = None
     first_token_at: float | None = None
@@ -50,7 +52,7 @@ class Generation:
     engine: EngineClient
     metrics: Metrics
     tokenizer: object
-    params: WireParams
+    params: SamplingParams
     stops: tuple[str, ...]
     skip_special_tokens: bool
     eos_token_id: int | None
@@ -60,10 +62,8 @@ class Generation:
     sequences: list[Sequence] = field(default_factory=list)
 
     def add_prompt(self, prompt_ids: list[int], n: int, max_tokens: int | None) -> None:
-        """n sequences for this prompt, generating at most `max_tokens` each."""
-        import msgspec
-
-        params = msgspec.structs.replace(self.params, max_tokens=max_tokens)
+        """n sequences for this prompt, generating at most `max_tokens` each (ValueError if params clash)."""
+        params = dataclasses.replace(self.params, max_tokens=max_tokens)
         for j in range(n):
             index = len(self.sequences)
             request_id = f"{self.prefix}-{self.id}-{index}"
@@ -71,7 +71,7 @@ class Generation:
             wait_for = self.sequences[index - j].request_id if j else None
             text = SequenceText(detok, self.stops, stop_token_ids=tuple(self.params.stop_token_ids))
             seed = None if params.seed is None else (params.seed + index) % 2**64  # choices differ, reproducibly
-            own = msgspec.structs.replace(params, seed=seed)
+            own = dataclasses.replace(params, seed=seed)
             self.sequences.append(Sequence(index, request_id, prompt_ids, own, text, wait_for))
 
     @property

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from app.engine.ipc import WireParams
+from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server.errors import APIError, from_validation_error
 from app.server.generation import Event, Generation
@@ -45,7 +45,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n")
     gen = _generation(ctx, body, body.logprobs, "cmpl")
     for ids in prompts:
-        gen.add_prompt(ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens"))
+        _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens"))
     echo = [ctx.tokenizer.decode(ids) for ids in prompts] if body.echo else None
     await _start(gen)
     if body.stream:
@@ -69,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
     top = (body.top_logprobs or 0) if body.logprobs else None
     gen = _generation(ctx, body, top, "chatcmpl")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    gen.add_prompt(ids, body.n, ctx.output_limit(ids, body.output_limit(), param))
+    _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param))
     await _start(gen)
     if body.stream:
         return _sse(_chat_chunks(gen, body, ctx.served_name))
@@ -86,15 +86,29 @@ async def chat_completions(request: Request) -> Response:
 
 def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
     ctx.check_stop_ids(body.stop_token_ids)
-    params = WireParams(
+    try:
+        params = _sampling_params(body, logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), None, "invalid_value") from None
+    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, body.stops(), body.skip_special_tokens,
+                      ctx.eos_token_id, prefix)
+
+
+def _sampling_params(body: SamplingFields, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or ()),
-        logprobs=logprobs)
-    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, body.stops(), body.skip_special_tokens,
-                      ctx.eos_token_id, prefix)
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=logprobs, max_tokens=None)
+
+
+def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:
+    try:
+        gen.add_prompt(ids, n, max_tokens)
+    except ValueError as exc:  # parameters that clash with each other, e.g. min_tokens > max_tokens
+        raise APIError(400, str(exc), None, "invalid_value") from None
 
 
 async def _start(gen: Generation) -> None:

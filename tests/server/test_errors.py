@@ -69,6 +69,8 @@ CASES = [
     ("huge-top-k", "POST", C, {"prompt": "x", "top_k": 10**30}, 400, "invalid_value", "top_k"),
     ("huge-min-tokens", "POST", C, {"prompt": "x", "min_tokens": 10**30}, 400, "invalid_value", "min_tokens"),
     ("stream-not-bool", "POST", C, {"prompt": "x", "stream": "maybe"}, 400, "invalid_value", "stream"),
+    ("min-over-max-tokens", "POST", C, {"prompt": "x", "min_tokens": 10, "max_tokens": 5}, 400, "invalid_value",
+     "min_tokens must be <= max_tokens"),
     ("too-many-sequences", "POST", C, {"prompt": ["a", "b", "c", "d", "e"], "n": 16}, 400, None, "more than 64"),
 ]
 
