@@ -25,10 +25,6 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     request_ids: list[str]
 
 
-class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """A worker announcing itself, so that it gets heartbeats before it sends any request."""
-
-
 class Delta(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     token_id: int | None
@@ -67,7 +63,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     preemptions: int = 0
 
 
-ToEngine = AddRequest | Abort | Hello
+ToEngine = AddRequest | Abort
 FromEngine = Outputs | Accepted | Rejected | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()

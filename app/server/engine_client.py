@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from app.engine.params import SamplingParams
 
-from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Hello, Outputs, Rejected,
+from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Outputs, Rejected,
                             decode_from_engine, encoder, heartbeat_address)
 
 log = logging.getLogger("app.server.engine")
@@ -58,7 +58,6 @@ class EngineClient:
         self.beats.setsockopt(zmq.LINGER, 0)
         self.beats.setsockopt(zmq.SUBSCRIBE, b"")
         self.beats.connect(heartbeat_address(self.address))
-        await self._send(Hello())
         self._tasks = [asyncio.create_task(self._read(self.socket)), asyncio.create_task(self._read(self.beats)),
                        asyncio.create_task(self._watch())]
 
