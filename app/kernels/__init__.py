@@ -5,6 +5,7 @@ from app.kernels.ops import (
     bind_threads,
     compiled_isas,
     isa,
+    linear_f32_out,
     paged_attention,
     rms_norm,
     rotary_embedding,
@@ -15,6 +16,6 @@ from app.kernels.ops import (
 )
 
 __all__ = [
-    "add_rms_norm", "bind_threads", "compiled_isas", "isa", "paged_attention", "rms_norm", "rotary_embedding",
+    "add_rms_norm", "bind_threads", "compiled_isas", "isa", "linear_f32_out", "paged_attention", "rms_norm", "rotary_embedding",
     "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
 ]

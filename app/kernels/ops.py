@@ -114,6 +114,14 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     return out
 
 
+def linear_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x: [S, K], weight: [V, K] (same dtype) -> x @ weight.T as float32 [S, V], accumulated in float32
+    _same_dtype(x, weight=weight)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    _native.linear_f32_out(_ref(out, "out", (torch.float32,), 2), _ref(x, "x", dims=2), _ref(weight, "weight", dims=2))
+    return out
+
+
 def bind_threads(cpus: Sequence[int], nodes: Sequence[int] = (), interleave: bool = False) -> str:
     """Pin OpenMP thread i to cpus[i], bind memory to `nodes`; returns a report of what was bound."""
     report = _native.bind_threads(list(cpus), list(nodes), interleave)

@@ -55,8 +55,13 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, H] -> [S, vocab] float32
-        return F.linear(hidden, self.lm_head).float()
+        # hidden: [S, H] -> [S, vocab] float32. In bfloat16 the head accumulates AND outputs float32:
+        # rounded to bf16, close logits would tie or swap and change greedy choices.
+        if self.dtype == torch.bfloat16:
+            from app import kernels
+
+            return kernels.linear_f32_out(hidden, self.lm_head)
+        return F.linear(hidden, self.lm_head)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         shape = (num_blocks, self.cfg.num_kv_heads, block_size, self.cfg.head_dim)

@@ -71,6 +71,14 @@ struct AttentionArgs {
   float scale;
 };
 
+struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated and stored in float32
+  DType dtype;             // of x and weight
+  float* out;              // [S, V] contiguous
+  const void* x;           // [S, K] rows at x_stride
+  const void* weight;      // [V, K] contiguous
+  int64_t rows, in_features, out_features, x_stride;
+};
+
 #define APPLIANCE_DECLARE_KERNELS(isa)           \
   namespace isa {                                \
   void rms_norm(const NormArgs&);                \
@@ -79,6 +87,7 @@ struct AttentionArgs {
   void silu_and_mul(const SiluMulArgs&);         \
   void write_kv_cache(const CacheWriteArgs&);    \
   void paged_attention(const AttentionArgs&);    \
+  void linear_f32_out(const LinearArgs&);        \
   }
 
 APPLIANCE_DECLARE_KERNELS(avx512bf16)
@@ -96,6 +105,7 @@ struct KernelTable {
   void (*silu_and_mul)(const SiluMulArgs&);
   void (*write_kv_cache)(const CacheWriteArgs&);
   void (*paged_attention)(const AttentionArgs&);
+  void (*linear_f32_out)(const LinearArgs&);
 };
 
 const KernelTable& kernels();

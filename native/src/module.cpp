@@ -171,6 +171,16 @@ void paged_attention(const Ref& out_r, const Ref& q_r, const Ref& kc_r, const Re
                              Hk, D, B, bt.dim(1), kc.dim(0), q.st(0), out.st(0), scale});
 }
 
+void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
+  T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2), w = tensor(w_r, "weight", 2);
+  DType dt = float_type(x);
+  same_type(x, w), contiguous(w), contiguous(out);
+  require(out.code == F32, "out: dtype must be float32");
+  require(w.dim(1) == x.dim(1) && out.dim(0) == x.dim(0) && out.dim(1) == w.dim(0),
+          "linear_f32_out: x must be [S, K], weight [V, K] and out [S, V]");
+  kernels().linear_f32_out({dt, static_cast<float*>(out.ptr), x.ptr, w.ptr, x.dim(0), x.dim(1), w.dim(0), x.st(0)});
+}
+
 std::string bind(const std::vector<int>& cpus, const std::vector<int>& nodes, bool interleave) {
   require(!cpus.empty(), "bind_threads: cpus must not be empty");
   for (int cpu : cpus) require(cpu >= 0 && cpu < CPU_SETSIZE, "bind_threads: CPU " + std::to_string(cpu) + " is out of range");
@@ -198,6 +208,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("linear_f32_out", &linear_f32_out, py::call_guard<py::gil_scoped_release>());
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
   m.def("best_isa", [] { return std::string(best_isa()); });

@@ -223,3 +223,19 @@ def test_portable_is_always_there_and_selection_is_restored():
     with pytest.raises(ValueError, match="not compiled in or not supported"):
         with kernels.use_isa("sse9"):
             pass
+
+
+# --- the LM head with a float32 output ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "inp", "outp"), [(1, 576, 49152 // 16 + 5), (7, 4096 + 13, 301), (16, 64, 33)])
+def test_linear_f32_out(isa, dtype, rows, inp, outp):
+    x, w = strided(rows, inp, dtype), torch.randn(outp, inp).to(dtype)
+    out = kernels.linear_f32_out(x, w)
+    assert out.dtype == torch.float32 and out.shape == (rows, outp)
+    expected = x.double() @ w.double().T  # the exact result of the (rounded) inputs
+    torch.testing.assert_close(out.double(), expected, atol=1e-4 * inp ** 0.5, rtol=1e-5)
+    if dtype == torch.bfloat16:  # a bf16 GEMM rounds its output; this one must be far closer
+        rounded = (x @ w.T).double()
+        assert (out.double() - expected).abs().max() < (rounded - expected).abs().max() / 10

@@ -21,10 +21,11 @@ def test_empty_spec_is_every_default():
     assert (spec.parallel.tp, spec.parallel.dp, spec.cores.ranks, spec.runtime.allocator) == (1, 1, "auto", "jemalloc")
 
 
-def test_default_yaml_is_the_defaults_plus_a_served_name():
+def test_default_yaml_is_the_defaults_plus_a_served_name_and_float32():
     spec = load_spec(CONFIG / "default.yaml")
-    assert spec.model.name == "SmolLM2-135M-Instruct"
-    assert spec.model_copy(update={"model": spec.model.model_copy(update={"name": None})}) == Spec()
+    assert spec.model.name == "SmolLM2-135M-Instruct" and spec.model.dtype == "float32"
+    model = spec.model.model_copy(update={"name": None, "dtype": "auto"})
+    assert spec.model_copy(update={"model": model}) == Spec()
 
 
 @pytest.mark.parametrize(("ranks", "expected"), [
@@ -63,7 +64,7 @@ def test_validate_print_shows_the_effective_spec():
                      "--print", "--set", "parallel.dp=2")
     assert result.code == 0, result.err
     assert spec_of(result.out).parallel.dp == 2
-    assert "OK: SmolLM2-135M-Instruct, 2 replica(s) x 1 TP rank(s), bfloat16" in result.err
+    assert "OK: SmolLM2-135M-Instruct, 2 replica(s) x 1 TP rank(s), float32" in result.err
 
 
 def test_errors_carry_line_numbers_even_after_loading(tmp_spec):
