@@ -115,10 +115,8 @@ async def _start(gen: Generation) -> None:
     """Queue the sequences in the engine before answering, so that refusals get their own status."""
     try:
         await gen.start()
-    except EngineRejected as exc:
-        raise _rejected(exc) from None
-    except EngineUnavailable as exc:
-        raise APIError(503, str(exc), None, "engine_unavailable") from None
+    except (EngineRejected, EngineUnavailable) as exc:
+        raise _api_error(exc) from None
 
 
 async def _collect(gen: Generation, request: Request) -> list[Event]:
@@ -135,10 +133,8 @@ async def _collect(gen: Generation, request: Request) -> list[Event]:
     gone.cancel()
     try:
         return work.result()
-    except EngineRejected as exc:
-        raise _rejected(exc) from None
-    except EngineUnavailable as exc:
-        raise APIError(503, str(exc), None, "engine_unavailable") from None
+    except (EngineRejected, EngineUnavailable) as exc:
+        raise _api_error(exc) from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -146,7 +142,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _rejected(exc: EngineRejected) -> APIError:
+def _api_error(exc: EngineRejected | EngineUnavailable) -> APIError:
+    """The HTTP error for an engine that refused a request or is not there."""
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), None, "engine_unavailable")
     headers = {"Retry-After": "1"} if exc.status == 429 else None
     return APIError(exc.status, exc.message, None, "queue_full" if exc.status == 429 else "rejected", headers)
 
