@@ -69,10 +69,10 @@ class LlamaForCausalLM:
         return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
 
     def resident_bytes(self) -> int:
-        tensors = {id(t): t for t in self._tensors()}
+        tensors = {id(t): t for t in self.tensors()}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         out = [self.embed, self.norm, self.lm_head, self.cos_sin]
         for layer in self.layers:
             a = layer.attention

@@ -55,5 +55,8 @@ def test_sharded_safetensors_load_the_same(hf_dir, tmp_path):
         (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
     sharded = load_model(resolve_source(ModelSpec(path=str(tmp_path))), "float32", tokenizer=False)
     single = load_model(resolve_source(ModelSpec(path=str(hf_dir))), "float32", tokenizer=False)
-    ids = [[1, 2, 3, 4, 5]]
-    torch.testing.assert_close(Session(sharded.model, 1).step(ids), Session(single.model, 1).step(ids), atol=0, rtol=0)
+    # the weights, not GEMM results: oneDNN may pick another path for the same weights at another address
+    a, b = sharded.model.tensors(), single.model.tensors()
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
