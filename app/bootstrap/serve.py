@@ -13,20 +13,21 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from app.bootstrap.runtime import RUNTIME_VARIABLE, RuntimeDir
 from app.engine.process import EngineProcessConfig, run_engine
 from app.server.app import FrontendConfig
+from app.server.main import CONFIG_VARIABLE
 
 log = logging.getLogger("app.bootstrap")
 
 
 class Supervisor:
     def __init__(self, engine_cfg: EngineProcessConfig, frontend_cfg: FrontendConfig, openmp_env: dict[str, str],
-                 frontend_cpus: tuple[int, ...], host: str, port: int, workers: int, grace: float, runtime: Path):
+                 frontend_cpus: tuple[int, ...], host: str, port: int, workers: int, grace: float, runtime: RuntimeDir):
         self.engine_cfg, self.frontend_cfg, self.openmp_env = engine_cfg, frontend_cfg, openmp_env
         self.frontend_cpus, self.host, self.port, self.workers, self.grace = frontend_cpus, host, port, workers, grace
         self.runtime = runtime
@@ -37,9 +38,23 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        self._start_engine()
-        self._start_frontend()
-        return self._supervise()
+        try:
+            self._start_engine()
+            self._start_frontend()
+            return self._supervise()
+        finally:
+            self._stop_all()
+            self.runtime.remove(self._child_pids())
+
+    def _child_pids(self) -> set[int]:
+        return {p.pid for p in (self.engine, self.frontend) if p is not None and p.pid is not None}
+
+    def _stop_all(self) -> None:
+        """Whatever path got here, no child outlives the supervisor."""
+        if self.frontend is not None:
+            self._stop_frontend(5)
+        if self.engine is not None:
+            self._stop_engine()
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signum
@@ -54,6 +69,7 @@ class Supervisor:
             self.engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(self.engine_cfg,),
                                                                        name="engine-0", daemon=False)
             self.engine.start()
+            self.runtime.record_pid(self.engine.pid)
         finally:
             for key, value in saved.items():
                 os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
@@ -61,10 +77,8 @@ class Supervisor:
                  " ".join(f"{k}={v}" for k, v in self.openmp_env.items()))
 
     def _start_frontend(self) -> None:
-        config = self.runtime / "frontend.json"
-        config.write_text(self.frontend_cfg.dumps())
-        config.chmod(0o600)
-        env = {**os.environ, "APPLIANCE_FRONTEND_CONFIG": str(config),
+        # the settings (API key included) go in the environment, never in a file
+        env = {**os.environ, CONFIG_VARIABLE: self.frontend_cfg.dumps(), RUNTIME_VARIABLE: str(self.runtime.path),
                "PROMETHEUS_MULTIPROC_DIR": self.frontend_cfg.metrics_dir}
         command = [sys.executable, "-m", "gunicorn", "-c", "python:app.server.gunicorn_conf",
                    "--bind", f"{self.host}:{self.port}", "--workers", str(self.workers),
@@ -72,6 +86,7 @@ class Supervisor:
         cpus = self.frontend_cpus
         self.frontend = subprocess.Popen(command, env=env, start_new_session=True,
                                          preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        self.runtime.record_pid(self.frontend.pid)
         log.info("HTTP frontend started (pid %d): %d worker(s) on CPUs %s, http://%s:%d", self.frontend.pid,
                  self.workers, ",".join(map(str, cpus)), self.host, self.port)
 
@@ -152,12 +167,6 @@ class Supervisor:
             os.waitpid(info.si_pid, 0)
 
 
-def runtime_dir() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="appliance-"))
-    (path / "metrics").mkdir()
-    return path
-
-
 def serve(config: str | None, overrides: list[str]) -> int:
     """The whole start sequence; returns the exit code. A SpecError stops it before any process starts."""
     from app.bootstrap.isa import check_isa
@@ -196,21 +205,24 @@ def serve(config: str | None, overrides: list[str]) -> int:
 
 
 def _supervisor(spec, plan, source, api_key: str | None, template: str | None) -> Supervisor:
-    rank, runtime = plan.ranks[0], runtime_dir()
+    rank, runtime = plan.ranks[0], RuntimeDir.create()
+    path = runtime.path
     s, sched = spec.server, spec.scheduler
     engine = EngineProcessConfig(
-        replica=0, address=f"ipc://{runtime}/engine-0.ipc", model_path=str(source.path), model_format=source.format,
+        replica=0, address=f"ipc://{path}/engine-0.ipc", model_path=str(source.path), model_format=source.format,
         served_name=source.served_name, dtype=plan.dtype, kv_dtype=plan.kv_dtype, cpus=rank.cpus,
         memory_nodes=rank.memory_nodes, interleave=rank.memory_policy == "interleave", kv_blocks=rank.kv_blocks,
         block_size=plan.block_size, max_model_len=plan.max_model_len, max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens, chunked_prefill=sched.chunked_prefill,
         prefix_caching=sched.prefix_caching, max_waiting_requests=sched.max_waiting_requests,
+        step_time_budget=sched.step_time_budget,
         log_level=spec.runtime.log_level, log_format=spec.runtime.log_format)
     frontend = FrontendConfig(
         served_name=source.served_name, model_path=str(source.path), model_format=source.format,
         max_model_len=plan.max_model_len, engine_address=engine.address, chat_template=template, api_key=api_key,
         max_body_size=s.max_body_size, cors_origins=list(s.cors_origins),
-        draining_marker=str(runtime / "draining"), metrics_dir=str(runtime / "metrics"))
+        metrics_auth=s.metrics_auth, header_timeout=s.header_timeout, body_timeout=s.body_timeout,
+        max_connections=s.max_connections, draining_marker=str(path / "draining"), metrics_dir=str(path / "metrics"))
     os.environ["APPLIANCE_LOG_LEVEL"], os.environ["APPLIANCE_LOG_FORMAT"] = spec.runtime.log_level, spec.runtime.log_format
     return Supervisor(engine, frontend, rank.openmp_env, plan.frontend_cpus, s.host, s.port, s.workers,
                       s.shutdown_grace, runtime)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -23,6 +24,7 @@ from app.server.engine_client import EngineClient
 from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+from app.server.tokenizer import AsyncTokenizer
 
 log = logging.getLogger("app.server")
 VERSION = "0.1.0"
@@ -39,6 +41,10 @@ class FrontendConfig:
     api_key: str | None = None
     max_body_size: int = 4 << 20
     cors_origins: list[str] = field(default_factory=list)
+    metrics_auth: bool = True  # with a key set, /metrics needs it too
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 1000
     draining_marker: str | None = None  # the bootstrap creates this file when SIGTERM arrives
     metrics_dir: str | None = None
 
@@ -56,8 +62,8 @@ class Context:
     def __init__(self, cfg: FrontendConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.served_name, self.max_model_len = cfg.served_name, cfg.max_model_len
-        self.eos_token_id = tokenizer.eos_token_id
-        self.vocab_size = len(tokenizer)
+        self.text = AsyncTokenizer(tokenizer, cfg.max_model_len, cfg.chat_template)
+        self.eos_token_id, self.vocab_size = self.text.eos_token_id, self.text.vocab_size
         self.engine = EngineClient(cfg.engine_address)
         self.metrics = Metrics(cfg.served_name)
         self.collector = EngineCollector(cfg.served_name, self.engine)
@@ -68,24 +74,21 @@ class Context:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.served_name}`.",
                            "model", "model_not_found")
 
-    def prompt_ids(self, prompt) -> list[list[int]]:
+    async def prompt_ids(self, prompt) -> list[list[int]]:
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        for p in prompts:  # refuse a hopeless text before tokenizing any of them
+            if isinstance(p, str):
+                self.text.check_length(len(p), "prompt")
         out = []
         for p in prompts:
-            ids = self.tokenizer(p).input_ids if isinstance(p, str) else list(p)
+            ids = await self.text.encode(p, "prompt") if isinstance(p, str) else list(p)
             self._check_ids(ids, "prompt")
             out.append(ids)
         return out
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      chat_template=self.cfg.chat_template)
-        except Exception as exc:  # the template refused this conversation (roles, order, ...)
-            raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        ids = await self.text.encode_chat(conversation, add_generation_prompt, "messages")
         self._check_ids(ids, "messages")
         return ids
 
@@ -135,27 +138,47 @@ class Gate:
             return error_response(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,
                                   "body_too_large")
         path = scope["path"]
-        if self.cfg.api_key and path.startswith("/v1"):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
-                return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)", None,
-                                      "invalid_api_key")
+        if self._needs_key(path) and not self._has_key(headers):
+            return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)", None,
+                                  "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         if self.cfg.draining_marker and path.startswith("/v1") and scope["method"] == "POST" and \
                 os.path.exists(self.cfg.draining_marker):
             return error_response(503, "the server is shutting down", None, "draining", {"Retry-After": "5"})
         return None
 
+    def _needs_key(self, path: str) -> bool:
+        """Every route but the probes' /health (and /metrics when `server.metrics_auth` is off)."""
+        if not self.cfg.api_key or path == "/health":
+            return False
+        return path != "/metrics" or self.cfg.metrics_auth
+
+    def _has_key(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"authorization", b"")
+        return hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode())
+
     def _limited(self, receive):
-        seen = 0
+        """`receive` with the body's size limit and its deadline (`server.body_timeout` from the first read)."""
+        seen, deadline, done = 0, None, False
+        loop = asyncio.get_running_loop()
 
         async def wrapped():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, deadline, done
+            if done:  # the body is in: what follows is a wait for the client to hang up, with no deadline
+                return await receive()
+            deadline = deadline or loop.time() + self.cfg.body_timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s", None,
+                               "body_timeout", {"Connection": "close"}) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.cfg.max_body_size:
                     raise APIError(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,
                                    "body_too_large")
+                done = not message.get("more_body", False)
+            else:
+                done = True
             return message
 
         return wrapped
@@ -175,9 +198,9 @@ async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = await openai_api.read_body(request, TokenizeRequest)
     ctx.check_model(body.model)
     if body.messages is not None:
-        ids = ctx.chat_ids(body.messages, body.add_generation_prompt)
+        ids = await ctx.chat_ids(body.messages, body.add_generation_prompt)
     else:
-        ids = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        ids = await ctx.text.encode(body.prompt, "prompt", body.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
 
 
@@ -188,7 +211,7 @@ async def detokenize(request: Request) -> Response:
     bad = [t for t in body.tokens if t >= ctx.vocab_size]
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{ctx.vocab_size - 1})", "tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await ctx.text.decode(body.tokens)})
 
 
 async def version(request: Request) -> Response:
@@ -249,6 +272,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         await ctx.engine.start()
         yield
         await ctx.engine.close()
+        ctx.text.close()
 
     routes = [
         Route("/v1/completions", openai_api.completions, methods=["POST"]),

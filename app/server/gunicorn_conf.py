@@ -1,6 +1,6 @@
 """gunicorn's settings for the frontend (the bootstrap passes bind, workers and timeouts on top)."""
 
-worker_class = "uvicorn_worker.UvicornWorker"
+worker_class = "app.server.worker.ApplianceWorker"
 # Workers load a tokenizer at start; give them time before gunicorn declares them dead.
 timeout = 120
 keepalive = 5
@@ -14,3 +14,14 @@ def child_exit(server, worker):
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)
+
+
+def post_fork(server, worker):
+    """Record the worker's pid so that the supervisor can remove what it leaves in /dev/shm."""
+    import os
+    from pathlib import Path
+
+    from app.bootstrap.runtime import RUNTIME_VARIABLE, record_pid
+
+    if os.environ.get(RUNTIME_VARIABLE):
+        record_pid(Path(os.environ[RUNTIME_VARIABLE]), worker.pid)

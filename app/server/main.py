@@ -1,20 +1,26 @@
 """The gunicorn entry point of a frontend worker: `app.server.main:create_app_from_env()`.
 
-The bootstrap writes the worker's settings to a private file and names it in APPLIANCE_FRONTEND_CONFIG;
-this is the one place the frontend reads the environment.
+The bootstrap hands the workers their settings as JSON in APPLIANCE_FRONTEND_CONFIG, an environment
+variable rather than a file, so the API key never touches a disk; this is the one place the
+frontend reads the environment.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from app.logs import configure_logging
 from app.server.app import FrontendConfig, create_app
 
+CONFIG_VARIABLE = "APPLIANCE_FRONTEND_CONFIG"
+
+
+def config_from_env() -> FrontendConfig:
+    return FrontendConfig.loads(os.environ[CONFIG_VARIABLE])
+
 
 def create_app_from_env():
-    cfg = FrontendConfig.loads(Path(os.environ["APPLIANCE_FRONTEND_CONFIG"]).read_text())
+    cfg = config_from_env()
     configure_logging(os.environ.get("APPLIANCE_LOG_LEVEL", "info"), os.environ.get("APPLIANCE_LOG_FORMAT", "text"),
                       f"http-{os.getpid()}")
     return create_app(cfg)

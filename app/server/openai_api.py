@@ -22,16 +22,47 @@ log = logging.getLogger("app.server")
 MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill the waiting queue
 
 async def read_body(request: Request, model):
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON", None, "invalid_json") from None
+    """The body as `model`; anything JSON or the tokenizer cannot take is a 400 that names the problem."""
+    data = parse_json(await request.body())
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise APIError(400, f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (such as \\ud800), "
+                            f"which is not Unicode text", where or None, "invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def parse_json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: nested too deeply", None, "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
+        raise APIError(400, f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+
+
+def _lone_surrogate(data) -> str | None:
+    """The JSON path of the first string (or key) that is not valid Unicode, or None. Iterative: no depth limit."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    return path.encode("utf-8", "backslashreplace").decode()  # the path may hold it too
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((f"{path}.{key}" if path else str(key), key))
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
 
 
 async def completions(request: Request) -> Response:
@@ -40,13 +71,13 @@ async def completions(request: Request) -> Response:
     ctx.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
-    prompts = ctx.prompt_ids(body.prompt)
+    prompts = await ctx.prompt_ids(body.prompt)
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n")
     gen = _generation(ctx, body, body.logprobs, "cmpl")
     for ids in prompts:
         _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens"))
-    echo = [ctx.tokenizer.decode(ids) for ids in prompts] if body.echo else None
+    echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
     await _start(gen)
     if body.stream:
         return _sse(_completion_chunks(gen, body, ctx.served_name, echo))
@@ -65,7 +96,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    ids = ctx.chat_ids(body.messages, body.add_generation_prompt)
+    ids = await ctx.chat_ids(body.messages, body.add_generation_prompt)
     top = (body.top_logprobs or 0) if body.logprobs else None
     gen = _generation(ctx, body, top, "chatcmpl")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -45,7 +45,7 @@ def _section(path: str, model: type[BaseModel], title: str, defaults: dict | Non
         if sub is not None:
             nested.append(_section(f"{path}.{name}", sub, field.description or "", default))
         shown = "(section)" if isinstance(default, dict) else ("none" if default is None else f"`{_yaml(default)}`")
-        lines.append(f"| `{name}` | {_type(field)} | {shown} | {field.description or ''} |")
+        lines.append(f"| `{name}` | {_type(field)} | {shown} | {' '.join((field.description or '').split())} |")
     return "\n".join(lines) + "\n" + "".join("\n" + text for text in nested)
 
 

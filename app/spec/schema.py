@@ -109,6 +109,9 @@ class SchedulerSpec(Section):
     """Reuse the KV blocks of prompt prefixes already computed."""
     max_waiting_requests: int = Field(default=256, ge=1, le=1 << 20)
     """Requests that may wait for a slot; more are refused with HTTP 429 rather than queued."""
+    step_time_budget: float = Field(default=0.5, ge=0, le=60)
+    """Target seconds of one engine step: prompt chunks are sized so a step's estimated time (calibrated at start,
+    corrected by measured steps) fits it, which bounds running streams' inter-token latency; 0: no time limit."""
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> SchedulerSpec:
@@ -148,7 +151,7 @@ class ServerSpec(Section):
     port: int = Field(default=8000, ge=1, le=65535)
     """TCP port to listen on."""
     api_key: ApiKeySpec | None = None
-    """Require this bearer key on every /v1 request; default: no key."""
+    """Require this bearer key on every route but /health (and /metrics, see `metrics_auth`); default: no key."""
     workers: int = Field(default=1, ge=1, le=64)
     """HTTP worker processes (gunicorn with uvicorn workers)."""
     max_body_size: ByteSize = Field(default="4MiB")
@@ -157,6 +160,16 @@ class ServerSpec(Section):
     """Origins allowed by CORS ("*" for any); default: none."""
     shutdown_grace: float = Field(default=30.0, ge=0, le=3600)
     """Seconds that in-flight requests may take to finish after SIGTERM before they are cut off."""
+    metrics_auth: bool = True
+    """With an API key set, /metrics needs it too; false lets a Prometheus scraper in without it."""
+    header_timeout: float = Field(default=10.0, gt=0, le=3600)
+    """Seconds a client has to send a request's line and headers (from connecting or from its previous
+    response); slower connections are closed."""
+    body_timeout: float = Field(default=30.0, gt=0, le=3600)
+    """Seconds a client has to send a whole request body once its headers are in; slower gets HTTP 408."""
+    max_connections: int = Field(default=1000, ge=1, le=100_000)
+    """Open connections per HTTP worker; past it, the oldest connection still sending headers is closed to make
+    room, or else the new one."""
 
     @field_validator("cors_origins")
     @classmethod

@@ -72,6 +72,22 @@ CASES = [
     ("min-over-max-tokens", "POST", C, {"prompt": "x", "min_tokens": 10, "max_tokens": 5}, 400, "invalid_value",
      "min_tokens must be <= max_tokens"),
     ("too-many-sequences", "POST", C, {"prompt": ["a", "b", "c", "d", "e"], "n": 16}, 400, None, "more than 64"),
+    # found by the attack from outside: each was a 500
+    ("nested-100000-deep", "POST", C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "invalid_json",
+     "nested too deeply"),
+    ("nested-500-deep", "POST", C, b'{"prompt": "x", "seed": ' + b"[" * 500 + b"]" * 500 + b"}", 400, "invalid_value", "seed"),
+    ("int-of-10000-digits", "POST", C, b'{"prompt": "x", "seed": ' + b"9" * 10_000 + b"}", 400, "invalid_json",
+     "digits"),
+    ("lone-surrogate-escape", "POST", C, b'{"prompt": "\\ud800"}', 400, "invalid_json", "prompt: a string holds a lone"),
+    ("lone-surrogate-in-chat", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
+     "invalid_json", "messages.0.content"),
+    ("lone-surrogate-raw-bytes", "POST", C, b'{"prompt": "\xed\xa0\x80"}', 400, "invalid_json", "not"),
+    ("lone-surrogate-in-key", "POST", C, b'{"prompt": "x", "\\ud800": 1}', 400, "invalid_json", "surrogate"),
+    ("lone-surrogate-tokenize", "POST", "/tokenize", b'{"prompt": "\\ud800"}', 400, "invalid_json", "surrogate"),
+    ("text-far-past-context", "POST", C, {"prompt": "x" * 3_000_000}, 400, "context_length_exceeded",
+     "3000000 characters"),
+    ("tokenize-far-past-context", "POST", "/tokenize", {"prompt": "x" * 3_000_000}, 400, "context_length_exceeded",
+     "characters"),
 ]
 
 
@@ -126,6 +142,22 @@ def test_api_key_is_required_when_configured(keyed):
     assert missing.status_code == wrong.status_code == 401 and right.status_code == 200
     assert missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(keyed.url + "/health").status_code == 200  # probes need no key
+
+
+KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
+                ("GET", "/openapi.json", None), ("GET", "/version", None), ("GET", "/v1/models", None),
+                ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1})]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), KEYED_ROUTES, ids=[r[1] for r in KEYED_ROUTES])
+def test_every_route_but_health_needs_the_key(keyed, method, path, body):
+    kwargs = {"json": body} if body is not None else {}
+    missing = httpx.request(method, keyed.url + path, timeout=60, **kwargs)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert missing.headers["www-authenticate"] == "Bearer"
+    right = httpx.request(method, keyed.url + path, timeout=60, headers={"Authorization": "Bearer sk-test-123456"},
+                          **kwargs)
+    assert right.status_code == 200, right.text
 
 
 def test_schemathesis_finds_no_server_error(tmp_path):

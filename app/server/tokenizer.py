@@ -1,0 +1,59 @@
+"""The tokenizer as a frontend worker uses it: large inputs off the event loop, hopeless ones refused early.
+
+Chat templating (Jinja, pure Python) and tokenizing a few hundred KiB take tens of milliseconds; on
+the event loop that delays every other request of the worker, `/health` included. So all of it runs
+on one worker thread (one: a Hugging Face fast tokenizer may reconfigure itself on a call, which two
+threads must not do at once; the hop costs tens of microseconds). Text longer than the context could hold in any tokenization
+(`max_text_chars`: the longest vocabulary entry times the context length) is refused before any of
+it is tokenized, so a multi-MiB body costs nothing but its read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from app.server.errors import APIError
+
+class AsyncTokenizer:
+    def __init__(self, tokenizer, max_model_len: int, chat_template: str | None):
+        self.tokenizer, self.max_model_len, self.chat_template = tokenizer, max_model_len, chat_template
+        self.eos_token_id = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        # every token covers at most this many characters, so longer text surely overflows the context
+        longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+        self.max_text_chars = max(longest, 1) * max_model_len
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_length(len(text), param)
+        return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    async def encode_chat(self, conversation: list[dict], add_generation_prompt: bool, param: str) -> list[int]:
+        self.check_length(sum(len(m["content"]) for m in conversation), param)
+        text = await self._run(lambda: self._render(conversation, add_generation_prompt))
+        return await self.encode(text, param, add_special_tokens=False)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._run(lambda: self.tokenizer.decode(ids))
+
+    def check_length(self, chars: int, param: str) -> None:
+        if chars > self.max_text_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your text has {chars} characters, more than {self.max_text_chars} (so more than "
+                                f"{self.max_model_len} tokens in any tokenization). Please reduce the text.", param,
+                           "context_length_exceeded")
+
+    def _render(self, conversation: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      chat_template=self.chat_template)
+        except Exception as exc:  # the template refused this conversation (roles, order, ...)
+            raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
+
+    async def _run(self, work):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)

@@ -1,0 +1,41 @@
+"""The request gate on its own (ASGI, no model): which routes need the key. (Its body deadline is tested
+against the real server in test_hardening.py: the test client reads a body whole before the app sees it.)"""
+
+from __future__ import annotations
+
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from app.server.app import FrontendConfig, Gate, _api_error
+from app.server.errors import APIError
+
+
+async def echo(request: Request) -> JSONResponse:
+    return JSONResponse({"size": len(await request.body())})
+
+
+def client(**settings) -> TestClient:
+    cfg = FrontendConfig("m", "/nowhere", "gguf", 64, "ipc:///nowhere", **settings)
+    routes = [Route(path, echo, methods=["GET", "POST"]) for path in ("/health", "/metrics", "/tokenize", "/v1/x")]
+    app = Starlette(routes=routes, middleware=[Middleware(Gate, cfg=cfg)], exception_handlers={APIError: _api_error})
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(("metrics_auth", "metrics_status"), [(True, 401), (False, 200)])
+def test_metrics_follow_their_switch_and_everything_else_needs_the_key(metrics_auth, metrics_status):
+    c = client(api_key="sk-12345678", metrics_auth=metrics_auth)
+    assert c.get("/health").status_code == 200
+    assert c.get("/metrics").status_code == metrics_status
+    assert c.post("/tokenize").status_code == c.post("/v1/x").status_code == 401
+    assert c.post("/tokenize", headers={"Authorization": "Bearer sk-12345678"}).status_code == 200
+    assert c.post("/tokenize", headers={"Authorization": "Bearer sk-1234567"}).status_code == 401
+
+
+def test_without_a_key_nothing_needs_one():
+    c = client()
+    assert all(c.get(path).status_code == 200 for path in ("/metrics", "/tokenize", "/v1/x"))
