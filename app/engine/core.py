@@ -15,6 +15,7 @@ from app.engine.model_runner import ModelRunner, TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request
 from app.engine.scheduler import Scheduler, SchedulerConfig
+from app.engine.step_cost import StepCost
 
 
 log = logging.getLogger("app.engine")
@@ -49,11 +50,23 @@ class EngineCore:
                  prefix_caching: bool, model_id: str):
         self.runner = runner
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching, model_id)
-        self.scheduler = Scheduler(scheduler_cfg, self.kv)
+        self.cost = self._calibrate(scheduler_cfg, num_blocks * block_size)
+        self.scheduler = Scheduler(scheduler_cfg, self.kv, self.cost)
         self.max_model_len = scheduler_cfg.max_model_len
+
+    def _calibrate(self, cfg: SchedulerConfig, cache_tokens: int) -> StepCost | None:
+        """Time a few forward passes (on free blocks, before any request) to predict step times."""
+        if cfg.step_time_budget <= 0 or not cfg.chunked_prefill:
+            return None
+        cost = StepCost.calibrate(self.runner.time_forward, cfg.step_time_budget,
+                                  min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size))
+        log.info("calibrated: %s", cost.describe())
+        return cost
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None,
                     wait_for: str | None = None) -> None:
+        if request_id in self.scheduler.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in the engine")
         self._check(prompt_ids, params)
         request = Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for)
         self.runner.add_request(request_id, params, request.prompt_ids, eos_token_id)
@@ -91,8 +104,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
+        started = time.perf_counter()
         try:
             result = self.runner.execute(plan)
+            if self.cost is not None:
+                self.cost.observe(plan.shape(), time.perf_counter() - started)
         except Exception:  # a bug must not take every other request down: fail this step's requests only
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
             return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]

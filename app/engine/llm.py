@@ -81,7 +81,7 @@ class LLM:
         runner = ModelRunner(loaded.model, rank.kv_blocks, plan.block_size, sched.max_num_batched_tokens,
                              sched.max_num_seqs, getattr(torch, plan.kv_dtype))
         cfg = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, plan.max_model_len,
-                              sched.chunked_prefill)
+                              sched.chunked_prefill, sched.step_time_budget)
         self.core = EngineCore(runner, cfg, rank.kv_blocks, plan.block_size, sched.prefix_caching,
                                f"{source.path}:{plan.dtype}")
         self._next_id = 0

@@ -12,7 +12,7 @@ import torch
 
 from app.engine.params import SamplingParams
 from app.engine.sampler import Sampler, SamplingState, new_state
-from app.engine.scheduler import SchedulerOutput
+from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.model.batch import ForwardBatch
 from app.model.llama import LlamaForCausalLM
 
@@ -65,6 +65,12 @@ class ModelRunner:
         states = [self.states[output.requests[i].request_id] for i in rows]
         result = self.sampler(logits, states)
         return self._collect([output.requests[i].request_id for i in rows], states, result)
+
+    def time_forward(self, count: int, num_computed: int) -> None:
+        """A forward pass of `count` dummy tokens after `num_computed` (for calibration, on free blocks)."""
+        blocks = tuple(range(-(-(num_computed + count) // self.block_size)))
+        step = ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False)
+        self.execute(SchedulerOutput((step,)))
 
     def _prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor, int]:
         # Fill the staging buffers: token ids, positions, cache slots, block tables, lengths, offsets.

@@ -38,6 +38,7 @@ class EngineProcessConfig:
     chunked_prefill: bool
     prefix_caching: bool
     max_waiting_requests: int
+    step_time_budget: float = 0.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -49,8 +50,18 @@ def run_engine(cfg: EngineProcessConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the bootstrap, which drains first
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean exit: finalizers run, nothing leaks
     configure_logging(cfg.log_level, cfg.log_format, f"engine-{cfg.replica}")
+    _thread_lock_for_progress_bars()
     core = _build_core(cfg)
     EngineServer(core, cfg.address, cfg.max_waiting_requests).serve_forever()
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a multiprocessing one: a named semaphore in /dev/shm that a killed process leaks."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _build_core(cfg: EngineProcessConfig):
@@ -72,7 +83,8 @@ def _build_core(cfg: EngineProcessConfig):
                         tokenizer=False)
     runner = ModelRunner(loaded.model, cfg.kv_blocks, cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                          getattr(torch, cfg.kv_dtype))
-    sched = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.chunked_prefill)
+    sched = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.chunked_prefill,
+                            cfg.step_time_budget)
     return EngineCore(runner, sched, cfg.kv_blocks, cfg.block_size, cfg.prefix_caching, f"{cfg.model_path}:{cfg.dtype}")
 
 

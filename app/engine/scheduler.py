@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from app.engine.kv_cache import KVCacheManager
 from app.engine.request import FinishReason, Request, Status
+from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     chunked_prefill: bool = True
+    step_time_budget: float = 0.0  # seconds; 0: steps are bounded by tokens only
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,43 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.requests
 
+    def shape(self) -> StepShape:
+        shape = StepShape()
+        for r in self.requests:
+            shape.add(r.num_computed, len(r.token_ids))
+        return shape
+
+
+class StepBudget:
+    """What one step may still take: tokens, and time as the cost model predicts it (when there is one)."""
+
+    def __init__(self, max_tokens: int, cost: StepCost | None):
+        self.tokens_left, self.cost, self.shape = max_tokens, cost, StepShape()
+
+    def fit(self, num_computed: int, wanted: int, share: float = 1.0) -> int:
+        """How many of `wanted` tokens go in; at most `share` of the time budget is used up after them."""
+        count = min(wanted, self.tokens_left)
+        if self.cost is None or count <= 1:  # a decode always fits: it is what the budget protects
+            return max(count, 0)
+        fits = self.cost.max_chunk(self.shape, num_computed, count, self.cost.budget * share)
+        if fits < count and fits < MIN_CHUNK:
+            fits = 0 if self.shape.tokens else min(count, MIN_CHUNK)  # an empty step always makes progress
+        return fits
+
+    def take(self, num_computed: int, count: int) -> None:
+        self.tokens_left -= count
+        self.shape.add(num_computed, count)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.tokens_left <= 0 or (self.cost is not None and self.shape.tokens > 0
+                                         and self.cost.predict(self.shape) >= self.cost.budget)
+
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, cost: StepCost | None = None):
         self.cfg, self.kv = cfg, kv
+        self.cost = cost if cfg.chunked_prefill else None  # a time budget works by chunking prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started
         self.requests: dict[str, Request] = {}
@@ -58,6 +93,8 @@ class Scheduler:
     # --- requests in and out ---
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -80,19 +117,25 @@ class Scheduler:
     # --- one step ---
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.cfg.max_num_batched_tokens
+        """Decodes first, then prompts still being prefilled, then waiting requests, while the budget lasts.
+
+        A prompt in progress takes at most half the step's time while others wait, so a long prompt
+        cannot hold a short one back for more than a step or two.
+        """
+        budget = StepBudget(self.cfg.max_num_batched_tokens, self.cost)
         chosen: list[tuple[Request, int]] = []
         preempted: list[str] = []
-        for request in list(self.running):
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            count = budget.fit(request.num_computed_tokens, remaining, 0.5 if self.waiting else 1.0)
             if count <= 0 or not self._make_room(request, count, preempted):
                 continue
             chosen.append((request, count))
-            budget -= count
+            budget.take(request.num_computed_tokens, count)
         if not preempted:  # do not admit new work in a step that had to take blocks away
-            budget = self._admit(chosen, budget)
+            self._admit(chosen, budget)
         return SchedulerOutput(tuple(self._scheduled(r, n) for r, n in chosen), tuple(preempted))
 
     def _make_room(self, request: Request, count: int, preempted: list[str]) -> bool:
@@ -112,29 +155,28 @@ class Scheduler:
         request.num_computed_tokens, request.status = 0, Status.PREEMPTED
         self.waiting.appendleft(request)
 
-    def _admit(self, chosen: list[tuple[Request, int]], budget: int) -> int:
+    def _admit(self, chosen: list[tuple[Request, int]], budget: StepBudget) -> None:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and not budget.exhausted and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting.popleft()
             if request.wait_for in self.requests and self._prompt_pending(self.requests[request.wait_for]):
                 skipped.append(request)  # n > 1: let the first sibling cache the prompt first
                 continue
             hit = self.kv.find_prefix(request)
-            count = request.num_tokens - hit.num_tokens
-            if not self.cfg.chunked_prefill and count > budget:
+            wanted = request.num_tokens - hit.num_tokens
+            if not self.cfg.chunked_prefill and wanted > budget.tokens_left:
                 self.waiting.appendleft(request)
                 break
-            count = min(count, budget)
-            if not self.kv.allocate(request, count, hit):
+            count = budget.fit(hit.num_tokens, wanted)
+            if count <= 0 or not self.kv.allocate(request, count, hit):
                 self.waiting.appendleft(request)
                 break
             self.kv.count_prefix(request, hit)
             request.num_computed_tokens, request.status = hit.num_tokens, Status.RUNNING
             self.running.append(request)
             chosen.append((request, count))
-            budget -= count
+            budget.take(hit.num_tokens, count)
         self.waiting.extendleft(reversed(skipped))
-        return budget
 
     def _prompt_pending(self, sibling: Request) -> bool:
         return sibling.status != Status.FINISHED and sibling.num_computed_tokens < len(sibling.prompt_ids)

@@ -9,6 +9,7 @@ from app.engine.kv_cache import KVCacheManager
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request, Status
 from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from app.engine.step_cost import StepCost
 
 BLOCK = 4
 EOS = 0
@@ -18,9 +19,9 @@ class Harness:
     """A scheduler whose "model" samples token 7 for every sequence (or what a test scripts)."""
 
     def __init__(self, blocks: int = 64, seqs: int = 8, budget: int = 32, chunked: bool = True,
-                 prefix: bool = True, max_len: int = 256):
+                 prefix: bool = True, max_len: int = 256, cost: StepCost | None = None):
         self.kv = KVCacheManager(blocks, BLOCK, prefix, "test-model")
-        self.sched = Scheduler(SchedulerConfig(seqs, budget, max_len, chunked), self.kv)
+        self.sched = Scheduler(SchedulerConfig(seqs, budget, max_len, chunked), self.kv, cost)
         self.finished: list[Request] = []
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:
@@ -268,4 +269,65 @@ def test_a_request_that_keeps_waiting_is_counted_once_for_the_prefix_cache():
     assert h.kv.queries == 12  # "big" only: "blocked" was looked up but never admitted yet
     h.run()
     assert h.kv.queries == 24
+    h.assert_no_leaks()
+
+
+# --- the step-time budget ---
+
+
+def test_a_duplicate_request_id_is_refused_and_changes_nothing():
+    h = Harness()
+    first = h.add("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="'a' is already in the engine"):
+        h.add("a", [4, 5, 6])
+    assert h.sched.requests["a"] is first and len(h.sched.waiting) == 1
+    h.run()
+    h.assert_no_leaks()
+
+
+def test_prompt_chunks_follow_the_time_budget_and_its_quadratic_attention_cost():
+    # 1 ms a token and 1 us an attention pair, 100 ms a step: a chunk after p cached tokens is the
+    # largest n with 1e-3 n + 1e-6 (n p + n (n + 1) / 2) <= 0.1
+    cost = StepCost(overhead=0.0, per_token=1e-3, per_pair=1e-6, budget=0.1)
+    h = Harness(blocks=2000, budget=4096, max_len=8192, cost=cost)
+    h.add("long", [5] * 4000, max_tokens=1)
+    chunks, starts = [], []
+    while h.sched.has_work():
+        out = h.step()
+        starts.append(out.requests[0].num_computed)
+        chunks.append(len(out.requests[0].token_ids))
+    assert sum(chunks) == 4000
+    for p, n in zip(starts[:-1], chunks[:-1], strict=True):
+        assert 1e-3 * n + 1e-6 * (n * p + n * (n + 1) / 2) <= 0.1 + 1e-9  # fits
+        m = n + 1
+        assert 1e-3 * m + 1e-6 * (m * p + m * (m + 1) / 2) > 0.1  # and is the largest that does
+    assert chunks[0] == 95 and chunks[-2] < chunks[0] / 2  # later chunks shrink as the context grows
+    h.assert_no_leaks()
+
+
+def test_a_short_request_gets_in_while_a_long_prompt_is_prefilled():
+    cost = StepCost(overhead=0.0, per_token=1e-3, per_pair=1e-6, budget=0.1)
+    h = Harness(blocks=2000, budget=4096, max_len=8192, cost=cost)
+    h.add("long", [5] * 4000, max_tokens=1)
+    h.step()
+    h.step()
+    h.add("short", [6] * 10, max_tokens=2)
+    out = h.step()  # the long prompt leaves room: the short one is prefilled in this very step
+    ids = {r.request_id: r for r in out.requests}
+    assert set(ids) == {"long", "short"} and ids["short"].sample
+    assert cost.predict(out.shape()) <= 0.1 + 1e-9
+    out = h.step()  # and decodes next to the long prompt's next chunk
+    assert {r.request_id for r in out.requests} == {"long", "short"}
+    h.run(500)
+    assert [r.request_id for r in h.finished][0] == "short"
+    h.assert_no_leaks()
+
+
+def test_an_empty_step_always_makes_progress_whatever_the_budget():
+    cost = StepCost(overhead=1.0, per_token=1e-3, per_pair=1e-6, budget=0.1)  # overhead alone is over budget
+    h = Harness(blocks=200, budget=4096, max_len=8192, cost=cost)
+    h.add("a", [5] * 100, max_tokens=2)
+    out = h.step()
+    assert len(out.requests[0].token_ids) == 16  # MIN_CHUNK
+    h.run(50)
     h.assert_no_leaks()

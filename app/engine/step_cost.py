@@ -1,0 +1,95 @@
+"""How long a step will take, so the scheduler can size prompt chunks to a wall-time budget.
+
+A step's time is modelled as `overhead + per_token * tokens + per_pair * attention_pairs`, where an
+attention pair is one (query, visible key) product: a chunk of n new tokens after p cached ones makes
+n*p + n(n+1)/2 of them, a decode at context c makes c. The token term is the GEMMs (linear in tokens),
+the pair term the attention (quadratic in a prompt's length: why a token count alone cannot bound a
+step at 8k context). The coefficients are fitted at start from a few timed forward passes
+(`calibrate`), then a running correction factor follows measured steps, so a slower (busier) machine
+gets smaller chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MIN_CHUNK = 16  # a prefill chunk smaller than this is not worth a step of its own: wait for the next
+
+
+def attention_pairs(num_computed: int, count: int) -> int:
+    """Query-key products of `count` new tokens after `num_computed` cached ones (causal)."""
+    return count * num_computed + count * (count + 1) // 2
+
+
+@dataclass
+class StepShape:
+    """What is in a step so far."""
+
+    tokens: int = 0
+    pairs: int = 0
+
+    def add(self, num_computed: int, count: int) -> None:
+        self.tokens += count
+        self.pairs += attention_pairs(num_computed, count)
+
+
+class StepCost:
+    def __init__(self, overhead: float, per_token: float, per_pair: float, budget: float):
+        self.overhead, self.per_token, self.per_pair = overhead, per_token, per_pair
+        self.budget = budget  # seconds per step
+        self.correction = 1.0  # measured / modelled, smoothed
+
+    def predict(self, shape: StepShape) -> float:
+        raw = self.overhead + self.per_token * shape.tokens + self.per_pair * shape.pairs
+        return raw * self.correction
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Fold a measured step into the correction factor (in log space, clamped against outliers)."""
+        modelled = self.predict(shape) / self.correction
+        if modelled <= 0 or seconds <= 0:
+            return
+        ratio = min(max(seconds / modelled, 0.2), 5.0)
+        self.correction = math.exp(0.8 * math.log(self.correction) + 0.2 * math.log(ratio))
+
+    def max_chunk(self, shape: StepShape, num_computed: int, wanted: int, time_left: float | None = None) -> int:
+        """The most of `wanted` new tokens (after `num_computed` cached) that keep the step within its budget."""
+        left = (self.budget if time_left is None else time_left) / self.correction \
+            - self.overhead - self.per_token * shape.tokens - self.per_pair * shape.pairs
+        if left <= 0:
+            return 0
+        # per_pair/2 n^2 + (per_token + per_pair * (num_computed + 1/2)) n <= left
+        a, b = self.per_pair / 2, self.per_token + self.per_pair * (num_computed + 0.5)
+        n = left / b if a <= 0 else (-b + math.sqrt(b * b + 4 * a * left)) / (2 * a)
+        return max(0, min(wanted, int(n)))
+
+    @classmethod
+    def calibrate(cls, run: Callable[[int, int], None], budget: float, max_tokens: int) -> StepCost:
+        """Fit the three coefficients from timed forward passes: `run(count, num_computed)`.
+
+        Passes: 1 token (overhead), `n` tokens at context 0 (GEMMs), `n` tokens after 4n cached (attention);
+        `max_tokens` bounds 5n, the most the KV cache and the staging buffers take.
+        """
+        n = max(2, min(128, max_tokens // 5))
+        run(n, 0)  # warm-up: first calls allocate and pick GEMM kernels
+        t1, tn, tp = _timed(run, 1, 0, 3), _timed(run, n, 0), _timed(run, n, 4 * n)
+        p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(4 * n, n)
+        per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
+        per_token = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
+        overhead = max(t1 - per_token - per_pair * p1, 1e-4)
+        return cls(overhead, per_token, per_pair, budget)
+
+    def describe(self) -> str:
+        return (f"step time ~ {self.overhead * 1e3:.1f} ms + {self.per_token * 1e6:.0f} us/token + "
+                f"{self.per_pair * 1e9:.2f} ns/attention pair; budget {self.budget * 1e3:.0f} ms")
+
+
+def _timed(run: Callable[[int, int], None], count: int, num_computed: int, repeat: int = 1) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run(count, num_computed)
+        best = min(best, time.perf_counter() - start)
+    return best
