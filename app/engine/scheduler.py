@@ -16,6 +16,8 @@ from app.engine.kv_cache import KVCacheManager
 from app.engine.request import FinishReason, Request, Status
 from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
 
+PREFILL_FLOOR = 0.25  # of the step-time budget, kept for prompts however long the decodes take
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -56,17 +58,28 @@ class SchedulerOutput:
 
 
 class StepBudget:
-    """What one step may still take: tokens, and time as the cost model predicts it (when there is one)."""
+    """What one step may still take: tokens, and time as the cost model predicts it (when there is one).
+
+    Decodes are scheduled first and always fit. Prompt chunks then share what is left of the time
+    budget, and never less than PREFILL_FLOOR of it, so that new requests still get in when the
+    decodes alone fill the budget.
+    """
 
     def __init__(self, max_tokens: int, cost: StepCost | None):
         self.tokens_left, self.cost, self.shape = max_tokens, cost, StepShape()
+        self.prefill_from: float | None = None  # predicted time of the decodes, once prompts start
+        self.prefill_window = 0.0
 
     def fit(self, num_computed: int, wanted: int, share: float = 1.0) -> int:
-        """How many of `wanted` tokens go in; at most `share` of the time budget is used up after them."""
+        """How many of `wanted` tokens go in, using at most `share` of the time left for prompts."""
         count = min(wanted, self.tokens_left)
         if self.cost is None or count <= 1:  # a decode always fits: it is what the budget protects
             return max(count, 0)
-        fits = self.cost.max_chunk(self.shape, num_computed, count, self.cost.budget * share)
+        if self.prefill_from is None:
+            self.prefill_from = self.cost.predict(self.shape)
+            self.prefill_window = max(self.cost.budget - self.prefill_from, self.cost.budget * PREFILL_FLOOR)
+        limit = self.prefill_from + share * self.prefill_window
+        fits = self.cost.max_chunk(self.shape, num_computed, count, limit)
         if fits < count and fits < MIN_CHUNK:
             fits = 0 if self.shape.tokens else min(count, MIN_CHUNK)  # an empty step always makes progress
         return fits
@@ -77,8 +90,10 @@ class StepBudget:
 
     @property
     def exhausted(self) -> bool:
-        return self.tokens_left <= 0 or (self.cost is not None and self.shape.tokens > 0
-                                         and self.cost.predict(self.shape) >= self.cost.budget)
+        if self.tokens_left <= 0:
+            return True
+        return self.prefill_from is not None and \
+            self.cost.predict(self.shape) >= self.prefill_from + self.prefill_window
 
 
 class Scheduler:

@@ -54,9 +54,10 @@ class StepCost:
         ratio = min(max(seconds / modelled, 0.2), 5.0)
         self.correction = math.exp(0.8 * math.log(self.correction) + 0.2 * math.log(ratio))
 
-    def max_chunk(self, shape: StepShape, num_computed: int, wanted: int, time_left: float | None = None) -> int:
-        """The most of `wanted` new tokens (after `num_computed` cached) that keep the step within its budget."""
-        left = (self.budget if time_left is None else time_left) / self.correction \
+    def max_chunk(self, shape: StepShape, num_computed: int, wanted: int, limit: float | None = None) -> int:
+        """The most of `wanted` new tokens (after `num_computed` cached) that keep the step's predicted time
+        within `limit` seconds (default: the budget)."""
+        left = (self.budget if limit is None else limit) / self.correction \
             - self.overhead - self.per_token * shape.tokens - self.per_pair * shape.pairs
         if left <= 0:
             return 0

@@ -324,10 +324,27 @@ def test_a_short_request_gets_in_while_a_long_prompt_is_prefilled():
 
 
 def test_an_empty_step_always_makes_progress_whatever_the_budget():
-    cost = StepCost(overhead=1.0, per_token=1e-3, per_pair=1e-6, budget=0.1)  # overhead alone is over budget
+    # the overhead alone is over budget, and the quarter kept for prompts holds 2 tokens
+    cost = StepCost(overhead=1.0, per_token=1e-2, per_pair=1e-6, budget=0.1)
     h = Harness(blocks=200, budget=4096, max_len=8192, cost=cost)
     h.add("a", [5] * 100, max_tokens=2)
     out = h.step()
     assert len(out.requests[0].token_ids) == 16  # MIN_CHUNK
     h.run(50)
+    h.assert_no_leaks()
+
+
+def test_new_requests_still_get_in_when_decodes_alone_fill_the_budget():
+    # a step costs 150 ms before any token: over the 100 ms budget; prompts still get a quarter of it
+    cost = StepCost(overhead=0.15, per_token=1e-3, per_pair=0.0, budget=0.1)
+    h = Harness(blocks=400, seqs=16, budget=4096, max_len=8192, cost=cost)
+    for i in range(8):
+        h.add(f"d{i}", [5], max_tokens=50)
+    h.step()
+    h.add("new", [6] * 40, max_tokens=1)
+    out = h.step()
+    chunk = {r.request_id: len(r.token_ids) for r in out.requests}
+    assert all(chunk[f"d{i}"] == 1 for i in range(8))
+    assert chunk["new"] == 25  # 25 ms of tokens on top of the decodes
+    h.run(500)
     h.assert_no_leaks()
