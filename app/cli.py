@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
     bench.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     bench.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
+    bench.add_argument("--chunk", type=int, help="prefill the prompt this many tokens per step (default: all at once)")
     bench.add_argument("--steps", type=int, default=32, help="decode steps timed (median reported)")
     bench.set_defaults(run=_bench_model)
     offline = commands.add_parser("bench-offline", help="offline throughput through the engine (LLM.generate)")
@@ -164,7 +165,7 @@ def _bench_model(args: argparse.Namespace) -> int:
 
     doc = read_spec(args.config, [])
     run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
-        args.prompt, args.steps)
+        args.prompt, args.steps, args.chunk)
     return 0
 
 

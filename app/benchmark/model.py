@@ -47,15 +47,23 @@ class Bench:
         hidden = self.model.forward(ids, batch, cache)
         self.model.logits(hidden[batch.logit_indices])
 
-    def prefill(self, tokens: int, repeats: int) -> Result:
+    def prefill(self, tokens: int, repeats: int, chunk: int | None = None) -> Result:
+        """One prompt of `tokens`, `chunk` tokens per forward step (chunked prefill; None: all at once)."""
         blocks, cache = self._cache(1)
-        self._run(blocks, cache, [0], [tokens])  # warm-up
+        chunk = min(chunk or tokens, tokens)
+
+        def whole_prompt() -> None:
+            for done in range(0, tokens, chunk):
+                self._run(blocks, cache, [done], [min(chunk, tokens - done)])
+
+        whole_prompt()  # warm-up
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            self._run(blocks, cache, [0], [tokens])
+            whole_prompt()
             times.append(time.perf_counter() - start)
-        return Result("prefill", self.dtype, 1, tokens, tokens / statistics.median(times), "tokens/s")
+        what = "prefill" if chunk == tokens else f"prefill/{chunk}"
+        return Result(what, self.dtype, 1, tokens, tokens / statistics.median(times), "tokens/s")
 
     def decode(self, batch: int, context: int, steps: int) -> Result:
         blocks, cache = self._cache(batch)
@@ -69,13 +77,14 @@ class Bench:
         return Result("decode step", self.dtype, batch, context, statistics.median(times) * 1000, "ms")
 
 
-def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int) -> list[Result]:
+def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int,
+        chunk: int | None = None) -> list[Result]:
     cpus = sorted(os.sched_getaffinity(0))
     print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
     results = []
     for dtype in dtypes:
         bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16))
-        for result in [bench.prefill(prompt, repeats=3)] + [bench.decode(b, context, steps) for b in batches]:
+        for result in [bench.prefill(prompt, repeats=3, chunk=chunk)] + [bench.decode(b, context, steps) for b in batches]:
             print(f"{result.what:12} {result.dtype:9} batch {result.batch:3} context {result.context:5}  "
                   f"{result.value:9.1f} {result.unit}", flush=True)
             results.append(result)

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #define APPLIANCE_ISA_avx512bf16 1
 #define APPLIANCE_ISA_avx512 2
@@ -93,6 +94,30 @@ struct VecF {
   }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  // r[0..16) are the rows of a 16x16 matrix; afterwards they are its columns
+  static void transpose(VecF* r) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {  // within each 128-bit lane: pairs of rows interleaved
+      t[i] = _mm512_unpacklo_ps(r[i].v, r[i + 1].v);
+      t[i + 1] = _mm512_unpackhi_ps(r[i].v, r[i + 1].v);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + k], lane L: column 4L + k of rows i..i+3
+      u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+      __m512 even0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);  // lanes 0, 2 of each
+      __m512 odd0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);   // lanes 1, 3 of each
+      __m512 even1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+      __m512 odd1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+      r[k].v = _mm512_shuffle_f32x4(even0, even1, 0x88);
+      r[4 + k].v = _mm512_shuffle_f32x4(odd0, odd1, 0x88);
+      r[8 + k].v = _mm512_shuffle_f32x4(even0, even1, 0xdd);
+      r[12 + k].v = _mm512_shuffle_f32x4(odd0, odd1, 0xdd);
+    }
+  }
 };
 
 #elif APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
@@ -139,6 +164,24 @@ struct VecF {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // r[0..8) are the rows of an 8x8 matrix; afterwards they are its columns
+  static void transpose(VecF* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i].v, r[i + 1].v);
+      t[i + 1] = _mm256_unpackhi_ps(r[i].v, r[i + 1].v);
+    }
+    for (int i = 0; i < 8; i += 4) {  // u[i + k], lane L: column 4L + k of rows i..i+3
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {
+      r[k].v = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+      r[4 + k].v = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+  }
 };
 
 #elif APPLIANCE_ISA_ID == APPLIANCE_ISA_neon
@@ -171,6 +214,14 @@ struct VecF {
   }
   float reduce_add() const { return vaddvq_f32(v); }
   float reduce_max() const { return vmaxvq_f32(v); }
+  // r[0..4) are the rows of a 4x4 matrix; afterwards they are its columns
+  static void transpose(VecF* r) {
+    float32x4x2_t ab = vtrnq_f32(r[0].v, r[1].v), cd = vtrnq_f32(r[2].v, r[3].v);  // (a0 b0 a2 b2), (a1 b1 a3 b3)
+    r[0].v = vcombine_f32(vget_low_f32(ab.val[0]), vget_low_f32(cd.val[0]));
+    r[1].v = vcombine_f32(vget_low_f32(ab.val[1]), vget_low_f32(cd.val[1]));
+    r[2].v = vcombine_f32(vget_high_f32(ab.val[0]), vget_high_f32(cd.val[0]));
+    r[3].v = vcombine_f32(vget_high_f32(ab.val[1]), vget_high_f32(cd.val[1]));
+  }
 };
 
 #elif APPLIANCE_ISA_ID == APPLIANCE_ISA_portable
@@ -196,6 +247,11 @@ struct VecF {
 #undef APPLIANCE_LANEWISE
   float reduce_add() const { float s = 0.f; for (int i = 0; i < N; ++i) s += v[i]; return s; }
   float reduce_max() const { float m = v[0]; for (int i = 1; i < N; ++i) m = v[i] > m ? v[i] : m; return m; }
+  // r[0..N) are the rows of an N x N matrix; afterwards they are its columns
+  static void transpose(VecF* r) {
+    for (int i = 0; i < N; ++i)
+      for (int j = i + 1; j < N; ++j) std::swap(r[i].v[j], r[j].v[i]);
+  }
 };
 
 #else

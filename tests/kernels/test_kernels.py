@@ -186,6 +186,36 @@ def test_prefill_and_extend_attention(isa, dtype, q_heads, kv_heads):
     assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 24, 40, 72, 256])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 72)])
+def test_attention_across_block_sizes(isa, dtype, block_size, q_heads, kv_heads, head_dim):
+    # The kernel walks keys in tiles of whole blocks (several blocks of 8, one of 256) padded to the
+    # vector width: a whole 300-token prompt over many tiles, a 45-token extend after 472 cached
+    # tokens, decodes on and off a tile boundary, a single token, and a sequence with no new tokens.
+    context_lens, q_lens = [300, 517, 64, 1, 129, 33], [300, 45, 1, 1, 1, 0]
+    q, kc, vc, tables, lens, starts = attention_case(dtype, q_heads, kv_heads, head_dim, context_lens, q_lens,
+                                                     block_size=block_size, seed=2)
+    scale = head_dim ** -0.5
+    out = kernels.paged_attention(q, kc, vc, tables, lens, starts, scale)
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, scale), dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 48])
+def test_attention_reads_no_cache_slot_past_the_context(isa, block_size):
+    context_lens, q_lens = [70, 13, 37], [70, 2, 1]
+    q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, context_lens, q_lens,
+                                                     block_size=block_size, seed=3)
+    used = torch.zeros(kc.shape[0], block_size, dtype=torch.bool)
+    for s, ctx in enumerate(context_lens):
+        for pos in range(ctx):
+            used[tables[s, pos // block_size], pos % block_size] = True
+    unused = (~used)[:, None, :, None].expand_as(kc)
+    kc[unused], vc[unused] = float("nan"), float("nan")  # a NaN read anywhere would reach the output
+    out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), torch.float32)
+
+
 def test_attention_with_strided_query_rows(isa):
     q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, [40, 9], [5, 9])
     wide = torch.randn(q.shape[0], 12, 64)

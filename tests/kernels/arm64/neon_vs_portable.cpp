@@ -45,6 +45,19 @@ int main() {
   AttentionArgs bargs{DType::bf16, c1.data(), qb.data(), kb.data(), vb.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f};
   neon::paged_attention(bargs); bargs.out = c2.data(); portable::paged_attention(bargs);
   check("paged_attention bf16", maxdiff(fromb(c1), fromb(c2)), 2e-2);
+  // attention over key tiles of several 8-token blocks, head_dim 72 (not a multiple of the vector),
+  // GQA 6/2: a 150-token prompt and a 5-token extend after 88 cached tokens
+  const int64_t Hq2 = 6, Hk2 = 2, D2 = 72, B2 = 8, NB2 = 32, M2 = 19;
+  auto kc2 = rnd(NB2 * Hk2 * B2 * D2), vc2 = rnd(NB2 * Hk2 * B2 * D2);
+  std::vector<int32_t> tables2(2 * M2, -1);
+  for (int b = 0; b < 19; ++b) tables2[b] = 18 - b;           // sequence 0: blocks 18..0
+  for (int b = 0; b < 12; ++b) tables2[M2 + b] = 19 + b;      // sequence 1: blocks 19..30
+  int32_t lens2[2] = {150, 93};
+  int64_t starts2[3] = {0, 150, 155};
+  auto q2 = rnd(155 * Hq2 * D2); std::vector<float> e1(q2.size()), e2(q2.size());
+  AttentionArgs args2{DType::f32, e1.data(), q2.data(), kc2.data(), vc2.data(), tables2.data(), lens2, starts2, 2, Hq2, Hk2, D2, B2, M2, NB2, Hq2 * D2, Hq2 * D2, 0.125f};
+  neon::paged_attention(args2); args2.out = e2.data(); portable::paged_attention(args2);
+  check("paged_attention B8 D72 f32", maxdiff(e1, e2), 1e-4);
   // rope
   const int64_t P = 64, rot = 64; std::vector<float> cs(P * rot); for (int64_t p = 0; p < P; ++p) for (int64_t i = 0; i < rot / 2; ++i) { double a = p * std::pow(10000.0, -2.0 * i / rot); cs[p * rot + i] = std::cos(a); cs[p * rot + rot / 2 + i] = std::sin(a); }
   int64_t pos[5] = {0, 3, 17, 63, 9}; auto rq = rnd(5 * Hq * D), rk = rnd(5 * Hk * D); auto rq2 = rq, rk2 = rk;
