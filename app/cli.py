@@ -9,24 +9,16 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from app.bootstrap.isa import check_isa
-from app.model.footprint import ModelFootprint, read_footprint
-from app.model.source import ModelSource, resolve_source, source_key
+from app.bootstrap.startup import Deployment, prepare
+from app.model.source import resolve_source
 from app.spec.errors import SpecError
-from app.spec.load import SpecDocument, dump_spec, read_spec
-from app.topology.machine import Topology, read_topology
+from app.spec.load import dump_spec, read_spec
+from app.topology.machine import read_topology
 
 EXIT_SPEC = 2
-
-
-@dataclass(frozen=True)
-class Context:
-    doc: SpecDocument
-    topo: Topology
-    source: ModelSource
-    model: ModelFootprint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,24 +39,14 @@ def _parser() -> argparse.ArgumentParser:
              lambda p: p.add_argument("--json", action="store_true", help="JSON instead of a table"))
     _command(commands, "preflight", _preflight, "check ISA and preloaded libraries; re-exec with them preloaded",
              lambda p: p.add_argument("--json", action="store_true", help="JSON instead of text"))
-    bench = commands.add_parser("bench-model", help="time prefill and decode steps of the model on this machine")
-    bench.add_argument("-c", "--config", metavar="SPEC", help="the spec whose model to time (default: every default)")
-    bench.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default: both")
-    bench.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
-    bench.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
-    bench.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
-    bench.add_argument("--chunk", type=int, help="prefill the prompt this many tokens per step (default: all at once)")
-    bench.add_argument("--steps", type=int, default=32, help="decode steps timed (median reported)")
-    bench.set_defaults(run=_bench_model)
-    offline = commands.add_parser("bench-offline", help="offline throughput through the engine (LLM.generate)")
-    offline.add_argument("-c", "--config", metavar="SPEC", help="the spec (default: every default)")
-    offline.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    offline.add_argument("--requests", type=int, default=64)
-    offline.add_argument("--input-len", type=int, default=256)
-    offline.add_argument("--output-len", type=int, default=128)
-    offline.set_defaults(run=_bench_offline)
+    _bench_parsers(commands)
     docs = commands.add_parser("spec-docs", help="print docs/SPEC.md, generated from the spec's field docs")
     docs.set_defaults(run=_spec_docs)
+    schema = commands.add_parser("spec-schema", help="print config/spec.schema.json: the spec's JSON Schema, "
+                                                     "for editors")
+    schema.add_argument("--helm", action="store_true", help="print helm/values.schema.json instead (the chart's "
+                                                             "values, the spec inside)")
+    schema.set_defaults(run=_spec_schema)
     serve = commands.add_parser("serve", help="start the appliance: engine process and OpenAI-compatible HTTP server")
     serve.add_argument("-c", "--config", metavar="SPEC", help="the YAML spec (default: every default)")
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
@@ -75,6 +57,54 @@ def _parser() -> argparse.ArgumentParser:
     topo.add_argument("--capture", metavar="DIR", help="copy the files the reader uses into DIR (for tests or bug reports)")
     topo.set_defaults(run=_topology)
     return parser
+
+
+def _bench_parsers(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks: serve (any OpenAI server), offline (the engine), model",
+                                description="benchmarks: a server over HTTP, the engine offline, the model's steps")
+    kinds = bench.add_subparsers(required=True, metavar="KIND")
+    serve = kinds.add_parser("serve", help="load an OpenAI-compatible server (ours or a peer's) and report latencies",
+                             description="Stream /v1/completions at fixed concurrency levels (or a request rate) "
+                                         "and report throughput and TTFT/TPOT/ITL/E2EL percentiles, as vllm bench "
+                                         "serve does.")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    serve.add_argument("--model", help="model id to request (default: the server's first in /v1/models)")
+    serve.add_argument("--label", help="name of this server in the JSON and the plot (default: the model id)")
+    serve.add_argument("--api-key", help="sent as a Bearer token (default: $OPENAI_API_KEY, if set)")
+    serve.add_argument("--input-len", type=int, default=128, help="prompt tokens (random ids) per request")
+    serve.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
+    serve.add_argument("--num-prompts", type=int, default=32, help="measured requests per concurrency level")
+    serve.add_argument("--concurrency", type=int, nargs="+", default=[1], help="levels to run (default: 1)")
+    serve.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="Poisson arrivals at this many requests/s (default: inf, as fast as concurrency allows)")
+    serve.add_argument("--warmup", type=int, default=1, help="requests sent first and not measured")
+    serve.add_argument("--prompts-file", help="JSONL of {\"prompt\": text} lines instead of random ids")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--json", dest="json_out", metavar="FILE", help="append the results to this JSON list")
+    serve.add_argument("--plot", metavar="PNG", help="draw latency vs throughput of the results (and the JSON's)")
+    serve.set_defaults(run=_bench_serve)
+    plot = kinds.add_parser("plot", help="draw latency vs throughput from bench serve JSON files",
+                            description="one line per server label, one point per concurrency level")
+    plot.add_argument("files", nargs="+", help="JSON files written by bench serve --json")
+    plot.add_argument("-o", "--output", required=True, metavar="PNG")
+    plot.add_argument("--title", default="")
+    plot.set_defaults(run=_bench_plot)
+    offline = kinds.add_parser("offline", help="offline throughput through the engine (LLM.generate)")
+    offline.add_argument("-c", "--config", metavar="SPEC", help="the spec (default: every default)")
+    offline.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    offline.add_argument("--requests", type=int, default=64)
+    offline.add_argument("--input-len", type=int, default=256)
+    offline.add_argument("--output-len", type=int, default=128)
+    offline.set_defaults(run=_bench_offline)
+    model = kinds.add_parser("model", help="time prefill and decode steps of the model on this machine")
+    model.add_argument("-c", "--config", metavar="SPEC", help="the spec whose model to time (default: every default)")
+    model.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default: both")
+    model.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
+    model.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
+    model.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
+    model.add_argument("--chunk", type=int, help="prefill the prompt this many tokens per step (default: all at once)")
+    model.add_argument("--steps", type=int, default=32, help="decode steps timed (median reported)")
+    model.set_defaults(run=_bench_model)
 
 
 def _command(commands, name: str, run: Callable, help_text: str, extra: Callable) -> None:
@@ -88,31 +118,13 @@ def _command(commands, name: str, run: Callable, help_text: str, extra: Callable
     parser.set_defaults(run=run)
 
 
-def _context(args: argparse.Namespace) -> Context:
-    doc = read_spec(args.config, args.set)
-    try:
-        topo = read_topology(getattr(args, "root", "/"))
-        source = resolve_source(doc.spec.model)
-        return Context(doc, topo, source, read_footprint(source, source_key(doc.spec.model)))
-    except SpecError as error:
-        raise doc.locate(error) from None
-
-
-def _make_plan(ctx: Context):
-    from app.bootstrap.preflight import check, default_search_dirs
-    from app.placement.plan import make_plan
-
-    # Which OpenMP runtime "auto" means depends on what is installed here, not on the captured tree.
-    report = check(ctx.doc.spec.runtime, ctx.topo.arch, {}, default_search_dirs(), "")
-    try:
-        return make_plan(ctx.doc.spec, ctx.topo, ctx.model, report.openmp_runtime)
-    except SpecError as error:
-        raise ctx.doc.locate(error) from None
+def _deployment(args: argparse.Namespace) -> Deployment:
+    return prepare(args.config, args.set, root=getattr(args, "root", "/"))
 
 
 def _validate(args: argparse.Namespace) -> int:
-    ctx = _context(args)
-    plan = _make_plan(ctx)
+    ctx = _deployment(args)
+    plan = ctx.plan
     if args.print:
         print(dump_spec(ctx.doc.spec), end="")
     replicas = len({r.replica for r in plan.ranks})
@@ -126,10 +138,9 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from app.placement.render import plan_json, plan_table
 
-    ctx = _context(args)
-    plan = _make_plan(ctx)
+    ctx = _deployment(args)
     render = plan_json if args.json else plan_table
-    print(render(plan, ctx.source, ctx.model, ctx.topo))
+    print(render(ctx.plan, ctx.source, ctx.footprint, ctx.topology))
     return 0
 
 
@@ -169,6 +180,50 @@ def _bench_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    import httpx
+
+    from app.benchmark.serve import Workload, plot, run
+
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    model = args.model
+    if model is None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            models = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
+            model = models["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            print(f"bench serve: cannot read the model id from {args.base_url}/v1/models ({exc}); pass --model",
+                  file=sys.stderr)
+            return 1
+    workloads = [Workload(args.input_len, args.output_len, args.num_prompts, c, args.request_rate, args.warmup,
+                          args.seed) for c in args.concurrency]
+    results = run(args.base_url, model, workloads, args.label or model, api_key,
+                  Path(args.prompts_file) if args.prompts_file else None)
+    if args.json_out:
+        path = Path(args.json_out)
+        results = (json.loads(path.read_text()) if path.exists() else []) + results
+        path.write_text(json.dumps(results, indent=1) + "\n")
+    else:
+        print(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, Path(args.plot))
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _bench_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from app.benchmark.serve import plot
+
+    results = [r for f in args.files for r in json.loads(Path(f).read_text())]
+    plot(results, Path(args.output), args.title)
+    return 0
+
+
 def _bench_offline(args: argparse.Namespace) -> int:
     from app.benchmark.offline import run
 
@@ -180,6 +235,13 @@ def _spec_docs(args: argparse.Namespace) -> int:
     from app.spec.docs import spec_markdown
 
     print(spec_markdown(), end="")
+    return 0
+
+
+def _spec_schema(args: argparse.Namespace) -> int:
+    from app.spec.docs import chart_values_schema, spec_schema
+
+    print(chart_values_schema() if args.helm else spec_schema(), end="")
     return 0
 
 

@@ -34,3 +34,12 @@ def configure_logging(level: str = "info", fmt: str = "text", process_name: str 
     root.setLevel(level.upper())
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def thread_lock_for_progress_bars() -> None:
+    """tqdm's default lock is a multiprocessing one: a named semaphore in /dev/shm that a killed process leaks."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())

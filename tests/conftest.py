@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.model.footprint import ModelFootprint
+from app.model.footprint import ModelFootprint, ParamCounts
 from app.topology.machine import Topology, read_topology
 
 # Nothing may come from a model hub: every model is a file on disk.
@@ -23,7 +23,9 @@ CONFIG = REPO / "config"
 
 # SmolLM2-135M-Instruct, as its GGUF header describes it (checked against the file in test_model_info).
 SMOLLM2 = ModelFootprint(architecture="llama", num_params=134_515_008, num_layers=30, num_heads=9,
-                         num_kv_heads=3, head_dim=64, context_length=8192)
+                         num_kv_heads=3, head_dim=64, context_length=8192, intermediate_size=1536,
+                         params=ParamCounts(embedding=28_311_552, attention_q=19_906_560, attention_kv=6_635_520,
+                                            mlp=79_626_240, other=35_136))
 
 
 def topology(name: str) -> Topology:

@@ -1,6 +1,6 @@
 """Forward-pass timings of the model on this machine: prefill throughput and decode step time.
 
-`python -m app bench-model` runs the real model and paged KV cache (no scheduler, no server), with
+`python -m app bench model` runs the real model and paged KV cache (no scheduler, no server), with
 threads pinned one per allowed CPU, and prints one line per measurement plus a JSON summary.
 """
 

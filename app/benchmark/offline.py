@@ -1,4 +1,4 @@
-"""Offline throughput through the whole engine (`LLM.generate`): `python -m app bench-offline`.
+"""Offline throughput through the whole engine (`LLM.generate`): `python -m app bench offline`.
 
 Workloads use random token ids (as vLLM's throughput benchmark does), so the numbers do not depend
 on a dataset; every request generates exactly its max_tokens (ignore_eos).
@@ -7,6 +7,7 @@ on a dataset; every request generates exactly its max_tokens (ignore_eos).
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -38,9 +39,11 @@ def _timed(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
 
 def run(spec: str | None, dtype: str, requests: int, input_len: int, output_len: int) -> list[dict]:
     results = []
+    cpus = os.sched_getaffinity(0)
     for prefix_caching in (True, False):
+        os.sched_setaffinity(0, cpus)  # the previous LLM pinned this thread to its rank 0's CPUs
         llm = LLM(spec, model={"dtype": dtype}, scheduler={"prefix_caching": prefix_caching})
-        vocab = llm.core.runner.model.cfg.vocab_size
+        vocab = llm.core.executor.vocab_size
         if prefix_caching:
             plain = _timed(llm, _random_prompts(requests, input_len, vocab, 0), output_len)
             results.append({"workload": f"{requests} x {input_len} -> {output_len}", "dtype": dtype, **plain})
@@ -50,7 +53,7 @@ def run(spec: str | None, dtype: str, requests: int, input_len: int, output_len:
         result = _timed(llm, workload[1:], 16)
         results.append({"workload": "31 x (512 shared + 32) -> 16", "dtype": dtype,
                         "prefix_caching": prefix_caching, **result})
-        del llm
+        llm.close()
     for r in results:
         print(json.dumps(r))
     return results

@@ -1,12 +1,16 @@
-"""`app serve`: spec -> preflight -> topology -> plan -> engine process -> HTTP frontend, then supervise.
+"""`app serve`: spec -> preflight -> topology -> plan -> engine processes -> HTTP frontend, then supervise.
 
 This process stays the parent of everything (PID 1 in a container): it forwards SIGTERM/SIGINT as a
-graceful drain (in-flight requests get `server.shutdown_grace` seconds), reaps orphans, and exits
-non-zero when the engine or the frontend dies so that the container runtime restarts the appliance.
+graceful drain (in-flight requests get `server.shutdown_grace` seconds), reaps orphans, restarts a
+dead data-parallel replica while the others serve, and exits non-zero when the frontend dies, the
+only engine dies, or a replica keeps dying, so that the container runtime restarts the appliance.
+SIGHUP reads the spec again and applies an edit to the engines by restarting the replicas one at a
+time; an invalid edit is logged and changes nothing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -15,31 +19,89 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from app.bootstrap.runtime import RUNTIME_VARIABLE, RuntimeDir
-from app.engine.process import EngineProcessConfig, run_engine
+from app.engine.launch import RankLaunch
+from app.engine.process import run_engine
 from app.server.app import FrontendConfig
 from app.server.main import CONFIG_VARIABLE
 
 log = logging.getLogger("app.bootstrap")
 
 
+SETTLE_SECONDS = 1.5  # after a replica is ready again, every frontend worker has had its heartbeat: drain the next
+RESTARTS = 3  # a replica's engine may die this many times within RESTART_WINDOW and be restarted...
+RESTART_WINDOW = 300.0  # ...seconds; one more death is a crash loop: the appliance exits non-zero
+
+
+@dataclass
+class Layout:
+    """What the supervisor runs, from one reading of the spec. A reload compares two of them."""
+
+    replicas: list[list[RankLaunch]]  # each replica: its TP ranks' launch records
+    frontend: FrontendConfig
+    frontend_cpus: tuple[int, ...]
+    host: str
+    port: int
+    workers: int
+    grace: float
+    runtime: object  # the spec's `runtime` section: preloads and OpenMP are set up once, in this process
+
+    def needs_restart(self, new: Layout) -> list[str]:
+        """What `new` changes that restarting engines cannot apply: the frontend, the replica count, the runtime."""
+        found = []
+        if len(new.replicas) != len(self.replicas):
+            found.append(f"parallel.dp ({len(self.replicas)} -> {len(new.replicas)})")
+        if new.frontend != self.frontend:
+            changed = [f.name for f in fields(FrontendConfig) if getattr(new.frontend, f.name) != getattr(self.frontend, f.name)]
+            found.append(f"the HTTP frontend's settings ({', '.join(changed)})")
+        for name in ("frontend_cpus", "host", "port", "workers", "grace", "runtime"):
+            if getattr(new, name) != getattr(self, name):
+                found.append({"frontend_cpus": "the frontend's CPUs", "host": "server.host", "port": "server.port",
+                              "workers": "server.workers", "grace": "server.shutdown_grace",
+                              "runtime": "runtime"}[name])
+        return found
+
+
 class Supervisor:
-    def __init__(self, engine_cfg: EngineProcessConfig, frontend_cfg: FrontendConfig, openmp_env: dict[str, str],
-                 frontend_cpus: tuple[int, ...], host: str, port: int, workers: int, grace: float, runtime: RuntimeDir):
-        self.engine_cfg, self.frontend_cfg, self.openmp_env = engine_cfg, frontend_cfg, openmp_env
-        self.frontend_cpus, self.host, self.port, self.workers, self.grace = frontend_cpus, host, port, workers, grace
+    """Starts and watches the children: one engine process per data-parallel replica (rank 0 of its TP
+    group, which starts the other ranks) and the HTTP frontend.
+
+    With dp = 1 a dead engine stops the appliance (exit 1: the container runtime restarts it). With dp >= 2
+    a dead replica is restarted while the others serve; a replica that keeps dying (a crash loop) stops it.
+    On SIGHUP, `reload` reads the spec again; the replicas whose launch records changed are drained and
+    restarted one at a time, each once the previous serves again.
+    """
+
+    def __init__(self, layout: Layout, runtime: RuntimeDir, reload: Callable[[], Layout] | None = None):
+        self.layout, self.reload = layout, reload
+        self.replicas, self.frontend_cfg = list(layout.replicas), layout.frontend
+        self.frontend_cpus, self.host, self.port = layout.frontend_cpus, layout.host, layout.port
+        self.workers, self.grace = layout.workers, layout.grace
         self.runtime = runtime
         self.stop_signal: int | None = None
-        self.engine: multiprocessing.Process | None = None
+        self.engines: list[multiprocessing.Process | None] = [None] * len(self.replicas)
+        self.deaths: list[list[float]] = [[] for _ in self.replicas]
         self.frontend: subprocess.Popen | None = None
+        self.reload_requested = False
+        self.rolling: list[int] = []  # replicas still to restart for the reload under way
+        self.reloading: int | None = None  # the replica being drained or restarted
+        self.reload_phase = ""  # "draining" (until `drain_deadline`), "starting", then "settling" until `settled_at`
+        self.drain_deadline = self.settled_at = 0.0
+        self.next_layout: Layout | None = None
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_hangup)
         try:
-            self._start_engine()
+            for replica in range(len(self.replicas)):
+                self._start_engine(replica)
+            if not self._export_tokenizer():
+                return 1
             self._start_frontend()
             return self._supervise()
         finally:
@@ -47,34 +109,54 @@ class Supervisor:
             self.runtime.remove(self._child_pids())
 
     def _child_pids(self) -> set[int]:
-        return {p.pid for p in (self.engine, self.frontend) if p is not None and p.pid is not None}
+        return {p.pid for p in (*self.engines, self.frontend) if p is not None and p.pid is not None}
 
     def _stop_all(self) -> None:
         """Whatever path got here, no child outlives the supervisor."""
         if self.frontend is not None:
             self._stop_frontend(5)
-        if self.engine is not None:
-            self._stop_engine()
+        self._stop_engines()
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_signal = signum
 
+    def _on_hangup(self, signum, frame) -> None:
+        self.reload_requested = True
+
     # --- children ---
 
-    def _start_engine(self) -> None:
+    def _start_engine(self, replica: int) -> None:
         # spawn, not fork: a clean interpreter whose OpenMP variables are set before torch loads
-        saved = {k: os.environ.get(k) for k in self.openmp_env}
-        os.environ.update(self.openmp_env)
+        launches = self.replicas[replica]
+        openmp_env = launches[0].placement.openmp_env
+        saved = {k: os.environ.get(k) for k in openmp_env}
+        os.environ.update(openmp_env)
         try:
-            self.engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(self.engine_cfg,),
-                                                                       name="engine-0", daemon=False)
-            self.engine.start()
-            self.runtime.record_pid(self.engine.pid)
+            engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(launches,),
+                                                                  name=launches[0].name, daemon=False)
+            engine.start()
+            self.engines[replica] = engine
+            self.runtime.record_pid(engine.pid)
         finally:
             for key, value in saved.items():
                 os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-        log.info("engine process started (pid %d) with %s", self.engine.pid,
-                 " ".join(f"{k}={v}" for k, v in self.openmp_env.items()))
+        log.info("engine process started (pid %d) for replica %d with %s", engine.pid, replica,
+                 " ".join(f"{k}={v}" for k, v in openmp_env.items()))
+
+    def _export_tokenizer(self) -> bool:
+        """The frontend's torch-free tokenizer, written by a short-lived process while the engine loads."""
+        cfg, cpus = self.frontend_cfg, self.frontend_cpus
+        command = [sys.executable, "-m", "app.model.tokenizer", cfg.model_path, cfg.model_format, cfg.served_name,
+                   cfg.tokenizer_dir]
+        started = time.monotonic()
+        result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        if result.returncode != 0:
+            log.error("could not export the tokenizer for the HTTP frontend (exit code %d):\n%s", result.returncode,
+                      result.stderr.strip()[-2000:])
+            return False
+        log.info("tokenizer exported for the HTTP frontend in %.1f s", time.monotonic() - started)
+        return True
 
     def _start_frontend(self) -> None:
         # the settings (API key included) go in the environment, never in a file
@@ -85,7 +167,7 @@ class Supervisor:
                    "--graceful-timeout", str(int(self.grace) + 1), "app.server.main:create_app_from_env()"]
         cpus = self.frontend_cpus
         self.frontend = subprocess.Popen(command, env=env, start_new_session=True,
-                                         preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+                                         preexec_fn=lambda: _frontend_child(cpus))
         self.runtime.record_pid(self.frontend.pid)
         log.info("HTTP frontend started (pid %d): %d worker(s) on CPUs %s, http://%s:%d", self.frontend.pid,
                  self.workers, ",".join(map(str, cpus)), self.host, self.port)
@@ -97,38 +179,139 @@ class Supervisor:
         while True:
             if self.stop_signal is not None:
                 return self._drain()
-            if not self.engine.is_alive():
-                return self._engine_died()
+            if self.reload_requested and self.reloading is None and not self.rolling:
+                self.reload_requested = False
+                self._reload()
+            for replica, engine in enumerate(self.engines):
+                if replica == self.reloading and self.reload_phase == "draining":
+                    continue  # it exits when drained; _advance_reload starts its successor
+                if not engine.is_alive() and not self._restart(replica):
+                    return self._engine_died(replica)
+            self._advance_reload()
             if self.frontend.poll() is not None:
                 log.error("the HTTP frontend exited (code %s); stopping", self.frontend.returncode)
-                self._stop_engine()
+                self._stop_engines()
                 return 1
             if not ready_logged and self._healthy():
+                Path(self.frontend_cfg.started_marker).touch()  # from now on, a replica down is "degraded"
                 log.info("ready: serving %s on http://%s:%d", self.frontend_cfg.served_name, self.host, self.port)
                 ready_logged = True
             self._reap_orphans()
             time.sleep(0.2)
 
     def _healthy(self) -> bool:
+        return self._health() is not None
+
+    def _health(self) -> dict | None:
+        """/health's body when it answers 200, else None."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         try:
             with urllib.request.urlopen(f"http://{host}:{self.port}/health", timeout=1) as response:
-                return response.status == 200
+                return json.loads(response.read()) if response.status == 200 else None
         except Exception:
+            return None
+
+    # --- reloading the spec (SIGHUP) ---
+
+    def _reload(self) -> None:
+        """Read the spec again. An invalid edit, or one that only a restart can apply, is logged and changes
+        nothing; otherwise the replicas whose launch records changed are queued for a rolling restart."""
+        from app.spec.errors import SpecError
+
+        if self.reload is None:
+            log.warning("SIGHUP: this appliance was not started from a spec file; nothing to reload")
+            return
+        log.info("SIGHUP: reading the spec again")
+        try:
+            new = self.reload()
+        except SpecError as error:
+            log.error("reload: the edited spec is not valid; still serving with the previous one\n%s", error.render())
+            return
+        except Exception as exc:  # e.g. a model file that cannot be read
+            log.error("reload failed; still serving with the previous spec: %s: %s", type(exc).__name__, exc)
+            return
+        fixed = self.layout.needs_restart(new)
+        if fixed:
+            log.error("reload: the edit changes %s, which only a restart of the appliance applies (docker compose "
+                      "restart, or the chart's rollout); still serving with the previous spec", "; ".join(fixed))
+            return
+        changed = [r for r, launches in enumerate(new.replicas) if launches != self.replicas[r]]
+        if not changed:
+            log.info("reload: nothing the engines use has changed; nothing to restart")
+            return
+        self.next_layout, self.rolling = new, changed
+        log.info("reload: the spec is valid; restarting replica(s) %s one at a time%s", ", ".join(map(str, changed)),
+                 "" if len(self.replicas) > 1 else " (dp = 1: requests get 503 until the engine is back)")
+
+    def _advance_reload(self) -> None:
+        """One step of the rolling restart: drain (SIGUSR1), start with the new launches, wait until ready."""
+        if self.reloading is None:
+            if not self.rolling:
+                return
+            self.reloading, self.reload_phase = self.rolling.pop(0), "draining"
+            self.drain_deadline = time.monotonic() + self.grace
+            engine = self.engines[self.reloading]
+            log.info("reload: draining replica %d (pid %d)", self.reloading, engine.pid)
+            os.kill(engine.pid, signal.SIGUSR1)
+            return
+        replica = self.reloading
+        if self.reload_phase == "draining" and self.engines[replica].is_alive() and \
+                time.monotonic() > self.drain_deadline:
+            log.warning("reload: replica %d still has requests after server.shutdown_grace (%.0f s); stopping it "
+                        "(requests without a token yet are retried on another replica, the others fail)", replica,
+                        self.grace)
+            self.engines[replica].terminate()
+            self.drain_deadline = float("inf")
+        elif self.reload_phase == "draining" and not self.engines[replica].is_alive():
+            log.info("reload: replica %d drained (exit code %s); starting it with the new spec", replica,
+                     self.engines[replica].exitcode)
+            self.replicas[replica] = self.next_layout.replicas[replica]
+            self._start_engine(replica)
+            self.reload_phase = "starting"
+        elif self.reload_phase == "starting" and self._replica_ready(replica):
+            self.reload_phase, self.settled_at = "settling", time.monotonic() + SETTLE_SECONDS
+        elif self.reload_phase == "settling" and time.monotonic() >= self.settled_at:
+            log.info("reload: replica %d serves with the new spec", replica)
+            self.reloading = None
+            if not self.rolling:
+                self.layout = self.next_layout
+                log.info("reload: done")
+
+    def _replica_ready(self, replica: int) -> bool:
+        body = self._health()
+        if body is None:
             return False
+        if "replicas" in body:
+            return body["replicas"][replica]["state"] == "ready"
+        return body.get("status") == "ok"
 
     def _drain(self) -> int:
         log.info("%s: draining; in-flight requests have %.0f s to finish", signal.Signals(self.stop_signal).name,
                  self.grace)
         Path(self.frontend_cfg.draining_marker).touch()
         self._stop_frontend(self.grace + 5)
-        self._stop_engine()
+        self._stop_engines()
         log.info("stopped")
         return 0
 
-    def _engine_died(self) -> int:
-        log.error("the engine process exited (code %s); failing in-flight requests and stopping",
-                  self.engine.exitcode)
+    def _restart(self, replica: int) -> bool:
+        """Restart a dead replica's engine while the others serve; False with dp = 1 or in a crash loop."""
+        if len(self.replicas) == 1:
+            return False
+        now, engine = time.monotonic(), self.engines[replica]
+        self.deaths[replica] = [t for t in self.deaths[replica] if now - t < RESTART_WINDOW] + [now]
+        if len(self.deaths[replica]) > RESTARTS:
+            log.error("replica %d's engine died %d times in %.0f s: a crash loop", replica, len(self.deaths[replica]),
+                      RESTART_WINDOW)
+            return False
+        log.error("replica %d's engine exited (code %s); the other replicas serve while it restarts (%d of %d "
+                  "restarts in %.0f s)", replica, engine.exitcode, len(self.deaths[replica]), RESTARTS, RESTART_WINDOW)
+        self._start_engine(replica)
+        return True
+
+    def _engine_died(self, replica: int) -> int:
+        log.error("the engine process exited (replica %d, code %s); failing in-flight requests and stopping",
+                  replica, self.engines[replica].exitcode)
         Path(self.frontend_cfg.draining_marker).touch()
         time.sleep(3.5)  # the workers notice the missing heartbeats and fail their requests with an error
         self._stop_frontend(5)
@@ -144,19 +327,21 @@ class Supervisor:
                 os.killpg(self.frontend.pid, signal.SIGKILL)
                 self.frontend.wait()
 
-    def _stop_engine(self) -> None:
-        if self.engine.is_alive():
-            self.engine.terminate()
-            self.engine.join(10)
-            if self.engine.is_alive():
-                self.engine.kill()
-                self.engine.join()
+    def _stop_engines(self) -> None:
+        running = [engine for engine in self.engines if engine is not None and engine.is_alive()]
+        for engine in running:
+            engine.terminate()
+        for engine in running:
+            engine.join(10)
+            if engine.is_alive():
+                engine.kill()
+                engine.join()
 
     def _reap_orphans(self) -> None:
         """As PID 1, collect exited processes that are not our own children (those we wait for)."""
         if os.getpid() != 1:
             return
-        ours = {self.engine.pid, self.frontend.pid}
+        ours = self._child_pids()
         while True:
             try:
                 info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -169,72 +354,73 @@ class Supervisor:
 
 def serve(config: str | None, overrides: list[str]) -> int:
     """The whole start sequence; returns the exit code. A SpecError stops it before any process starts."""
-    from app.bootstrap.isa import check_isa
-    from app.bootstrap.preflight import run_preflight
-    from app.logs import configure_logging
-    from app.model.footprint import read_footprint
-    from app.model.source import resolve_source, source_key
-    from app.placement.plan import make_plan
-    from app.placement.render import plan_table
+    from app.bootstrap.startup import prepare
     from app.spec.errors import SpecError
-    from app.spec.load import read_spec
-    from app.topology.machine import read_topology
 
-    doc = read_spec(config, overrides)
-    spec = doc.spec
-    configure_logging(spec.runtime.log_level, spec.runtime.log_format, "bootstrap")
+    deployment = prepare(config, overrides, openmp=_preflight)
     try:
-        topo = read_topology("/")
-        check_isa(topo)
-        report = run_preflight(spec.runtime, topo.arch)  # may re-execute this process with LD_PRELOAD
-        for warning in report.warnings:
-            log.warning("preflight: %s", warning)
-        log.info("preflight: LD_PRELOAD=%s; OpenMP runtime %s", report.ld_preload or "(none)", report.openmp_runtime)
-        source = resolve_source(spec.model)
-        plan = make_plan(spec, topo, read_footprint(source, source_key(spec.model)), report.openmp_runtime)
-        _single_rank(plan)
-        api_key = _api_key(spec.server.api_key)
-        template = _chat_template(spec.model.chat_template)
+        api_key = _api_key(deployment.spec.server.api_key)
     except SpecError as error:
-        raise doc.locate(error) from None
-    for line in plan_table(plan, source, read_footprint(source), topo).splitlines():
+        raise deployment.doc.locate(error) from None
+    plan = deployment.plan
+    _log_plan(deployment)
+    runtime = RuntimeDir.create()
+    os.environ["APPLIANCE_LOG_LEVEL"], os.environ["APPLIANCE_LOG_FORMAT"] = \
+        deployment.spec.runtime.log_level, deployment.spec.runtime.log_format
+
+    def reload() -> Layout:
+        # the same file and --set overrides; "auto" OpenMP stays what the preflight found (runtime edits need a restart)
+        again = prepare(config, overrides, openmp=lambda spec, topo: plan.openmp_runtime)
+        try:
+            key = _api_key(again.spec.server.api_key)
+        except SpecError as error:
+            raise again.doc.locate(error) from None
+        return _layout(again, key, runtime.path)
+
+    return Supervisor(_layout(deployment, api_key, runtime.path), runtime, reload).run()
+
+
+def _log_plan(deployment) -> None:
+    from app.placement.render import plan_table
+
+    plan = deployment.plan
+    for line in plan_table(plan, deployment.source, deployment.footprint, deployment.topology).splitlines():
         log.info("plan: %s", line)
     for warning in plan.warnings:
         log.warning("plan: %s", warning)
-    return _supervisor(spec, plan, source, api_key, template).run()
 
 
-def _supervisor(spec, plan, source, api_key: str | None, template: str | None) -> Supervisor:
-    rank, runtime = plan.ranks[0], RuntimeDir.create()
-    path = runtime.path
-    s, sched = spec.server, spec.scheduler
-    engine = EngineProcessConfig(
-        replica=0, address=f"ipc://{path}/engine-0.ipc", model_path=str(source.path), model_format=source.format,
-        served_name=source.served_name, dtype=plan.dtype, kv_dtype=plan.kv_dtype, cpus=rank.cpus,
-        memory_nodes=rank.memory_nodes, interleave=rank.memory_policy == "interleave", kv_blocks=rank.kv_blocks,
-        block_size=plan.block_size, max_model_len=plan.max_model_len, max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens, chunked_prefill=sched.chunked_prefill,
-        prefix_caching=sched.prefix_caching, max_waiting_requests=sched.max_waiting_requests,
-        step_time_budget=sched.step_time_budget,
-        log_level=spec.runtime.log_level, log_format=spec.runtime.log_format)
+def _preflight(spec, topo) -> str:
+    """Logging, the ISA check and the preloaded libraries, before anything heavy: the preflight may
+    re-execute this process with LD_PRELOAD set. Returns the OpenMP runtime found."""
+    from app.bootstrap.isa import check_isa
+    from app.bootstrap.preflight import run_preflight
+    from app.logs import configure_logging
+
+    configure_logging(spec.runtime.log_level, spec.runtime.log_format, "bootstrap")
+    check_isa(topo)
+    report = run_preflight(spec.runtime, topo.arch)  # may re-execute this process with LD_PRELOAD
+    for warning in report.warnings:
+        log.warning("preflight: %s", warning)
+    log.info("preflight: LD_PRELOAD=%s; OpenMP runtime %s", report.ld_preload or "(none)", report.openmp_runtime)
+    return report.openmp_runtime
+
+
+def _layout(deployment, api_key: str | None, path: Path) -> Layout:
+    spec, plan = deployment.spec, deployment.plan
+    launches = deployment.launches(path)
+    replicas = [[l for l in launches if l.replica == r] for r in sorted({l.replica for l in launches})]
+    s, model = spec.server, launches[0].model
     frontend = FrontendConfig(
-        served_name=source.served_name, model_path=str(source.path), model_format=source.format,
-        max_model_len=plan.max_model_len, engine_address=engine.address, chat_template=template, api_key=api_key,
-        max_body_size=s.max_body_size, cors_origins=list(s.cors_origins),
+        served_name=model.served_name, model_path=model.path, model_format=model.format,
+        max_model_len=plan.max_model_len, engine_addresses=[l.address for l in launches if l.rank == 0],
+        chat_template=deployment.chat_template(),
+        api_key=api_key, max_body_size=s.max_body_size, cors_origins=list(s.cors_origins),
         metrics_auth=s.metrics_auth, header_timeout=s.header_timeout, body_timeout=s.body_timeout,
-        max_connections=s.max_connections, draining_marker=str(path / "draining"), metrics_dir=str(path / "metrics"))
-    os.environ["APPLIANCE_LOG_LEVEL"], os.environ["APPLIANCE_LOG_FORMAT"] = spec.runtime.log_level, spec.runtime.log_format
-    return Supervisor(engine, frontend, rank.openmp_env, plan.frontend_cpus, s.host, s.port, s.workers,
-                      s.shutdown_grace, runtime)
-
-
-def _single_rank(plan) -> None:
-    from app.spec.errors import Described, Problem, SpecError
-
-    if len(plan.ranks) != 1:
-        raise SpecError([Problem("parallel", "tp = 1 and dp = 1 for `serve` in this version (TP and DP replicas "
-                                             "come in the next release)",
-                                 Described(f"{len(plan.ranks)} ranks"))])
+        max_connections=s.max_connections, tokenizer_dir=str(path / "tokenizer"), draining_marker=str(path / "draining"),
+        started_marker=str(path / "started"),
+        metrics_dir=str(path / "metrics"))
+    return Layout(replicas, frontend, plan.frontend_cpus, s.host, s.port, s.workers, s.shutdown_grace, spec.runtime)
 
 
 def _api_key(spec) -> str | None:
@@ -258,7 +444,10 @@ def _api_key(spec) -> str | None:
     return value
 
 
-def _chat_template(override: str | None) -> str | None:
-    if override and Path(override).is_file():
-        return Path(override).read_text()
-    return override
+def _frontend_child(cpus: tuple[int, ...]) -> None:
+    """In the forked child, before gunicorn starts: its CPUs, and a SIGTERM when the supervisor dies
+    (gunicorn's workers follow their master), so a SIGKILLed supervisor leaves no frontend behind."""
+    import ctypes
+
+    os.sched_setaffinity(0, cpus)
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -1,7 +1,7 @@
 """The engine core: receive new and aborted requests -> schedule -> execute -> update -> emit.
 
-It speaks token ids only (no text, no JSON), so it can run in its own process behind IPC (step 4),
-and `execute` is the one call that a tensor-parallel group would fan out (step 5).
+It speaks token ids only (no text, no JSON), so it can run in its own process behind IPC, and it
+never touches the model: its executor runs each step (in this process, or across a TP group).
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from app.engine.kv_cache import KVCacheManager
-from app.engine.model_runner import ModelRunner, TokenLogprobs
+from app.engine.executor import Executor, ExecutorFailed
+from app.engine.kv_cache import KVCacheConfig, KVCacheManager
+from app.engine.output import TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request
 from app.engine.scheduler import Scheduler, SchedulerConfig
@@ -46,11 +47,10 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, scheduler_cfg: SchedulerConfig, num_blocks: int, block_size: int,
-                 prefix_caching: bool, model_id: str):
-        self.runner = runner
-        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching, model_id)
-        self.cost = self._calibrate(scheduler_cfg, num_blocks * block_size)
+    def __init__(self, executor: Executor, scheduler_cfg: SchedulerConfig, kv: KVCacheConfig, model_id: str):
+        self.executor = executor
+        self.kv = KVCacheManager(kv, model_id)
+        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size)
         self.scheduler = Scheduler(scheduler_cfg, self.kv, self.cost)
         self.max_model_len = scheduler_cfg.max_model_len
 
@@ -58,8 +58,8 @@ class EngineCore:
         """Time a few forward passes (on free blocks, before any request) to predict step times."""
         if cfg.step_time_budget <= 0 or not cfg.chunked_prefill:
             return None
-        cost = StepCost.calibrate(self.runner.time_forward, cfg.step_time_budget,
-                                  min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size))
+        cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget,
+                                  min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len))
         log.info("calibrated: %s", cost.describe())
         return cost
 
@@ -68,14 +68,12 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise RequestRejected(f"request id {request_id!r} is already in the engine")
         self._check(prompt_ids, params)
-        request = Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for)
-        self.runner.add_request(request_id, params, request.prompt_ids, eos_token_id)
-        self.scheduler.add(request)
+        self.scheduler.add(Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for))
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
-        vocab = self.runner.model.cfg.vocab_size
+        vocab = self.executor.vocab_size
         outside = [t for t in (*prompt_ids, *params.stop_token_ids) if not 0 <= t < vocab]
         if outside:
             raise RequestRejected(f"token id {outside[0]} is outside the vocabulary (0-{vocab - 1})")
@@ -92,7 +90,6 @@ class EngineCore:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> TokenDelta | None:
         request = self.scheduler.finish(request_id, reason)
-        self.runner.remove_request(request_id)
         if request is None:
             return None
         return TokenDelta(request_id, None, None, reason, len(request.prompt_ids), len(request.output_ids))
@@ -106,9 +103,11 @@ class EngineCore:
             return []
         started = time.perf_counter()
         try:
-            result = self.runner.execute(plan)
+            result = self.executor.execute(plan)
             if self.cost is not None:
                 self.cost.observe(plan.shape(), time.perf_counter() - started)
+        except ExecutorFailed:  # no step can run any more: the engine ends (its supervisor restarts it)
+            raise
         except Exception:  # a bug must not take every other request down: fail this step's requests only
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
             return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
@@ -121,9 +120,10 @@ class EngineCore:
             reason = request.finish_reason if request_id in finished else None
             deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
                                      len(request.prompt_ids), len(request.output_ids)))
-            if reason is not None:
-                self.runner.remove_request(request_id)
         return deltas
+
+    def close(self) -> None:
+        self.executor.close()
 
     def stats(self) -> EngineStats:
         queries = self.kv.queries

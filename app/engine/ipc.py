@@ -61,6 +61,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
+    draining: bool = False  # finishing its requests before it exits (a spec reload restarts it): route elsewhere
 
 
 ToEngine = AddRequest | Abort

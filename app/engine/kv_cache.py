@@ -17,6 +17,16 @@ from app.engine.request import Request
 
 
 @dataclass(frozen=True)
+class KVCacheConfig:
+    """One rank's KV cache: what the model runner allocates and the manager hands out, in one place."""
+
+    num_blocks: int
+    block_size: int  # tokens per block
+    dtype: str | None = None  # "float32" or "bfloat16"; None: the model's dtype
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
 class PrefixHit:
     block_ids: tuple[int, ...]  # cached blocks holding the request's first tokens
     num_tokens: int  # tokens they cover
@@ -73,9 +83,9 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, model_id: str = ""):
-        self.block_size, self.prefix_caching, self.num_blocks = block_size, prefix_caching, num_blocks
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, cfg: KVCacheConfig, model_id: str = ""):
+        self.block_size, self.prefix_caching, self.num_blocks = cfg.block_size, cfg.prefix_caching, cfg.num_blocks
+        self.pool = BlockPool(cfg.num_blocks)
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # the chain of each request's full blocks so far
         self._root = hashlib.blake2b(model_id.encode(), digest_size=16).digest()

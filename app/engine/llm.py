@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from app.engine.core import EngineCore
-from app.engine.model_runner import ModelRunner, TokenLogprobs
-from app.engine.output import Detokenizer, SequenceText
+from app.engine.output import SequenceText, TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
-from app.engine.scheduler import SchedulerConfig
 
 
 @dataclass
@@ -49,48 +44,36 @@ class LLM:
     """One rank of the appliance in this process.
 
     `spec` is a YAML spec path; keyword sections override it (`model={"dtype": "float32"}`). With
+    `parallel={"tp": 2}` the model is split over this process (rank 0) and tp - 1 worker processes. With
     `bind_threads` (the default, as the server does) the calling thread and the OpenMP pool are pinned
     to the plan's CPUs and memory to its NUMA node; this process then sees only those CPUs.
     """
 
     def __init__(self, spec: str | Path | None = None, *, bind_threads: bool = True, **sections: dict):
-        from app import kernels
-        from app.bootstrap.preflight import check, default_search_dirs
-        from app.model.footprint import read_footprint
-        from app.model.loader import load_model
-        from app.model.source import resolve_source, source_key
-        from app.placement.plan import make_plan
-        from app.spec.load import read_spec
-        from app.topology.machine import read_topology
+        from app.bootstrap.startup import prepare
+        from app.engine.process import build_core
 
         overrides = [] if "cores" in sections else ["cores.reserve_frontend=0"]  # no HTTP frontend in-process
         overrides += [f"{key}={json.dumps(value)}" for key, value in _flatten(sections)]
-        self.spec = read_spec(spec, overrides).spec
-        if self.spec.parallel.tp * self.spec.parallel.dp != 1:
-            raise ValueError("the offline LLM runs a single rank; tp x dp > 1 needs the server (`app serve`)")
-        topo, source = read_topology("/"), resolve_source(self.spec.model)
-        runtime = check(self.spec.runtime, topo.arch, {}, default_search_dirs(), "").openmp_runtime
-        plan = make_plan(self.spec, topo, read_footprint(source, source_key(self.spec.model)), runtime)
-        rank = plan.ranks[0]
-        if bind_threads:
-            kernels.bind_threads(rank.cpus, rank.memory_nodes, rank.memory_policy == "interleave")
-        loaded = load_model(source, plan.dtype)
-        self.tokenizer, self.chat_template = loaded.tokenizer, self._chat_template(loaded.chat_template)
+        deployment = prepare(spec, overrides)
+        self.spec = deployment.spec
+        if self.spec.parallel.dp != 1:
+            raise ValueError("the offline LLM runs one replica; dp > 1 needs the server (`app serve`)")
+        self.core, loaded = build_core(deployment.launches(), bind=bind_threads, tokenizer=True)
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = deployment.chat_template() or loaded.chat_template
         self.eos_token_id = self.tokenizer.eos_token_id
-        sched = self.spec.scheduler
-        runner = ModelRunner(loaded.model, rank.kv_blocks, plan.block_size, sched.max_num_batched_tokens,
-                             sched.max_num_seqs, getattr(torch, plan.kv_dtype))
-        cfg = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, plan.max_model_len,
-                              sched.chunked_prefill, sched.step_time_budget)
-        self.core = EngineCore(runner, cfg, rank.kv_blocks, plan.block_size, sched.prefix_caching,
-                               f"{source.path}:{plan.dtype}")
         self._next_id = 0
 
-    def _chat_template(self, from_model: str | None) -> str | None:
-        override = self.spec.model.chat_template
-        if override and Path(override).is_file():
-            return Path(override).read_text()
-        return override or from_model
+    def close(self) -> None:
+        """Stop the TP workers (if any); the LLM cannot generate afterwards."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # --- public API ---
 
@@ -149,23 +132,14 @@ class LLM:
                 seq = sequences.get(delta.request_id)
                 if seq is None:
                     continue
-                if seq.add(delta.token_id, delta.logprobs, hidden=self._is_stop_token(delta, seq)):
+                if seq.take(delta.token_id, delta.logprobs, delta.finish_reason) and delta.finish_reason is None:
                     self.core.abort(delta.request_id, FinishReason.STOP)  # a stop string matched
-                elif delta.finish_reason is not None:
-                    seq.finish_reason = delta.finish_reason
 
     def _add(self, child_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
              wait_for: str | None) -> SequenceText:
-        if params.seed is not None and index:
-            params = replace(params, seed=params.seed + index)  # siblings sample differently, reproducibly
+        params = params.for_choice(index)
         self.core.add_request(child_id, prompt_ids, params, self.eos_token_id, wait_for)
-        return SequenceText(Detokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens), params.stop,
-                            stop_token_ids=params.stop_token_ids)
-
-    def _is_stop_token(self, delta, seq: SequenceText) -> bool:
-        """The EOS or stop token that ended a sequence stays in its token ids but not in its text."""
-        return delta.finish_reason == FinishReason.STOP and (
-            delta.token_id == self.eos_token_id or delta.token_id in seq.stop_token_ids)
+        return SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
 
 
 def _flatten(sections: dict, prefix: str = "") -> list[tuple[str, object]]:

@@ -1,7 +1,8 @@
 """The model runner: turns a SchedulerOutput into the tensors the kernels need, runs the model, samples.
 
 It owns the KV cache tensors and each running request's sampling state; the scheduler never sees
-either. Input staging buffers are allocated once at the largest step size and reused.
+either. The SchedulerOutput is its only input: new requests arrive in it, finished ones leave in
+it. Input staging buffers are allocated once at the largest step size and reused.
 """
 
 from __future__ import annotations
@@ -10,17 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.params import SamplingParams
+from app.engine.kv_cache import KVCacheConfig
+from app.engine.output import TokenLogprobs
 from app.engine.sampler import Sampler, SamplingState, new_state
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.model.batch import ForwardBatch
 from app.model.llama import LlamaForCausalLM
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    logprob: float  # of the sampled token
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -30,13 +26,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, max_num_tokens: int,
-                 max_num_seqs: int, kv_dtype: torch.dtype | None = None, seed: int = 0):
-        self.model, self.block_size = model, block_size
-        self.kv_cache = model.new_kv_cache(num_blocks, block_size, kv_dtype)
+    def __init__(self, model: LlamaForCausalLM, kv: KVCacheConfig, max_num_tokens: int, max_num_seqs: int,
+                 seed: int = 0):
+        self.model, self.block_size = model, kv.block_size
+        self.kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size, getattr(torch, kv.dtype) if kv.dtype else None)
         self.sampler = Sampler(model.cfg.vocab_size, seed)
         self.states: dict[str, SamplingState] = {}
-        max_blocks = -(-model.cfg.max_position // block_size)
+        max_blocks = -(-model.cfg.max_position // kv.block_size)
         self._ids = torch.zeros(max_num_tokens, dtype=torch.int64)
         self._positions = torch.zeros(max_num_tokens, dtype=torch.int64)
         self._slots = torch.zeros(max_num_tokens, dtype=torch.int64)
@@ -44,20 +40,17 @@ class ModelRunner:
         self._lens = torch.zeros(max_num_seqs, dtype=torch.int32)
         self._starts = torch.zeros(max_num_seqs + 1, dtype=torch.int64)
 
-    # --- sampling state follows the requests ---
-
-    def add_request(self, request_id: str, params: SamplingParams, prompt_ids: list[int], eos: int | None) -> None:
-        self.states[request_id] = new_state(params, prompt_ids, eos)
-
-    def remove_request(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-
-    # --- one step ---
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        batch, ids, wanted = self._prepare(output)
-        hidden = self.model.forward(ids, batch, self.kv_cache)
+        for request_id in output.finished_ids:  # first: a finished id may come back as a new request
+            self.states.pop(request_id, None)
+        for new in output.new_requests:
+            self.states[new.request_id] = new_state(new.params, list(new.prompt_ids), new.eos_token_id)
+        batch, hidden = self.forward(output)
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
@@ -66,13 +59,17 @@ class ModelRunner:
         result = self.sampler(logits, states)
         return self._collect([output.requests[i].request_id for i in rows], states, result)
 
+    @torch.inference_mode()
+    def forward(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
+        """The forward pass alone (what TP ranks other than 0 run): writes K/V, returns the hidden states."""
+        batch, ids = self._prepare(output)
+        return batch, self.model.forward(ids, batch, self.kv_cache)
+
     def time_forward(self, count: int, num_computed: int) -> None:
         """A forward pass of `count` dummy tokens after `num_computed` (for calibration, on free blocks)."""
-        blocks = tuple(range(-(-(num_computed + count) // self.block_size)))
-        step = ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False)
-        self.execute(SchedulerOutput((step,)))
+        self.execute(calibration_step(count, num_computed, self.block_size))
 
-    def _prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor, int]:
+    def _prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
         # Fill the staging buffers: token ids, positions, cache slots, block tables, lengths, offsets.
         t = s = 0
         width = max(len(r.block_ids) for r in output.requests)
@@ -92,7 +89,7 @@ class ModelRunner:
         seqs = len(output.requests)
         starts = self._starts[: seqs + 1]
         batch = ForwardBatch(self._positions[:t], self._slots[:t], tables, self._lens[:seqs], starts, starts[1:] - 1)
-        return batch, self._ids[:t], t
+        return batch, self._ids[:t]
 
     def _collect(self, request_ids: list[str], states: list[SamplingState], result) -> RunnerOutput:
         tokens = result.tokens.tolist()
@@ -105,3 +102,9 @@ class ModelRunner:
                 top = tuple(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else ()
                 logprobs[request_id] = TokenLogprobs(float(result.logprobs[row]), top)
         return RunnerOutput(sampled, logprobs)
+
+
+def calibration_step(count: int, num_computed: int, block_size: int) -> SchedulerOutput:
+    """A step of `count` dummy tokens after `num_computed`, on the first free blocks (before any request)."""
+    blocks = tuple(range(-(-(num_computed + count) // block_size)))
+    return SchedulerOutput((ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False),))

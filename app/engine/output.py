@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.engine.model_runner import TokenLogprobs
+from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 class Detokenizer:
@@ -48,11 +54,29 @@ class SequenceText:
     detokenizer: Detokenizer
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | None = None
     text: str = ""
     sent: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+
+    @classmethod
+    def of(cls, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> SequenceText:
+        """The text of one sequence of a request with these params: the one place stop strings come from."""
+        return cls(Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens), params.stop, params.stop_token_ids,
+                   eos_token_id)
+
+    def take(self, token_id: int | None, logprobs: TokenLogprobs | None,
+             engine_reason: FinishReason | None) -> FinishReason | None:
+        """One engine output: its token and the engine's finish reason. Returns the sequence's finish reason:
+        STOP when a stop string matched (the engine does not know yet), else the engine's. The EOS or stop
+        token that ended a sequence stays in its token ids but adds no text."""
+        hidden = engine_reason == FinishReason.STOP and token_id is not None and (
+            token_id == self.eos_token_id or token_id in self.stop_token_ids)
+        if not self.add(token_id, logprobs, hidden) and engine_reason is not None:
+            self.finish_reason = self.finish_reason or engine_reason
+        return self.finish_reason
 
     def add(self, token_id: int | None, logprobs: TokenLogprobs | None, hidden: bool = False) -> bool:
         """Take one new token; True if a stop string ended the sequence. `hidden` tokens add no text."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` (0 to n-1) of one prompt: with a seed, each choice gets its own
+        (seed + index), so the n choices differ and every one is reproducible, offline and served alike."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=(self.seed + index) % 2**64)

@@ -10,91 +10,115 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
+
+from app.engine.launch import RankLaunch
 
 log = logging.getLogger("app.engine")
 
 HEARTBEAT_SECONDS = 0.5
+# Draining (SIGUSR1, a spec reload): once the heartbeat says so, frontends stop routing here; requests sent
+# just before still arrive. The engine exits after this long with nothing to do since it began draining.
+DRAIN_IDLE_SECONDS = 4 * HEARTBEAT_SECONDS
 
 
-@dataclass(frozen=True)
-class EngineProcessConfig:
-    replica: int
-    address: str  # ipc:// endpoint to bind
-    model_path: str
-    model_format: str
-    served_name: str
-    dtype: str
-    kv_dtype: str
-    cpus: tuple[int, ...]
-    memory_nodes: tuple[int, ...]
-    interleave: bool
-    kv_blocks: int
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    chunked_prefill: bool
-    prefix_caching: bool
-    max_waiting_requests: int
-    step_time_budget: float = 0.0
-    log_level: str = "info"
-    log_format: str = "text"
+def run_engine(launches: list[RankLaunch]) -> None:
+    """The engine process's main (rank 0 of a replica; `launches` are the replica's ranks): bind, load, serve
+    until SIGTERM, or until SIGUSR1 has drained it (exit code 0 either way)."""
+    from app.logs import configure_logging, thread_lock_for_progress_bars
+    from app.parallel.worker import die_with_parent
 
-
-def run_engine(cfg: EngineProcessConfig) -> None:
-    """The engine process's main: bind, load, serve until SIGTERM."""
-    from app.logs import configure_logging
-
+    die_with_parent(signal.SIGTERM)  # a SIGKILLed supervisor leaves no engine behind (SIGTERM: its workers stop too)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the bootstrap, which drains first
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean exit: finalizers run, nothing leaks
-    configure_logging(cfg.log_level, cfg.log_format, f"engine-{cfg.replica}")
-    _thread_lock_for_progress_bars()
-    core = _build_core(cfg)
-    EngineServer(core, cfg.address, cfg.max_waiting_requests).serve_forever()
+    launch = launches[0]
+    configure_logging(launch.log_level, launch.log_format, launch.name)
+    thread_lock_for_progress_bars()
+    drain = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # before loading: a reload may come at any time
+    core, _ = build_core(launches)
+    try:
+        EngineServer(core, launch.address, launch.max_waiting_requests, drain).serve_forever()
+    finally:
+        core.close()
 
 
-def _thread_lock_for_progress_bars() -> None:
-    """tqdm's default lock is a multiprocessing one: a named semaphore in /dev/shm that a killed process leaks."""
-    import threading
+def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = False):
+    """Rank 0 of a replica: start its TP workers (if any), pin and bind this process as the plan says,
+    load this rank's shard, and build the EngineCore. Returns (core, LoadedModel)."""
+    from pathlib import Path
 
-    from tqdm import tqdm
-
-    tqdm.set_lock(threading.RLock())
-
-
-def _build_core(cfg: EngineProcessConfig):
     import torch
 
     from app import kernels
+    from app.engine.executor import LocalExecutor, TPExecutor
     from app.engine.core import EngineCore
     from app.engine.model_runner import ModelRunner
-    from app.engine.scheduler import SchedulerConfig
     from app.model.loader import load_model
     from app.model.source import ModelSource
 
-    for line in kernels.bind_threads(cfg.cpus, cfg.memory_nodes, cfg.interleave).splitlines():
-        log.info("binding: %s", line.strip())
-    log.info("kernels: %s; torch threads: %d", kernels.isa(), torch.get_num_threads())
-    from pathlib import Path
+    launch, rest = launches[0], launches[1:]
+    group, workers = None, []
+    if launch.tp > 1:
+        from app.parallel.group import ShmGroup
+        from app.parallel.worker import ready, start_workers
 
-    loaded = load_model(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name), cfg.dtype,
-                        tokenizer=False)
-    runner = ModelRunner(loaded.model, cfg.kv_blocks, cfg.block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                         getattr(torch, cfg.kv_dtype))
-    sched = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.chunked_prefill,
-                            cfg.step_time_budget)
-    return EngineCore(runner, sched, cfg.kv_blocks, cfg.block_size, cfg.prefix_caching, f"{cfg.model_path}:{cfg.dtype}")
+        group = ShmGroup(ShmGroup.new_name(), 0, launch.tp)
+        workers = start_workers(rest, group.name, bind)  # before this process is pinned: theirs is their own
+    try:
+        if bind:
+            placement = launch.placement
+            for line in kernels.bind_threads(placement.cpus, placement.memory_nodes, placement.interleave).splitlines():
+                log.info("binding: %s", line.strip())
+        log.info("kernels: %s; torch threads: %d", kernels.isa(), torch.get_num_threads())
+        m = launch.model
+        loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=tokenizer,
+                            group=group, rank=0, size=launch.tp)
+        runner = ModelRunner(loaded.model, launch.kv, launch.scheduler.max_num_batched_tokens,
+                             launch.scheduler.max_num_seqs)
+        if group is None:
+            executor = LocalExecutor(runner)
+        else:
+            _wait_for_workers(group, workers)
+            ready(group)
+            log.info("TP group of %d ranks ready", launch.tp)
+            executor = TPExecutor(runner, group, workers)
+        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id), loaded
+    except BaseException:
+        if group is not None:
+            group.abort("TP rank 0 failed to start")
+            group.close()
+        for worker in workers:
+            worker.kill()
+        raise
+
+
+def _wait_for_workers(group, workers, timeout: float = 120) -> None:
+    """Every worker attached to the group, or a clear error as soon as one has died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            group.wait_attached(0.2)
+            return
+        except RuntimeError:
+            dead = [w for w in workers if not w.is_alive()]
+            if dead:
+                raise RuntimeError(f"TP worker {dead[0].name} exited (code {dead[0].exitcode}) while starting") from None
+            if time.monotonic() > deadline:
+                raise
 
 
 class EngineServer:
     """The loop: receive new and aborted requests -> step -> send each worker its tokens; heartbeat."""
 
-    def __init__(self, core, address: str, max_waiting: int):
+    def __init__(self, core, address: str, max_waiting: int, drain: threading.Event | None = None):
         import zmq
 
         self.core, self.max_waiting = core, max_waiting
+        self.drain = drain or threading.Event()  # set: announce draining, finish what comes, then return
+        self.drain_started: float | None = None
+        self.last_busy = time.monotonic()
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
@@ -103,16 +127,31 @@ class EngineServer:
         self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
 
     def serve_forever(self) -> None:
-        import threading
-
+        """Until drained (see `drain`); a SIGTERM ends it sooner through SystemExit."""
         self._update_snapshot()
         threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True).start()
-        log.info("engine ready: %d KV blocks of %d tokens", self.core.kv.num_blocks, self.core.kv.block_size)
-        while True:
+        cfg = self.core.scheduler.cfg
+        log.info("engine ready: %d KV blocks of %d tokens; max_num_seqs %d, max_num_batched_tokens %d",
+                 self.core.kv.num_blocks, self.core.kv.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        while not self._drained():
             self._receive(timeout_ms=0 if self.core.has_work() else int(HEARTBEAT_SECONDS * 1000))
             if self.core.has_work():
                 self._send_outputs(self.core.step())
+                self.last_busy = time.monotonic()
             self._update_snapshot()
+
+    def _drained(self) -> bool:
+        if not self.drain.is_set():
+            return False
+        now = time.monotonic()
+        if self.drain_started is None:
+            self.drain_started = now
+            log.info("draining: finishing %d request(s), accepting what is already on its way", len(self.owner))
+            return False
+        if self.core.has_work() or now - max(self.drain_started, self.last_busy) < DRAIN_IDLE_SECONDS:
+            return False
+        log.info("drained in %.1f s; exiting", now - self.drain_started)
+        return True
 
     def _receive(self, timeout_ms: int) -> None:
         import zmq
@@ -176,9 +215,9 @@ class EngineServer:
         from app.engine.ipc import Heartbeat
 
         stats, kv = self.core.stats(), self.core.kv
-        self.snapshot = Heartbeat(True, stats.running, stats.waiting, stats.kv_usage,
+        self.snapshot = Heartbeat(self.drain_started is None, stats.running, stats.waiting, stats.kv_usage,
                                   kv.num_blocks - kv.num_free_blocks(), kv.num_blocks, kv.queries, kv.hits,
-                                  self.core.scheduler.num_preemptions)
+                                  self.core.scheduler.num_preemptions, self.drain_started is not None)
 
     def _beat_forever(self) -> None:
         """Publish the latest snapshot twice a second, whatever the main loop is doing."""

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from app.engine.kv_cache import KVCacheManager
+from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request, Status
 from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
 
@@ -38,9 +39,23 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """A request the model runner has not seen yet: what it needs to sample for it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
+    """Everything one step executes, and the only input to execution: the runner keeps no other channel."""
+
     requests: tuple[ScheduledRequest, ...]
     preempted: tuple[str, ...] = ()
+    new_requests: tuple[NewRequest, ...] = ()  # scheduled for the first time in this step
+    finished_ids: tuple[str, ...] = ()  # finished or aborted since the last step: the runner forgets them
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +119,8 @@ class Scheduler:
         self.running: list[Request] = []  # in the order they started
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._runner_knows: set[str] = set()  # request ids sent in a step's new_requests
+        self._finished_ids: list[str] = []  # ...of those, the ones that ended since the last step
 
     # --- requests in and out ---
 
@@ -124,6 +141,9 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         request.status, request.finish_reason = Status.FINISHED, reason
+        if request_id in self._runner_knows:
+            self._runner_knows.discard(request_id)
+            self._finished_ids.append(request_id)
         return request
 
     def has_work(self) -> bool:
@@ -151,7 +171,13 @@ class Scheduler:
             budget.take(request.num_computed_tokens, count)
         if not preempted:  # do not admit new work in a step that had to take blocks away
             self._admit(chosen, budget)
-        return SchedulerOutput(tuple(self._scheduled(r, n) for r, n in chosen), tuple(preempted))
+        if not chosen:  # nothing runs: the runner hears about finished requests with the next step
+            return SchedulerOutput((), tuple(preempted))
+        new = tuple(NewRequest(r.request_id, tuple(r.prompt_ids), r.params, r.eos_token_id)
+                    for r, _ in chosen if r.request_id not in self._runner_knows)
+        self._runner_knows.update(n.request_id for n in new)
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(tuple(self._scheduled(r, n) for r, n in chosen), tuple(preempted), new, finished)
 
     def _make_room(self, request: Request, count: int, preempted: list[str]) -> bool:
         """Allocate for `count` more tokens, preempting the latest started requests while needed."""

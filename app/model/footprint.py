@@ -12,9 +12,41 @@ from pathlib import Path
 
 from app.model.gguf_header import read_gguf_header
 from app.model.source import ModelSource
+from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# How each checkpoint tensor is split over TP ranks (see app/parallel/shard.py), by a part of its name,
+# GGUF's and Hugging Face's; anything else (norms, rope factors) is replicated on every rank.
+PARTS = (("embedding", (".token_embd.", ".embed_tokens.")), ("lm_head", (".output.weight", ".lm_head.")),
+         ("attention_q", (".attn_q.", ".attn_output.", ".q_proj.", ".o_proj.")),
+         ("attention_kv", (".attn_k.", ".attn_v.", ".k_proj.", ".v_proj.")),
+         ("mlp", (".ffn_gate.", ".ffn_up.", ".ffn_down.", ".gate_proj.", ".up_proj.", ".down_proj.")))
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """The model's parameters by how tensor parallelism splits them."""
+
+    embedding: int = 0  # replicated on every rank
+    lm_head: int = 0  # on rank 0 only (0 when tied to the embedding)
+    attention_q: int = 0  # query and output projections: split with the query heads
+    attention_kv: int = 0  # key and value projections: split with the KV heads, replicated past their count
+    mlp: int = 0  # split with the intermediate features
+    other: int = 0  # replicated
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...] | list[int]]) -> ParamCounts:
+        counts = dict.fromkeys(("embedding", "lm_head", "attention_q", "attention_kv", "mlp", "other"), 0)
+        for name, shape in shapes.items():
+            part = next((part for part, marks in PARTS if any(m in f".{name}" for m in marks)), "other")
+            counts[part] += _product(shape)
+        return cls(**counts)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.attention_q + self.attention_kv + self.mlp + self.other
 
 
 @dataclass(frozen=True)
@@ -26,10 +58,22 @@ class ModelFootprint:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    intermediate_size: int = 0
+    params: ParamCounts | None = None  # None: only the total is known, split evenly
 
-    def weight_bytes(self, dtype: str, tp: int = 1) -> int:
-        """Resident weights of one rank: weights are loaded (dequantized) at the compute dtype."""
-        return self.num_params * DTYPE_BYTES[dtype] // tp
+    def weight_bytes(self, dtype: str, tp: int = 1, rank: int = 0) -> int:
+        """Resident weights of one TP rank, loaded (dequantized) at the compute dtype: its heads' and
+        MLP features' share of the layers, plus what every rank replicates and rank 0's LM head."""
+        p = self.params
+        if tp == 1 or p is None or self.intermediate_size <= 0:
+            return self.num_params * DTYPE_BYTES[dtype] // tp
+        heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank]
+        features = len(split_evenly(self.intermediate_size, tp)[rank])
+        share = (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
+                 + p.attention_q * len(heads.q_heads) // self.num_heads
+                 + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads
+                 + p.mlp * features // self.intermediate_size)
+        return share * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """K and V of every layer for one token on one rank (KV heads are split across TP ranks)."""
@@ -57,38 +101,45 @@ def _from_gguf(path: Path) -> ModelFootprint:
     arch = str(meta.get("general.architecture", "unknown"))
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
-    num_params = sum(_product(shape) for shape in header.tensor_shapes.values())
+    params = ParamCounts.of(header.tensor_shapes)
     return ModelFootprint(
         architecture=arch,
-        num_params=num_params,
+        num_params=params.total,
         num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)),
+        params=params,
     )
 
 
 def _from_hf(path: Path) -> ModelFootprint:
     config = json.loads((path / "config.json").read_text())
     heads = int(config["num_attention_heads"])
-    num_params = sum(_safetensors_params(file) for file in sorted(path.glob("*.safetensors")))
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        shapes.update(_safetensors_shapes(file))
+    params = ParamCounts.of(shapes)
     return ModelFootprint(
         architecture=(config.get("architectures") or ["unknown"])[0],
-        num_params=num_params,
+        num_params=params.total,
         num_layers=int(config["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
         context_length=int(config.get("max_position_embeddings", 2048)),
+        intermediate_size=int(config.get("intermediate_size") or 0),
+        params=params,
     )
 
 
-def _safetensors_params(file: Path) -> int:
+def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
     from safetensors import safe_open  # only HF directories need it
 
     with safe_open(str(file), framework="numpy") as tensors:
-        return sum(_product(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+        return {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
 
 
 def _product(shape: tuple[int, ...] | list[int]) -> int:

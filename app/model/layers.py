@@ -1,13 +1,16 @@
-"""The layers every Llama-family model is made of, on the native kernels (GEMMs stay with torch)."""
+"""The layers every Llama-family model is made of, on the native kernels (GEMMs stay with torch).
+
+Each layer holds this rank's shard: its attention heads and MLP features (see app/parallel/shard.py).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from app import kernels
 from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
+from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [blocks, kv_heads, block_size, head_dim]
 
@@ -15,17 +18,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [blocks, kv_heads, bl
 class Attention:
     """Fused QKV projection, optional per-head Q/K norm, RoPE, paged cache write and attention."""
 
-    def __init__(self, cfg: ModelConfig, qkv: torch.Tensor, qkv_bias: torch.Tensor | None, o: torch.Tensor,
+    def __init__(self, cfg: ModelConfig, heads: int, kv_heads: int, qkv: QKVParallelLinear, o: RowParallelLinear,
                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, cfg.head_dim  # this rank's heads
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
-        self.qkv, self.qkv_bias, self.o, self.q_norm, self.k_norm = qkv, qkv_bias, o, q_norm, k_norm
+        self.qkv, self.o, self.q_norm, self.k_norm = qkv, o, q_norm, k_norm
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos_sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
+        # x: [T, H] -> [T, H] (summed over the TP group by the output projection)
         t, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hk) D]
-        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = self.qkv.split(self.qkv(x))  # [T, Hq D], [T, Hk D], [T, Hk D]
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head's features, before RoPE
             q = kernels.rms_norm(q.reshape(t * self.heads, d), self.q_norm, self.eps).view(t, -1)
             k = kernels.rms_norm(k.reshape(t * self.kv_heads, d), self.k_norm, self.eps).view(t, -1)
@@ -33,18 +35,18 @@ class Attention:
         kernels.write_kv_cache(k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d), *cache, batch.slot_mapping)
         out = kernels.paged_attention(q.view(t, self.heads, d), *cache, batch.block_tables, batch.context_lens,
                                       batch.q_starts, self.scale)
-        return F.linear(out.view(t, self.heads * d), self.o)
+        return self.o(out.view(t, self.heads * d))
 
 
 class MLP:
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate_up: MergedColumnParallelLinear, down: RowParallelLinear):
         self.gate_up, self.down = gate_up, down
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
-        return F.linear(kernels.silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        # x: [T, H] -> [T, H] (summed over the TP group by the down projection)
+        return self.down(kernels.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer:

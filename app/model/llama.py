@@ -14,31 +14,44 @@ import torch.nn.functional as F
 from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
 from app.model.layers import MLP, Attention, DecoderLayer, KVCache
+from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from app.model.rope import cos_sin_table, inverse_frequencies
+from app.parallel.group import SingleRank
+from app.parallel.shard import ShardSpec
 
 
 class LlamaForCausalLM:
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype):
+    """One rank's part of the model: `weights` hold the shard `shard` describes (the whole model by default);
+    `group` sums the row-parallel outputs. Rank 0 holds the LM head and computes logits."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, group=None,
+                 shard: ShardSpec | None = None):
         self.cfg, self.dtype = cfg, dtype
+        self.group = group or SingleRank()
+        self.shard = shard or ShardSpec.whole(cfg)
         w = _Weights(weights, dtype)
         self.embed = w.take("model.embed_tokens.weight")
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.norm = w.take("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w.take("lm_head.weight")
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w.take("lm_head.weight") if "lm_head.weight" in weights else None  # rank 0 only
         rot = cfg.rotary_dim or cfg.head_dim
         factors = weights.get("rope_freqs")  # GGUF's precomputed Llama-3 scaling, when present
         self.cos_sin = cos_sin_table(cfg.max_position, inverse_frequencies(rot, cfg.rope_theta, cfg.rope_scaling, factors))
-        w.check_all_used(ignore={"rope_freqs", "lm_head.weight"} if cfg.tie_word_embeddings else {"rope_freqs"})
+        w.check_all_used(ignore={"rope_freqs", "lm_head.weight"})
 
     def _layer(self, w: _Weights, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
-        qkv = torch.cat([w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        bias = torch.cat([w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if self.cfg.qkv_bias else None
+        biases = tuple(w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv") if self.cfg.qkv_bias else None
+        qkv = QKVParallelLinear(*(w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"), biases)
         q_norm = w.take(p + "self_attn.q_norm.weight") if self.cfg.qk_norm else None
         k_norm = w.take(p + "self_attn.k_norm.weight") if self.cfg.qk_norm else None
-        attention = Attention(self.cfg, qkv, bias, w.take(p + "self_attn.o_proj.weight"), q_norm, k_norm)
-        gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")])
-        mlp = MLP(gate_up, w.take(p + "mlp.down_proj.weight"))
+        o = RowParallelLinear(w.take(p + "self_attn.o_proj.weight"), self.group)
+        attention = Attention(self.cfg, self.shard.num_heads, self.shard.num_kv_heads, qkv, o, q_norm, k_norm)
+        gate_up = MergedColumnParallelLinear(w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight"))
+        mlp = MLP(gate_up, RowParallelLinear(w.take(p + "mlp.down_proj.weight"), self.group))
         return DecoderLayer(attention, mlp, w.take(p + "input_layernorm.weight"),
                             w.take(p + "post_attention_layernorm.weight"), self.cfg.rms_norm_eps)
 
@@ -64,7 +77,7 @@ class LlamaForCausalLM:
         return F.linear(hidden, self.lm_head)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
-        shape = (num_blocks, self.cfg.num_kv_heads, block_size, self.cfg.head_dim)
+        shape = (num_blocks, self.shard.num_kv_heads, block_size, self.cfg.head_dim)
         dtype = dtype or self.dtype
         return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
 
@@ -73,11 +86,12 @@ class LlamaForCausalLM:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed, self.norm, self.lm_head, self.cos_sin]
+        out = [t for t in (self.embed, self.norm, self.lm_head, self.cos_sin) if t is not None]
         for layer in self.layers:
             a = layer.attention
-            out += [a.qkv, a.o, layer.mlp.gate_up, layer.mlp.down, layer.input_norm, layer.post_norm]
-            out += [t for t in (a.qkv_bias, a.q_norm, a.k_norm) if t is not None]
+            for linear in (a.qkv, a.o, layer.mlp.gate_up, layer.mlp.down):
+                out += linear.tensors()
+            out += [layer.input_norm, layer.post_norm] + [t for t in (a.q_norm, a.k_norm) if t is not None]
         return out
 
 

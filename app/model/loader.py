@@ -12,6 +12,7 @@ import torch
 from app.model.config import ModelConfig
 from app.model.llama import LlamaForCausalLM
 from app.model.source import ModelSource
+from app.model.tokenizer import load_tokenizer
 from app.model.weights import GGUFCheckpoint, HFCheckpoint
 from app.units import format_size
 
@@ -28,35 +29,40 @@ class LoadedModel:
     seconds: float
 
 
-def load_model(source: ModelSource, dtype: str, tokenizer: bool = True) -> LoadedModel:
-    """Read `source` and build the model in `dtype` ("float32" or "bfloat16")."""
+def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, group=None, rank: int = 0,
+               size: int = 1) -> LoadedModel:
+    """Read `source` and build the model in `dtype` ("float32" or "bfloat16").
+
+    With `size` > 1, only TP rank `rank`'s shard is kept: each tensor is cut as it is read, so the
+    whole model is never in memory; `group` is the rank's TP group.
+    """
     from tqdm import tqdm
+
+    from app.parallel.shard import ShardSpec
 
     start = time.perf_counter()
     checkpoint = GGUFCheckpoint(source.path) if source.format == "gguf" else HFCheckpoint(source.path)
+    shard = ShardSpec.of(checkpoint.config, rank, size)
     weights = {}
     bar = tqdm(total=len(checkpoint), desc=f"loading {source.served_name}", unit="tensor", disable=None, leave=False)
     for name, tensor in checkpoint.tensors():
-        weights[name] = tensor
+        part = shard.take(name, tensor)
+        if part is not None:
+            weights[name] = part.to(DTYPES[dtype]) if part.is_floating_point() else part
+        del tensor, part
         bar.update()
     bar.close()
-    model = LlamaForCausalLM(checkpoint.config, weights, DTYPES[dtype])
+    model = LlamaForCausalLM(checkpoint.config, weights, DTYPES[dtype], group, shard)
     del weights
     tok = load_tokenizer(source) if tokenizer else None
     template = _chat_template(tok, checkpoint.chat_template)
     seconds = time.perf_counter() - start
-    log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident", source.served_name,
+    part = f" (TP rank {rank} of {size}: {shard.num_heads} query / {shard.num_kv_heads} KV heads, " \
+           f"{len(shard.intermediate)} MLP features)" if size > 1 else ""
+    log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident%s", source.served_name,
              checkpoint.config.architecture, checkpoint.config.num_layers, dtype, seconds,
-             format_size(model.resident_bytes()))
+             format_size(model.resident_bytes()), part)
     return LoadedModel(model, checkpoint.config, tok, template, seconds)
-
-
-def load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
-
-    if source.format == "gguf":
-        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    return AutoTokenizer.from_pretrained(str(source.path))
 
 
 def _chat_template(tok, from_file: str | None) -> str | None:

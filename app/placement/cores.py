@@ -1,12 +1,17 @@
 """Which CPUs each rank and the HTTP frontend get: auto placement, or checked explicit lists.
 
 Auto placement:
-- the frontend takes the `reserve_frontend` highest-numbered allowed CPUs, preferring SMT siblings
-  that no rank thread would use anyway (ranks run one thread per physical core by default);
-- ranks are spread over NUMA nodes so that the smallest rank is as large as possible (D'Hondt on
-  core counts; ties go to the node with fewer ranks, then the lowest id): with as many equal nodes
-  as ranks, each rank gets a whole node; a node that holds several ranks is cut into contiguous
-  runs of cores, and a rank never spans two nodes;
+- the frontend takes the `reserve_frontend` highest-numbered allowed CPUs, preferring little cores
+  on a hybrid CPU, then SMT siblings that no rank thread would use anyway (ranks run one thread per
+  physical core by default);
+- on a hybrid CPU (P/E cores, big.LITTLE) ranks use only the fastest kind of core when it has a
+  core per rank (a rank's threads meet at barriers, so a rank runs at its slowest core's speed);
+  slower kinds are added only when the faster ones are too few, and a rank never mixes kinds;
+- ranks are spread over groups of cores, one group per NUMA node and kind of core, so that the
+  smallest rank is as large as possible (D'Hondt on core counts; ties go to the group with fewer
+  ranks, then the lowest node): with as many equal nodes as ranks, each rank gets a whole node; a
+  group that holds several ranks is cut into contiguous runs of cores, and a rank never spans two
+  nodes;
 - slots are filled replica by replica, so the TP ranks of a replica that do not fit one node each
   stay next to each other.
 """
@@ -34,8 +39,8 @@ def layout_cores(cores: CoresSpec, tp: int, dp: int, topo: Topology) -> Layout:
         layout = _auto(cores, tp, dp, topo)
     else:
         layout = _explicit(cores, topo)
-    shared = _shared_cores(layout, topo)
-    return Layout(layout.ranks, layout.frontend, layout.frontend_shared, layout.warnings + shared)
+    checks = _shared_cores(layout, topo) + _mixed_kinds(layout.ranks, topo)
+    return Layout(layout.ranks, layout.frontend, layout.frontend_shared, layout.warnings + checks)
 
 
 # --- auto ---------------------------------------------------------------------------------------
@@ -47,19 +52,20 @@ def _auto(cores: CoresSpec, tp: int, dp: int, topo: Topology) -> Layout:
         _check_inside(cores.frontend, topo, "cores.frontend")
         frontend = cores.frontend
     else:
-        frontend = _reserve(usable, cores.reserve_frontend, cores.use_smt, topo)
+        frontend = _reserve(usable, _reserved_count(cores.reserve_frontend, len(usable), tp * dp), cores.use_smt, topo)
     usable -= set(frontend)
     world = tp * dp
-    units, warnings = _units(usable, world, cores.use_smt, topo, tp, dp, len(frontend))
-    counts = _dhondt(world, {node: len(node_units) for node, node_units in units.items()})
+    if world > len(usable):
+        raise _too_many_ranks(usable, cores, tp, dp, len(frontend))
+    units, warnings = _units(usable, world, cores.use_smt, topo)
+    units, slower = _fastest(units, world, topo)
+    counts = _dhondt(world, {group: len(group_units) for group, group_units in units.items()})
     ranks = []
-    for node in sorted(counts):
-        ranks.extend(_split(units[node], counts[node]))
-    idle = [node for node in sorted(units) if node not in counts]
-    warnings += [f"NUMA node {n} ({len(units[n])} cores) runs no rank; raise parallel.tp or parallel.dp to use it"
-                 for n in idle]
+    for group in sorted(counts):
+        ranks.extend(_split(units[group], counts[group]))
+    warnings += [_idle(group, len(units[group]), topo) for group in sorted(units) if group not in counts]
     shared = not frontend
-    return Layout(tuple(ranks), frontend or topo.allowed, shared, tuple(warnings))
+    return Layout(tuple(ranks), frontend or topo.allowed, shared, tuple(warnings + slower))
 
 
 def _usable(cores: CoresSpec, topo: Topology) -> set[int]:
@@ -74,6 +80,15 @@ def _usable(cores: CoresSpec, topo: Topology) -> set[int]:
     return {cpu for cpu in allowed if topo.node_of(cpu) in cores.numa_nodes}
 
 
+AUTO_RESERVE_FROM = 8  # usable CPUs from which "auto" keeps one for the HTTP frontend
+
+
+def _reserved_count(reserve: int | str, usable: int, world: int) -> int:
+    if reserve != "auto":
+        return reserve
+    return 1 if usable >= AUTO_RESERVE_FROM and usable - 1 >= world else 0
+
+
 def _reserve(usable: set[int], count: int, use_smt: bool, topo: Topology) -> tuple[int, ...]:
     if count == 0:
         return ()
@@ -81,7 +96,9 @@ def _reserve(usable: set[int], count: int, use_smt: bool, topo: Topology) -> tup
         raise SpecError([Problem("cores.reserve_frontend",
                                  f"fewer than the {len(usable)} usable CPUs ({fmt(usable)}), so ranks keep some", count)])
     spare = set() if use_smt else {cpu for cpu in usable if cpu != _first_sibling(cpu, usable, topo)}
-    order = sorted(spare, reverse=True) + sorted(usable - spare, reverse=True)
+    # slowest kind of core first (the frontend waits on the network, not on arithmetic), then spare
+    # SMT siblings, then the highest numbers
+    order = sorted(usable, key=lambda cpu: (-topo.cpus[cpu].kind, cpu not in spare, -cpu))
     return tuple(sorted(order[:count]))
 
 
@@ -89,38 +106,69 @@ def _first_sibling(cpu: int, usable: set[int], topo: Topology) -> int:
     return min(s for s in topo.cpus[cpu].siblings if s in usable)
 
 
-def _units(usable: set[int], world: int, use_smt: bool, topo: Topology, tp: int, dp: int,
-           reserved: int) -> tuple[dict[int, list[tuple[int, ...]]], list[str]]:
-    """Per node, the placement units in core order: a physical core's threads, or single CPUs."""
+def _too_many_ranks(usable: set[int], cores: CoresSpec, tp: int, dp: int, reserved: int) -> SpecError:
+    left = f"{len(usable)} CPU{'s' if len(usable) != 1 else ''} ({fmt(usable)})"
+    within = f" in cores.numa_nodes {list(cores.numa_nodes)}" if cores.numa_nodes is not None else ""
+    return SpecError([Problem(
+        "parallel",
+        f"at most one rank per CPU: {left} left for ranks after {reserved} for the frontend "
+        f"(cores.reserve_frontend or cores.frontend){within}",
+        Described(f"tp x dp = {tp} x {dp} = {tp * dp} ranks"))])
+
+
+Group = tuple[int, int]  # (NUMA node, kind of core)
+
+
+def _units(usable: set[int], world: int, use_smt: bool,
+           topo: Topology) -> tuple[dict[Group, list[tuple[int, ...]]], list[str]]:
+    """Per group, the placement units in core order: a physical core's threads, or single CPUs."""
     by_core: dict[int, list[int]] = {}
     for cpu in sorted(usable):
         by_core.setdefault(topo.cpus[cpu].core, []).append(cpu)
     threads = [tuple(cpus) if use_smt else (cpus[0],) for _, cpus in sorted(by_core.items())]
     warnings = []
     if world > len(threads):
-        if world > len(usable):
-            left = f"{len(usable)} CPU{'s' if len(usable) != 1 else ''} ({fmt(usable)})"
-            raise SpecError([Problem(
-                "parallel",
-                f"at most one rank per CPU: {left} left for ranks after {reserved} for the frontend "
-                f"(cores.reserve_frontend or cores.frontend) and outside cores.numa_nodes",
-                Described(f"tp x dp = {tp} x {dp} = {world} ranks"))])
         # one CPU per unit, core by core, so that SMT siblings tend to stay in the same rank
         threads = [(cpu,) for _, cpus in sorted(by_core.items()) for cpu in cpus]
         warnings.append(f"fewer physical cores ({len(by_core)}) than ranks ({world}): "
                         "ranks run on SMT siblings of each other's cores")
-    units: dict[int, list[tuple[int, ...]]] = {}
+    units: dict[Group, list[tuple[int, ...]]] = {}
     for unit in threads:
-        units.setdefault(topo.node_of(unit[0]), []).append(unit)
+        units.setdefault((topo.node_of(unit[0]), topo.cpus[unit[0]].kind), []).append(unit)
     return units, warnings
 
 
-def _dhondt(seats: int, sizes: dict[int, int]) -> dict[int, int]:
-    """Give `seats` ranks to nodes, each time to the node whose ranks would be largest.
+def _fastest(units: dict[Group, list[tuple[int, ...]]], world: int,
+             topo: Topology) -> tuple[dict[Group, list[tuple[int, ...]]], list[str]]:
+    """Keep the fastest kinds of core that hold one unit per rank; say which slower cores stay idle."""
+    kinds = sorted({kind for _, kind in units})
+    for used in range(1, len(kinds) + 1):
+        kept = {group: group_units for group, group_units in units.items() if group[1] in kinds[:used]}
+        if sum(len(group_units) for group_units in kept.values()) >= world:
+            break
+    warnings = []
+    for kind in kinds[used:]:
+        cpus = [cpu for group, group_units in units.items() if group[1] == kind for unit in group_units for cpu in unit]
+        count = sum(len(group_units) for group, group_units in units.items() if group[1] == kind)
+        warnings.append(f"the {count} {topo.kinds[kind]}s (CPUs {fmt(cpus)}) run no rank: the ranks fit on "
+                        "faster cores, and a rank's threads wait for its slowest core at every barrier")
+    return kept, warnings
 
-    Ties go to the node with fewer ranks (spreading ranks over memory controllers), then the lowest id.
+
+def _idle(group: Group, cores: int, topo: Topology) -> str:
+    node, kind = group
+    if topo.kinds:
+        return (f"NUMA node {node}'s {topo.kinds[kind]}s ({cores} cores) run no rank; "
+                "raise parallel.tp or parallel.dp to use them")
+    return f"NUMA node {node} ({cores} cores) runs no rank; raise parallel.tp or parallel.dp to use it"
+
+
+def _dhondt(seats: int, sizes: dict[Group, int]) -> dict[Group, int]:
+    """Give `seats` ranks to groups, each time to the group whose ranks would be largest.
+
+    Ties go to the group with fewer ranks (spreading ranks over memory controllers), then the lowest.
     """
-    counts: dict[int, int] = {}
+    counts: dict[Group, int] = {}
     for _ in range(seats):
         best = min((node for node in sorted(sizes) if counts.get(node, 0) < sizes[node]),
                    key=lambda node: (-sizes[node] / (counts.get(node, 0) + 1), counts.get(node, 0), node))
@@ -200,4 +248,16 @@ def _shared_cores(layout: Layout, topo: Topology) -> tuple[str, ...]:
                 cpus = fmt(cpu for core in shared for cpu in topo.cpus[core].siblings)
                 warnings.append(f"{name} and {groups[j][0]} share {len(shared)} physical core(s) "
                                 f"through SMT siblings (CPUs {cpus})")
+    return tuple(warnings)
+
+
+def _mixed_kinds(ranks: tuple[tuple[int, ...], ...], topo: Topology) -> tuple[str, ...]:
+    """Warn where a rank runs on more than one kind of core: each barrier waits for the slowest."""
+    warnings = []
+    for index, cpus in enumerate(ranks):
+        kinds = sorted({topo.cpus[cpu].kind for cpu in cpus})
+        if len(kinds) > 1:
+            names = [f"{topo.kinds[kind]}s" for kind in kinds]
+            warnings.append(f"rank {index} ({fmt(cpus)}) mixes {', '.join(names[:-1])} and {names[-1]}: "
+                            "its threads wait for the slowest at every barrier")
     return tuple(warnings)

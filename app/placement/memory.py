@@ -2,11 +2,16 @@
 
 A fractional `kv_cache.memory` is a fraction of the rank's memory budget: its NUMA node's memory
 divided among the ranks bound to that node, and never more than its share of the cgroup limit.
+
+A rank's memory is bound to the node its CPUs are on. Where the firmware has several nodes list
+the same CPUs, which node a CPU is on is unknown: binding to any one of them could be the remote
+one, so such a rank's memory is interleaved over every node that lists its CPUs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from app.model.footprint import ModelFootprint
 from app.spec.errors import Described, Problem, SpecError
@@ -29,9 +34,9 @@ class RankMemory:
 
 def size_memory(kv: KvCacheSpec, ranks: tuple[tuple[int, ...], ...], topo: Topology, model: ModelFootprint,
                 dtype: str, kv_dtype: str, tp: int, max_model_len: int) -> tuple[list[RankMemory], list[str]]:
+    _check_memory_known(topo)
     nodes, warnings = _memory_nodes(ranks, topo)
     sharing = {n: sum(n in rank_nodes for rank_nodes in nodes) for n in topo.nodes}
-    weights = model.weight_bytes(dtype, tp)
     block_bytes = model.kv_bytes_per_token(kv_dtype, tp) * kv.block_size
     wanted = [int(kv.memory * _budget(rank_nodes, sharing, topo, len(ranks))) if isinstance(kv.memory, float)
               else kv.memory for rank_nodes in nodes]
@@ -41,10 +46,20 @@ def size_memory(kv: KvCacheSpec, ranks: tuple[tuple[int, ...], ...], topo: Topol
         replica = range(index - index % tp, index - index % tp + tp)
         blocks = min(wanted[i] for i in replica) // block_bytes
         policy = "bind" if len(rank_nodes) == 1 else "interleave"
+        weights = model.weight_bytes(dtype, tp, index % tp)
         plans.append(RankMemory(rank_nodes, policy, weights, blocks * block_bytes, blocks))
     _check_holds_a_sequence(min(plans, key=lambda p: p.kv_blocks), kv, max_model_len, block_bytes)
     warnings += _check_fit(plans, topo)
     return plans, warnings
+
+
+def _check_memory_known(topo: Topology) -> None:
+    """Without any memory size there is nothing to size the KV cache from: name the files that lack one."""
+    if any(node.mem_total > 0 for node in topo.nodes.values()):
+        return
+    files = ", ".join(str(Path(topo.root) / rel) for rel in topo.memory_files) or f"the meminfo files below {topo.root}"
+    raise SpecError([Problem("(machine)", "a MemTotal line in one of them: the memory of a NUMA node or of the machine",
+                             Described(f"no MemTotal in {files}"))])
 
 
 def _memory_nodes(ranks: tuple[tuple[int, ...], ...], topo: Topology) -> tuple[list[tuple[int, ...]], list[str]]:
@@ -52,13 +67,31 @@ def _memory_nodes(ranks: tuple[tuple[int, ...], ...], topo: Topology) -> tuple[l
     allowed = topo.allowed_mems
     result, warnings = [], []
     for index, cpus in enumerate(ranks):
-        own = tuple(sorted({topo.node_of(cpu) for cpu in cpus}))
+        own = tuple(sorted({node for cpu in cpus for node in topo.nodes_of(cpu)}))
         usable = tuple(n for n in own if n in allowed) or allowed
         if usable != own:
-            warnings.append(f"rank {index}'s CPUs are on NUMA node(s) {list(own)} but the cgroup allows memory "
-                            f"only on {list(allowed)} (cpuset.mems): its memory goes to {list(usable)}")
+            warnings.append(_elsewhere(index, own, usable, topo))
         result.append(usable)
-    return result, warnings
+    return result, warnings + _ambiguous_nodes(ranks, topo)
+
+
+def _elsewhere(index: int, own: tuple[int, ...], usable: tuple[int, ...], topo: Topology) -> str:
+    missing = [n for n in own if n not in usable]
+    if all(topo.nodes[n].mem_total == 0 for n in missing):
+        return (f"rank {index}'s CPUs are on NUMA node(s) {missing}, which have no memory: "
+                f"its memory goes to {list(usable)}")
+    return (f"rank {index}'s CPUs are on NUMA node(s) {list(own)} but the cgroup allows memory only on "
+            f"{list(topo.allowed_mems)} (cpuset.mems): its memory goes to {list(usable)}")
+
+
+def _ambiguous_nodes(ranks: tuple[tuple[int, ...], ...], topo: Topology) -> list[str]:
+    """One warning for the ranks on CPUs that several nodes list (a broken firmware table)."""
+    shared = [i for i, cpus in enumerate(ranks) if any(len(topo.nodes_of(cpu)) > 1 for cpu in cpus)]
+    if not shared:
+        return []
+    owners = sorted({n for i in shared for cpu in ranks[i] if len(topo.nodes_of(cpu)) > 1 for n in topo.nodes_of(cpu)})
+    return [f"NUMA nodes {owners} list the same CPUs (a firmware table error?): which node a CPU is on is unknown, "
+            f"so rank(s) {', '.join(map(str, shared))} interleave their memory over the nodes that list their CPUs"]
 
 
 def _budget(rank_nodes: tuple[int, ...], sharing: dict[int, int], topo: Topology, world: int) -> float:

@@ -11,6 +11,7 @@ from app.bootstrap.isa import check_isa, resolve_dtype
 from app.model.footprint import ModelFootprint
 from app.placement.cores import layout_cores
 from app.placement.memory import RankMemory, size_memory
+from app.parallel.heads import split_heads
 from app.placement.openmp import openmp_env
 from app.spec.errors import Problem, SpecError
 from app.spec.schema import Spec
@@ -29,6 +30,8 @@ class RankPlan:
     weight_bytes: int
     kv_bytes: int
     kv_blocks: int
+    heads: int = 0  # attention heads this rank computes (its share of the model's, by whole KV-head groups)
+    kv_heads: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,9 @@ def make_plan(spec: Spec, topo: Topology, model: ModelFootprint, openmp_runtime:
                                                 "so that every rank has one", tp)])
     layout = layout_cores(spec.cores, tp, dp, topo)
     memory, memory_warnings = size_memory(spec.kv_cache, layout.ranks, topo, model, dtype, kv_dtype, tp, max_model_len)
+    heads = split_heads(model.num_heads, model.num_kv_heads, tp)
     ranks = tuple(
-        _rank(index // tp, index % tp, cpus, mem, runtime)
+        _rank(index // tp, index % tp, cpus, mem, runtime, heads[index % tp])
         for index, (cpus, mem) in enumerate(zip(layout.ranks, memory, strict=True))
     )
     warnings += _head_split(model, tp) + _uneven_threads(layout.ranks, tp)
@@ -90,9 +94,9 @@ def _head_split(model: ModelFootprint, tp: int) -> list[str]:
             f"({model.num_kv_heads} KV heads) evenly: ranks get unequal shares of the work"]
 
 
-def _rank(replica: int, rank: int, cpus: tuple[int, ...], mem: RankMemory, runtime: str) -> RankPlan:
+def _rank(replica: int, rank: int, cpus: tuple[int, ...], mem: RankMemory, runtime: str, heads) -> RankPlan:
     return RankPlan(replica, rank, cpus, mem.nodes[0], mem.policy, mem.nodes, openmp_env(runtime, cpus),
-                    mem.weight_bytes, mem.kv_bytes, mem.kv_blocks)
+                    mem.weight_bytes, mem.kv_bytes, mem.kv_blocks, len(heads.q_heads), len(heads.kv_heads))
 
 
 def _check_budget(spec: Spec, max_model_len: int) -> None:

@@ -38,9 +38,9 @@ def plan_table(plan: Plan, source: ModelSource, model: ModelFootprint, topo: Top
         f"{plan.kv_dtype}, block {plan.block_size} tokens, max_model_len {plan.max_model_len}; OpenMP {plan.openmp_runtime}",
         "",
     ]
-    header = ("replica", "rank", "cpus", "threads", "memory", "weights", "kv cache", "kv blocks")
+    header = ("replica", "rank", "heads (q/kv)", "cpus", "threads", "memory", "weights", "kv cache", "kv blocks")
     rows = [header] + [
-        (str(r.replica), str(r.rank), fmt(r.cpus), str(len(r.cpus)),
+        (str(r.replica), str(r.rank), f"{r.heads}/{r.kv_heads}", fmt(r.cpus), str(len(r.cpus)),
          f"{r.memory_policy} {','.join(map(str, r.memory_nodes))}", size(r.weight_bytes), size(r.kv_bytes),
          str(r.kv_blocks))
         for r in plan.ranks

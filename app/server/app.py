@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.server import openai_api
-from app.server.engine_client import EngineClient
+from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
@@ -36,7 +36,7 @@ class FrontendConfig:
     model_path: str
     model_format: str
     max_model_len: int
-    engine_address: str
+    engine_addresses: list[str]  # one per data-parallel replica
     chat_template: str | None = None
     api_key: str | None = None
     max_body_size: int = 4 << 20
@@ -45,7 +45,9 @@ class FrontendConfig:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 1000
+    tokenizer_dir: str | None = None  # the bootstrap's torch-free export; None: read it from the model
     draining_marker: str | None = None  # the bootstrap creates this file when SIGTERM arrives
+    started_marker: str | None = None  # ... and this one once every replica has been ready together
     metrics_dir: str | None = None
 
     def dumps(self) -> str:
@@ -64,7 +66,7 @@ class Context:
         self.served_name, self.max_model_len = cfg.served_name, cfg.max_model_len
         self.text = AsyncTokenizer(tokenizer, cfg.max_model_len, cfg.chat_template)
         self.eos_token_id, self.vocab_size = self.text.eos_token_id, self.text.vocab_size
-        self.engine = EngineClient(cfg.engine_address)
+        self.engine = EngineRouter(cfg.engine_addresses)
         self.metrics = Metrics(cfg.served_name)
         self.collector = EngineCollector(cfg.served_name, self.engine)
         self.created = int(time.time())
@@ -224,7 +226,15 @@ async def health(request: Request) -> Response:
     if ctx.cfg.draining_marker and os.path.exists(ctx.cfg.draining_marker):
         return error_response(503, "the server is shutting down", None, "draining")
     if engine.ready():
-        return JSONResponse({"status": "ok"})
+        state = engine.state()
+        if state == "degraded" and ctx.cfg.started_marker and not os.path.exists(ctx.cfg.started_marker):
+            # at start-up, ready means every replica: a replica still loading is not a degraded one
+            return error_response(503, "the engine is starting: " + ", ".join(
+                f"replica {r['replica']} {r['state']}" for r in engine.states()), None, "starting")
+        body = {"status": "ok" if state == "ready" else "degraded"}
+        if len(engine.replicas) > 1:
+            body["replicas"] = engine.states()
+        return JSONResponse(body)
     return error_response(503, f"the engine is {engine.state()}", None, engine.state())
 
 
@@ -257,14 +267,21 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal server error", None, "internal_error")
 
 
+def _tokenizer(cfg: FrontendConfig):
+    from app.model import tokenizer
+
+    if cfg.tokenizer_dir is not None:
+        return tokenizer.load_exported(cfg.tokenizer_dir)
+    from pathlib import Path
+
+    from app.model.source import ModelSource
+
+    return tokenizer.load_tokenizer(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name))
+
+
 def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     if tokenizer is None:
-        from pathlib import Path
-
-        from app.model.loader import load_tokenizer
-        from app.model.source import ModelSource
-
-        tokenizer = load_tokenizer(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name))
+        tokenizer = _tokenizer(cfg)
     ctx = Context(cfg, tokenizer)
 
     @contextlib.asynccontextmanager

@@ -31,6 +31,10 @@ ACCEPTED = object()  # what generate() yields first, once the engine has queued 
 class EngineUnavailable(Exception):
     """The engine is starting, has stopped, or stopped answering."""
 
+    def __init__(self, message: str, replica: int | None = None):
+        super().__init__(message)
+        self.replica = replica
+
 
 class EngineRejected(Exception):
     def __init__(self, status: int, message: str):
@@ -39,8 +43,10 @@ class EngineRejected(Exception):
 
 
 class EngineClient:
-    def __init__(self, address: str):
-        self.address = address
+    """One engine process (a data-parallel replica), as one frontend worker sees it."""
+
+    def __init__(self, address: str, replica: int = 0):
+        self.address, self.replica = address, replica
         self.identity = f"worker-{os.getpid()}".encode()
         self.socket: zmq.asyncio.Socket | None = None
         self.queues: dict[str, asyncio.Queue] = {}
@@ -76,6 +82,8 @@ class EngineClient:
     def state(self) -> str:
         if self.ready():
             return "ready"
+        if self.stats.draining and time.monotonic() - self.last_beat < DEAD_AFTER:
+            return "draining"  # finishing its requests before a restart (a spec reload)
         return "unavailable" if self.was_ready else "starting"
 
     # --- requests ---
@@ -83,8 +91,8 @@ class EngineClient:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None,
                        wait_for: str | None = None) -> AsyncIterator[Delta]:
         """ACCEPTED once the engine queued the request, then its token deltas; aborts it if the caller stops early."""
-        if not self.ready():
-            raise EngineUnavailable(f"the engine is {self.state()}")
+        if not self.ready() and self.state() != "draining":
+            raise EngineUnavailable(f"the engine is {self.state()}", self.replica)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False
@@ -146,7 +154,9 @@ class EngineClient:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            if self.was_ready and not self.ready() and self.queues:
-                log.error("the engine stopped answering; failing %d request(s) in flight", len(self.queues))
+            if self.was_ready and self.state() not in ("ready", "draining") and self.queues:
+                log.error("engine %d stopped answering; failing %d request(s) in flight", self.replica,
+                          len(self.queues))
                 for queue in list(self.queues.values()):
-                    queue.put_nowait(EngineUnavailable("the engine process stopped; the request was not finished"))
+                    queue.put_nowait(EngineUnavailable("the engine process stopped; the request was not finished",
+                                                       self.replica))

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from app.engine.ipc import Delta
+from app.engine.output import SequenceText, TokenLogprobs
 from app.engine.params import SamplingParams
-from app.engine.model_runner import TokenLogprobs
-from app.engine.output import Detokenizer, SequenceText
 from app.engine.request import FinishReason
-from app.server.engine_client import ACCEPTED, EngineClient
+from app.server.engine_client import ACCEPTED, EngineClient, EngineUnavailable
 from app.server.metrics import Metrics
+from app.server.router import EngineRouter
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     text: SequenceText
+    engine: EngineClient  # the replica serving it (all choices of a prompt share one, and its prompt blocks)
     wait_for: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -49,12 +50,10 @@ class Event:
 
 @dataclass
 class Generation:
-    engine: EngineClient
+    engine: EngineRouter
     metrics: Metrics
     tokenizer: object
-    params: SamplingParams
-    stops: tuple[str, ...]
-    skip_special_tokens: bool
+    params: SamplingParams  # stop strings and skip_special_tokens included: the frontend applies those
     eos_token_id: int | None
     prefix: str = "cmpl"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -64,15 +63,13 @@ class Generation:
     def add_prompt(self, prompt_ids: list[int], n: int, max_tokens: int | None) -> None:
         """n sequences for this prompt, generating at most `max_tokens` each (ValueError if params clash)."""
         params = dataclasses.replace(self.params, max_tokens=max_tokens)
+        engine = self.engine.pick(prompt_ids)
         for j in range(n):
             index = len(self.sequences)
             request_id = f"{self.prefix}-{self.id}-{index}"
-            detok = Detokenizer(self.tokenizer, prompt_ids, self.skip_special_tokens)
             wait_for = self.sequences[index - j].request_id if j else None
-            text = SequenceText(detok, self.stops, stop_token_ids=tuple(self.params.stop_token_ids))
-            seed = None if params.seed is None else (params.seed + index) % 2**64  # choices differ, reproducibly
-            own = dataclasses.replace(params, seed=seed)
-            self.sequences.append(Sequence(index, request_id, prompt_ids, own, text, wait_for))
+            text = SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
+            self.sequences.append(Sequence(index, request_id, prompt_ids, params.for_choice(j), text, engine, wait_for))
 
     @property
     def response_id(self) -> str:
@@ -110,22 +107,44 @@ class Generation:
             await self.cancel()
 
     async def _run(self, seq: Sequence, accepted: asyncio.Future) -> None:
-        stream = self.engine.generate(seq.request_id, seq.prompt_ids, seq.params, self.eos_token_id, seq.wait_for)
-        try:
-            async with contextlib.aclosing(stream):  # leaving early aborts the engine request right away
-                async for delta in stream:
-                    if delta is ACCEPTED:
-                        accepted.set_result(True)
+        failed: set[int] = set()
+        while True:
+            try:
+                await self._stream(seq, accepted)
+                return
+            except EngineUnavailable as exc:
+                # a replica that died before this sequence produced a token: another replica runs it from scratch
+                if seq.tokens == 0 and exc.replica is not None:
+                    failed.add(exc.replica)
+                    try:
+                        seq.engine, seq.wait_for = self.engine.pick(seq.prompt_ids, frozenset(failed)), None
                         continue
-                    event = self._event(seq, delta)
-                    self._queue.put_nowait(event)
-                    if event.finish_reason is not None:
-                        return
-        except Exception as exc:  # surfaced to the HTTP handler: through start() or the event queue
-            if accepted.done():
-                self._queue.put_nowait(exc)
-            else:
-                accepted.set_exception(exc)
+                    except EngineUnavailable:
+                        pass
+                self._fail(accepted, exc)
+                return
+            except Exception as exc:  # surfaced to the HTTP handler: through start() or the event queue
+                self._fail(accepted, exc)
+                return
+
+    async def _stream(self, seq: Sequence, accepted: asyncio.Future) -> None:
+        stream = seq.engine.generate(seq.request_id, seq.prompt_ids, seq.params, self.eos_token_id, seq.wait_for)
+        async with contextlib.aclosing(stream):  # leaving early aborts the engine request right away
+            async for delta in stream:
+                if delta is ACCEPTED:
+                    if not accepted.done():
+                        accepted.set_result(True)
+                    continue
+                event = self._event(seq, delta)
+                self._queue.put_nowait(event)
+                if event.finish_reason is not None:
+                    return
+
+    def _fail(self, accepted: asyncio.Future, exc: BaseException) -> None:
+        if accepted.done():
+            self._queue.put_nowait(exc)
+        else:
+            accepted.set_exception(exc)
 
     def _event(self, seq: Sequence, delta: Delta) -> Event:
         now = time.monotonic()
@@ -134,12 +153,9 @@ class Generation:
         text = seq.text
         lp = TokenLogprobs(delta.logprob, tuple(delta.top or ())) if delta.logprob is not None else None
         before_tokens, before_lp = len(text.token_ids), len(text.logprobs)
-        hidden = delta.finish_reason == FinishReason.STOP.value and delta.token_id is not None and (
-            delta.token_id == self.eos_token_id or delta.token_id in text.stop_token_ids)
-        stopped = text.add(delta.token_id, lp, hidden)
-        reason = "stop" if stopped else delta.finish_reason
+        finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)
+        reason = finished.value if finished is not None else None
         if reason is not None:
-            text.finish_reason = text.finish_reason or FinishReason(reason)
             first_of_prompt = seq.wait_for is None  # count each prompt once, not once per choice
             self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if first_of_prompt else 0, seq.tokens)
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],

@@ -52,23 +52,22 @@ class EngineCollector:
         self.model, self.engine = model_name, engine
 
     def collect(self):
-        s = self.engine.stats
-        gauges = [("vllm:num_requests_running", "Requests running in the engine.", s.running),
-                  ("vllm:num_requests_waiting", "Requests waiting for a slot.", s.waiting),
-                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = all blocks in use).", s.kv_usage),
-                  ("appliance:kv_cache_blocks_in_use", "KV blocks held by requests.", s.kv_blocks_used),
-                  ("appliance:engine_ready", "1 when the engine is ready and alive.", 1 if self.engine.ready() else 0)]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model], value)
-            yield family
-        counters = [("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_queries),
-                    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_hits),
-                    ("vllm:num_preemptions", "Preempted requests.", s.preemptions)]
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model], value)
-            yield family
+        """One sample per replica, labelled `engine` (its index) as vLLM labels its engines."""
+        replicas = self.engine.replicas
+        gauges = [("vllm:num_requests_running", "Requests running in the engine.", lambda r: r.stats.running),
+                  ("vllm:num_requests_waiting", "Requests waiting for a slot.", lambda r: r.stats.waiting),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = all blocks in use).", lambda r: r.stats.kv_usage),
+                  ("appliance:kv_cache_blocks_in_use", "KV blocks held by requests.", lambda r: r.stats.kv_blocks_used),
+                  ("appliance:engine_ready", "1 when the engine is ready and alive.", lambda r: int(r.ready()))]
+        counters = [("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda r: r.stats.prefix_queries),
+                    ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda r: r.stats.prefix_hits),
+                    ("vllm:num_preemptions", "Preempted requests.", lambda r: r.stats.preemptions)]
+        for kind, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in metrics:
+                family = kind(name, doc, labels=["model_name", "engine"])
+                for replica in replicas:
+                    family.add_metric([self.model, str(replica.replica)], value(replica))
+                yield family
 
 
 def render(collector: EngineCollector, multiprocess_dir: str | None) -> bytes:

@@ -121,8 +121,7 @@ def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) ->
         params = _sampling_params(body, logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
-    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, body.stops(), body.skip_special_tokens,
-                      ctx.eos_token_id, prefix)
+    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
 
 
 def _sampling_params(body: SamplingFields, logprobs: int | None) -> SamplingParams:
@@ -131,8 +130,9 @@ def _sampling_params(body: SamplingFields, logprobs: int | None) -> SamplingPara
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids or ()),
-        logprobs=logprobs, max_tokens=None)
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
+        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+        max_tokens=None)
 
 
 def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:
@@ -140,6 +140,8 @@ def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> Non
         gen.add_prompt(ids, n, max_tokens)
     except ValueError as exc:  # parameters that clash with each other, e.g. min_tokens > max_tokens
         raise APIError(400, str(exc), None, "invalid_value") from None
+    except EngineUnavailable as exc:  # no replica is ready to take it
+        raise _api_error(exc) from None
 
 
 async def _start(gen: Generation) -> None:

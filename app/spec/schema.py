@@ -6,7 +6,7 @@ Every field has a constraint and a one-line docstring; `docs/SPEC.md` is generat
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -58,7 +58,8 @@ class ParallelSpec(Section):
     """How the model is laid out over ranks."""
 
     tp: int = Field(default=1, ge=1, le=64)
-    """Tensor-parallel ranks per replica; each rank holds 1/tp of the weights, one NUMA node each."""
+    """Tensor-parallel ranks per replica (up to the model's attention heads); each rank holds its share of the
+    attention heads (whole KV-head groups) and MLP features, one NUMA node each where there are enough."""
     dp: int = Field(default=1, ge=1, le=64)
     """Data-parallel replicas; each holds a full copy of the model and its own KV cache."""
 
@@ -68,8 +69,10 @@ class CoresSpec(Section):
 
     ranks: RankCpus = "auto"
     """"auto", or one CPU list per rank in replica-major order ("0-31|32-63" or a YAML list)."""
-    reserve_frontend: int = Field(default=1, ge=0, le=64)
-    """CPUs that auto placement keeps out of every rank for the HTTP frontend (0: share)."""
+    reserve_frontend: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
+    """CPUs that auto placement keeps out of every rank for the HTTP frontend (0: share); "auto": 1 from
+    8 usable CPUs up (when the ranks still get theirs), else 0: on a small machine a whole core for the
+    frontend costs the engine more than sharing does."""
     frontend: CpuSet | None = None
     """Explicit CPUs for the HTTP frontend; default: reserved by auto, or those no rank uses."""
     use_smt: bool = False

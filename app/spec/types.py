@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, PlainSerializer, PlainValidator
+from pydantic import BeforeValidator, PlainSerializer, PlainValidator, WithJsonSchema
 
 from app.spec.errors import FieldError
 
@@ -20,6 +20,14 @@ RANKS_HELP = (
     '"auto", or one CPU list per rank: "0-31|32-63" (vLLM\'s form) or a YAML list of CPU lists'
 )
 KV_MEMORY_HELP = f'{SIZE_HELP}, or a fraction of the rank\'s NUMA node memory such as 0.3 or "30%"'
+
+# JSON Schema of each spelling, for editors (config/spec.schema.json): as permissive as the
+# validators below, which stay the authority and give the precise message.
+_RANGE = r"\d+(-\d+(:\d+)?)?"
+_CPULIST = rf"\s*{_RANGE}(\s*,\s*{_RANGE})*\s*"
+_SIZE = r"^\s*\d+(\.\d+)?\s*([bB]|[kKmMgGtT]([iI]?[bB]?))?\s*$"
+CPUSET_SCHEMA = {"anyOf": [{"type": "string", "pattern": f"^{_CPULIST}$"}, {"type": "integer", "minimum": 0},
+                           {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
 
 
 def _to_cpus(value: Any) -> tuple[int, ...]:
@@ -47,6 +55,7 @@ CpuSet = Annotated[
     tuple[int, ...],
     BeforeValidator(_to_cpus),
     PlainSerializer(format_cpulist, return_type=str),
+    WithJsonSchema(CPUSET_SCHEMA, mode="validation"),
 ]
 """A set of CPU ids, written "0-3,8" or [0, 1, 2, 3, 8]."""
 
@@ -73,8 +82,10 @@ def _show_rank_lists(value: str | tuple[tuple[int, ...], ...]) -> str | list[str
 
 RankCpus = Annotated[
     str | tuple[tuple[int, ...], ...],
-    PlainValidator(_to_rank_lists, json_schema_input_type=str | list[str | list[int]]),
+    PlainValidator(_to_rank_lists),
     PlainSerializer(_show_rank_lists),
+    WithJsonSchema({"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^{_CPULIST}(\\|{_CPULIST})*$"},
+                              {"type": "array", "minItems": 1, "items": CPUSET_SCHEMA}]}, mode="validation"),
 ]
 """Either "auto" or one CPU set per rank."""
 
@@ -96,6 +107,8 @@ ByteSize = Annotated[
     int,
     BeforeValidator(_to_size),
     PlainSerializer(exact_size, return_type=str),
+    WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_SIZE},
+                              {"type": "string", "pattern": _SIZE}]}, mode="validation"),
 ]
 """A number of bytes, written "4GiB", "512MiB" or as a plain integer."""
 
@@ -136,5 +149,9 @@ KvMemory = Annotated[
     int | float,
     BeforeValidator(_to_kv_memory),
     PlainSerializer(_show_kv_memory),
+    WithJsonSchema({"anyOf": [{"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                              {"type": "integer", "minimum": 1, "maximum": MAX_SIZE},
+                              {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*%\s*$"},
+                              {"type": "string", "pattern": _SIZE}]}, mode="validation"),
 ]
 """KV-cache memory per rank: bytes (int) or a fraction of the rank's memory budget (float)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from app.topology.cpulist import format_cpulist as fmt
@@ -23,6 +22,11 @@ def capture(root: str, dest: str) -> int:
         target.write_text(reader.text(rel) or "")
     for rel in sorted(reader.dirs_seen):
         (Path(dest) / rel).mkdir(parents=True, exist_ok=True)
+    for rel, target in sorted(reader.links_seen.items()):
+        link = Path(dest) / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(target)  # as sysfs has it: relative, and dangling when its node is offline
     return len(reader.read_paths)
 
 
@@ -32,6 +36,9 @@ def describe(topo: Topology) -> str:
     cg = topo.cgroup
     lines.append(f"cgroup cpuset: {fmt(cg.cpuset) if cg.cpuset else 'none'}" + (f" ({cg.cpuset_source})" if cg.cpuset_source else ""))
     lines.append(f"cgroup memory limit: {size(cg.memory_max) if cg.memory_max else 'none'}" + (f" ({cg.memory_source})" if cg.memory_source else ""))
+    for index, kind in enumerate(topo.kinds):
+        cpus = [cpu for cpu in topo.online if topo.cpus[cpu].kind == index]
+        lines.append(f"{kind}s{' (fastest)' if index == 0 else ''}: CPUs {fmt(cpus)}")
     for node in topo.nodes.values():
         cores = len({topo.cpus[c].core for c in node.cpus})
         lines.append(f"node {node.id}: CPUs {fmt(node.cpus) or '-'} ({cores} cores), memory {size(node.mem_total)} "

@@ -1,7 +1,9 @@
 """The cgroup limits of this process: cpuset and memory, v1, v2 or a hybrid of both.
 
-Mount points come from `proc/mounts` and this process's groups from `proc/self/cgroup`, the way
-the kernel reports them, rather than from an assumed layout.
+Mount points come from `proc/mounts` and this process's groups from `proc/self/cgroup` (or, for the
+cpuset, `proc/self/cpuset`), the way the kernel reports them, rather than from an assumed layout.
+A v1 cpuset mounted with `noprefix` (as the legacy cpuset file system is, e.g. Android's
+/dev/cpuset) names its files `cpus` and `mems` instead of `cpuset.cpus` and `cpuset.mems`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def read_cgroup_limits(root: Root) -> CgroupLimits:
     cpuset_dir = _controller_dir(root, mounts, groups, "cpuset")
     memory_dir = _controller_dir(root, mounts, groups, "memory")
     cpuset, cpuset_source = _cpuset(root, cpuset_dir, ("cpuset.cpus.effective", "cpuset.cpus"),
-                                    ("cpuset.effective_cpus", "cpuset.cpus"))
-    mems, _ = _cpuset(root, cpuset_dir, ("cpuset.mems.effective", "cpuset.mems"), ("cpuset.effective_mems", "cpuset.mems"))
+                                    ("effective_cpus", "cpus"))
+    mems, _ = _cpuset(root, cpuset_dir, ("cpuset.mems.effective", "cpuset.mems"), ("effective_mems", "mems"))
     memory_max, memory_source = _memory_max(root, memory_dir)
     return CgroupLimits(cpuset, cpuset_source, memory_max, memory_source, mems)
 
@@ -53,8 +55,13 @@ def _mounts(root: Root) -> list[_Mount]:
     mounts = []
     for line in (root.text("proc/mounts") or "").splitlines():
         fields = line.split()
-        if len(fields) >= 4 and fields[2] in ("cgroup", "cgroup2"):
-            mounts.append(_Mount(_unescape(fields[1]), fields[2], frozenset(fields[3].split(","))))
+        if len(fields) < 4:
+            continue
+        options = frozenset(fields[3].split(","))
+        if fields[2] == "cpuset":  # the legacy cpuset file system: a v1 cpuset hierarchy without prefixes
+            fields[2], options = "cgroup", options | {"cpuset", "noprefix"}
+        if fields[2] in ("cgroup", "cgroup2"):
+            mounts.append(_Mount(_unescape(fields[1]), fields[2], options))
     return mounts
 
 
@@ -76,19 +83,29 @@ class _Dir:
     version: int
     mount: str
     path: str  # below the mount point
+    prefix: str = ""  # v1 file names start with the controller's name and a dot, unless noprefix
 
 
 def _controller_dir(root: Root, mounts: list[_Mount], groups: dict[str, str], name: str) -> _Dir | None:
     """Where `name`'s files for this process live; v1 wins where both mount the controller."""
     for mount in mounts:
-        if mount.fstype == "cgroup" and name in mount.options and name in groups:
-            return _Dir(1, mount.point, _inside(root, mount.point, groups[name]))
+        if mount.fstype == "cgroup" and name in mount.options:
+            group = groups.get(name) or (_proc_self_cpuset(root) if name == "cpuset" else None)
+            if group is not None:
+                prefix = "" if "noprefix" in mount.options else f"{name}."
+                return _Dir(1, mount.point, _inside(root, mount.point, group), prefix)
     for mount in mounts:
         if mount.fstype == "cgroup2" and "" in groups:
             controllers = (root.line(posixpath.join(mount.point, "cgroup.controllers")) or "").split()
             if name in controllers:
                 return _Dir(2, mount.point, _inside(root, mount.point, groups[""]))
     return None
+
+
+def _proc_self_cpuset(root: Root) -> str | None:
+    """The cpuset's path relative to the cpuset mount, where proc/self/cgroup does not name it."""
+    path = root.line("proc/self/cpuset")
+    return path if path and path.startswith("/") else None
 
 
 def _inside(root: Root, mount: str, group: str) -> str:
@@ -111,7 +128,7 @@ def _cpuset(root: Root, cg: _Dir | None, v2_names: tuple[str, ...],
     """The first non-empty list among `names`, from the group up to the mount point."""
     if cg is None:
         return None, None
-    names = v2_names if cg.version == 2 else v1_names
+    names = v2_names if cg.version == 2 else tuple(cg.prefix + name for name in v1_names)
     for directory in _ancestors(cg):
         for name in names:
             file = posixpath.join(directory, name)

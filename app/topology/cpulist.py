@@ -1,7 +1,8 @@
-"""CPU lists in the kernel's notation ("0-3,8,10-11") and back.
+"""CPU lists in the kernel's notation ("0-3,8,10-11") and back; CPU masks ("0000ffff,0000ffff").
 
-The kernel writes CPU sets this way in sysfs (`cpulist`, `online`), in `/proc/self/status`
+The kernel writes CPU sets as lists in sysfs (`cpulist`, `online`), in `/proc/self/status`
 (`Cpus_allowed_list`) and in the cgroup cpuset files; users write them this way in the spec.
+Older kernels give some sets only as masks (`node*/cpumap`, `topology/thread_siblings`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ def _parse_id(text: str, whole: str) -> int:
     if value >= MAX_CPU:
         raise ValueError(f"CPU {value} is out of range (max {MAX_CPU - 1}) in {whole!r}")
     return value
+
+
+def parse_cpumask(text: str) -> tuple[int, ...]:
+    """Parse the kernel's bitmap format into a sorted tuple of CPU ids.
+
+    The kernel prints comma-separated 32-bit hex words, most significant first; the first word is
+    only as wide as the bits above the last full word ("ffff" for 16 CPUs, "f,ffffffff" for 36).
+    Raises ValueError with a message a user can act on.
+    """
+    text = text.strip()
+    if not text:
+        return ()
+    bits = 0
+    for word in text.split(","):
+        if not 1 <= len(word) <= 8 or any(ch not in "0123456789abcdefABCDEF" for ch in word):
+            raise ValueError(f"{word!r} is not a 32-bit hex word in {text[:80]!r}")
+        bits = (bits << 32) | int(word, 16)
+    if bits.bit_length() > MAX_CPU:
+        raise ValueError(f"a mask past CPU {MAX_CPU - 1} in {text[:40]!r}")
+    return tuple(cpu for cpu in range(bits.bit_length()) if bits >> cpu & 1)
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:

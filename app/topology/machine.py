@@ -12,18 +12,19 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.spec.errors import Problem, SpecError
+from app.spec.errors import Described, Problem, SpecError
 from app.topology.cgroup import CgroupLimits, read_cgroup_limits
 from app.topology.cpulist import parse_cpulist
+from app.topology.nodes import SYS_CPU, NumaNode, read_nodes
 from app.topology.root import Root
-
-SYS_CPU = "sys/devices/system/cpu"
-SYS_NODE = "sys/devices/system/node"
 
 # ISA flags the appliance cares about, as /proc/cpuinfo spells them.
 X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 ARM_FLAGS = ("asimd", "asimdhp", "bf16", "i8mm", "sve", "sve2")
+
+# Intel hybrid CPUs register one perf PMU per kind of core, each listing its CPUs.
+INTEL_HYBRID = (("sys/devices/cpu_core/cpus", "P-core"), ("sys/devices/cpu_atom/cpus", "E-core"))
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,8 @@ class Cpu:
     socket: int
     node: int
     siblings: tuple[int, ...]  # SMT siblings including itself
-
-
-@dataclass(frozen=True)
-class NumaNode:
-    """One NUMA node; memory-only nodes (CXL, HBM) have no CPUs."""
-
-    id: int
-    cpus: tuple[int, ...]
-    mem_total: int
-    mem_available: int
-    distances: tuple[int, ...] = ()
+    nodes: tuple[int, ...] = ()  # every node that lists it: (node,), or several on broken firmware
+    kind: int = 0  # 0 is the fastest kind of core; hybrid CPUs (P/E, big.LITTLE) have slower kinds too
 
 
 @dataclass(frozen=True)
@@ -60,9 +52,15 @@ class Topology:
     cgroup: CgroupLimits
     root: str = "/"
     notes: tuple[str, ...] = field(default=())
+    kinds: tuple[str, ...] = ()  # names of the kinds of core, fastest first; () when all cores are alike
+    memory_files: tuple[str, ...] = ()  # where the reader looked for memory sizes, below root
 
     def node_of(self, cpu: int) -> int:
         return self.cpus[cpu].node
+
+    def nodes_of(self, cpu: int) -> tuple[int, ...]:
+        """Every node that lists `cpu`; more than one only when the firmware's table is broken."""
+        return self.cpus[cpu].nodes or (self.cpus[cpu].node,)
 
     @property
     def memory_limit(self) -> int | None:
@@ -86,69 +84,76 @@ def read_topology(root: str | Path = "/") -> Topology:
 
 
 def read_with(root: Root) -> Topology:
+    _check_root(root)
     online = _online_cpus(root)
-    nodes, notes = _nodes(root, online)
-    node_of = {cpu: node.id for node in nodes.values() for cpu in node.cpus}
-    first = min(nodes)  # a CPU no node lists (seen on odd firmware) goes to the first node
-    cpus = {cpu: _cpu(root, cpu, node_of.get(cpu, first)) for cpu in online}
+    numa = read_nodes(root, online)
+    kind_of, kinds = _kinds(root, online)
+    cpus = {cpu: _cpu(root, cpu, online, numa.claims[cpu], kind_of.get(cpu, 0)) for cpu in online}
     cgroup = read_cgroup_limits(root)
     allowed = set(online) & set(_affinity(root, online))
     if cgroup.cpuset is not None:
         allowed &= set(cgroup.cpuset)
     arch, model, isa = _isa(root)
-    return Topology(arch, model, isa, online, tuple(sorted(allowed)), cpus, nodes, cgroup,
-                    str(root.path), tuple(notes))
+    return Topology(arch, model, isa, online, tuple(sorted(allowed)), cpus, numa.nodes, cgroup, str(root.path),
+                    numa.notes, kinds, numa.memory_files)
+
+
+def _check_root(root: Root) -> None:
+    """A root that is not a machine tree is named as such, not read as a machine of unknown architecture."""
+    where = "(machine)" if root.is_live else "--root"
+    allowed = "a machine's root directory holding proc/cpuinfo and sys/ (as `topology --capture DIR` writes)"
+    if not root.path.is_dir():
+        state = "which does not exist" if not root.path.exists() else "which is not a directory"
+        raise SpecError([Problem(where, allowed, Described(f"{root.path}, {state}"))])
+    if root.text("proc/cpuinfo") is None:
+        raise SpecError([Problem(where, allowed, Described(f"{root.path} without proc/cpuinfo"))])
 
 
 def _online_cpus(root: Root) -> tuple[int, ...]:
-    for name in ("online", "present", "possible"):
+    online = root.cpulist(f"{SYS_CPU}/online")
+    if online:
+        return online
+    # Older kernels have no cpu/online file: a present CPU is online unless its cpuN/online says 0.
+    for name in ("present", "possible"):
         cpus = root.cpulist(f"{SYS_CPU}/{name}")
         if cpus:
-            return cpus
+            return tuple(cpu for cpu in cpus if _is_online(root, cpu))
     processors = re.findall(r"^processor\s*:\s*(\d+)", root.text("proc/cpuinfo") or "", re.M)
     return tuple(sorted(int(p) for p in processors))
 
 
-def _cpu(root: Root, cpu: int, node: int) -> Cpu:
+def _is_online(root: Root, cpu: int) -> bool:
+    state = root.line(f"{SYS_CPU}/cpu{cpu}/online")
+    if state is None:  # CPUs that cannot be unplugged (often cpu0) have no online file
+        return root.exists(f"{SYS_CPU}/cpu{cpu}")
+    return state != "0"
+
+
+def _cpu(root: Root, cpu: int, online: tuple[int, ...], nodes: tuple[int, ...], kind: int) -> Cpu:
     base = f"{SYS_CPU}/cpu{cpu}/topology"
-    siblings = root.cpulist(f"{base}/thread_siblings_list") or root.cpulist(f"{base}/core_cpus_list") or (cpu,)
-    if cpu not in siblings:
-        siblings = (cpu,)
+    siblings = (root.cpulist(f"{base}/thread_siblings_list") or root.cpulist(f"{base}/core_cpus_list")
+                or root.cpumask(f"{base}/thread_siblings") or root.cpumask(f"{base}/core_cpus") or (cpu,))
+    siblings = tuple(s for s in siblings if s in online) if cpu in siblings else (cpu,)
     socket = (root.integers(f"{base}/physical_package_id") or (0,))[0]
-    return Cpu(cpu, min(siblings), max(socket, 0), node, siblings)
+    return Cpu(cpu, min(siblings), max(socket, 0), nodes[0], siblings, nodes, kind)
 
 
-def _nodes(root: Root, online: tuple[int, ...]) -> tuple[dict[int, NumaNode], list[str]]:
-    ids = sorted(int(name[4:]) for name in root.listdir(SYS_NODE) if re.fullmatch(r"node\d+", name))
-    system_total, system_available = _meminfo(root.text("proc/meminfo") or "")
-    if not ids:  # a kernel without NUMA: one node with everything
-        return {0: NumaNode(0, online, system_total, system_available, (10,))}, []
-    nodes = {}
-    for node in ids:
-        base = f"{SYS_NODE}/node{node}"
-        total, available = _meminfo(root.text(f"{base}/meminfo") or "")
-        cpus = tuple(c for c in root.cpulist(f"{base}/cpulist") or () if c in online)
-        distances = root.integers(f"{base}/distance") or ()
-        nodes[node] = NumaNode(node, cpus, total, available, distances)
-    notes = []
-    if len(nodes) == 1 and system_total > nodes[ids[0]].mem_total:
-        # Seen on VMs with hot-plugged memory: /proc/meminfo counts memory no node claims.
-        only = nodes[ids[0]]
-        nodes[ids[0]] = NumaNode(only.id, only.cpus, system_total, system_available, only.distances)
-        notes.append(f"node {only.id} meminfo shows less memory than /proc/meminfo; using /proc/meminfo")
-    return nodes, notes
+def _kinds(root: Root, online: tuple[int, ...]) -> tuple[dict[int, int], tuple[str, ...]]:
+    """Each CPU's kind of core (0 = fastest) and the kinds' names; no kinds when all cores are alike.
 
-
-def _meminfo(text: str) -> tuple[int, int]:
-    """(total, available) bytes from /proc/meminfo or a node's meminfo."""
-    values = {m.group(1): int(m.group(2)) * 1024
-              for m in re.finditer(r"^(?:Node \d+ )?([\w()]+):\s+(\d+) kB", text, re.M)}
-    total = values.get("MemTotal", 0)
-    if "MemAvailable" in values:
-        return total, values["MemAvailable"]
-    # Nodes report no MemAvailable: free pages plus clean page cache is what the kernel can hand out.
-    available = values.get("MemFree", 0) + max(values.get("FilePages", 0) - values.get("Shmem", 0), 0)
-    return total, min(available, total)
+    The kernel's cpu_capacity (Arm big.LITTLE, newer x86 kernels) ranks cores by speed; Intel hybrid
+    CPUs without it list their P- and E-cores in the cpu_core and cpu_atom PMUs.
+    """
+    capacity = {cpu: (root.integers(f"{SYS_CPU}/cpu{cpu}/cpu_capacity") or (0,))[0] for cpu in online}
+    levels = sorted(set(capacity.values()) - {0}, reverse=True)
+    if len(levels) > 1:
+        return ({cpu: levels.index(c) if c else len(levels) - 1 for cpu, c in capacity.items()},
+                tuple(f"capacity-{c} core" for c in levels))
+    lists = [(root.cpulist(path), name) for path, name in INTEL_HYBRID]
+    if all(cpus for cpus, _ in lists):
+        big = set(lists[0][0])
+        return {cpu: 0 if cpu in big else 1 for cpu in online}, tuple(name for _, name in lists)
+    return {}, ()
 
 
 def _affinity(root: Root, online: tuple[int, ...]) -> tuple[int, ...]:

@@ -41,22 +41,48 @@ struct Libnuma {
   }
 };
 
-std::string bind_memory(const std::vector<int>& nodes, bool interleave) {
-  if (nodes.empty()) return "memory: not bound (no NUMA node given)";
-  Libnuma numa;
-  if (!numa.load()) return "memory: not bound (libnuma.so.1 not found; install libnuma1)";
-  if (numa.available() < 0) return "memory: not bound (the kernel has no NUMA support)";
-  void* mask = numa.allocate_nodemask();
-  std::ostringstream list;
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    numa.bitmask_setbit(mask, static_cast<unsigned>(nodes[i]));
-    list << (i ? "," : "") << nodes[i];
+// A memory policy (set_mempolicy) belongs to one thread, and threads inherit it only when created.
+// The OpenMP pool usually exists before binding (torch starts it), so every pool thread sets the
+// policy itself: pages first touched by any kernel thread then land where the plan says.
+class MemoryBinding {
+ public:
+  MemoryBinding(const std::vector<int>& nodes, bool interleave) : interleave_(interleave) {
+    if (nodes.empty()) { skipped_ = "not bound (no NUMA node given)"; return; }
+    if (!numa_.load()) { skipped_ = "not bound (libnuma.so.1 not found; install libnuma1)"; return; }
+    if (numa_.available() < 0) { skipped_ = "not bound (the kernel has no NUMA support)"; return; }
+    mask_ = numa_.allocate_nodemask();
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      numa_.bitmask_setbit(mask_, static_cast<unsigned>(nodes[i]));
+      list_ += (i ? "," : "") + std::to_string(nodes[i]);
+    }
   }
-  if (interleave) numa.set_interleave_mask(mask);
-  else numa.set_membind(mask);
-  numa.bitmask_free(mask);
-  return std::string("memory: ") + (interleave ? "interleaved over" : "bound to") + " NUMA node(s) " + list.str();
-}
+  ~MemoryBinding() { if (mask_ != nullptr) numa_.bitmask_free(mask_); }
+
+  // On the calling thread: set the policy, and say whether the kernel now reports it for this thread.
+  bool apply() const {
+    if (mask_ == nullptr) return false;
+    if (interleave_) numa_.set_interleave_mask(mask_);
+    else numa_.set_membind(mask_);
+    int mode = -1;
+    if (syscall(SYS_get_mempolicy, &mode, nullptr, 0, nullptr, 0) != 0) return false;
+    return mode == (interleave_ ? kInterleave : kBind);
+  }
+
+  std::string report(int threads, int applied) const {
+    if (mask_ == nullptr) return "memory: " + skipped_;
+    std::string what = interleave_ ? "interleaved over" : "bound to";
+    std::string result = "memory: " + what + " NUMA node(s) " + list_ + " on " + std::to_string(applied) + " of " +
+                         std::to_string(threads) + " thread(s)";
+    return applied == threads ? result : result + " (the others keep the default policy)";
+  }
+
+ private:
+  static constexpr int kBind = 2, kInterleave = 3;  // MPOL_BIND, MPOL_INTERLEAVE
+  Libnuma numa_;
+  void* mask_ = nullptr;
+  bool interleave_;
+  std::string list_, skipped_;
+};
 
 }  // namespace
 
@@ -64,6 +90,8 @@ std::string bind_threads(const std::vector<int>& cpus, const std::vector<int>& n
   const int n = static_cast<int>(cpus.size());
   std::vector<long> tids(n, 0);
   std::vector<int> errors(n, 0);
+  std::vector<char> bound(n, 0);
+  const MemoryBinding memory(nodes, interleave);
   omp_set_num_threads(n);
 #pragma omp parallel num_threads(n)
   {
@@ -73,6 +101,7 @@ std::string bind_threads(const std::vector<int>& cpus, const std::vector<int>& n
     CPU_SET(cpus[i], &set);
     tids[i] = syscall(SYS_gettid);
     errors[i] = sched_setaffinity(0, sizeof(set), &set) == 0 ? 0 : errno;
+    bound[i] = memory.apply();  // thread 0 is the calling thread
   }
   std::ostringstream report;
   report << "threads: " << n << " OpenMP thread(s) pinned";
@@ -80,7 +109,9 @@ std::string bind_threads(const std::vector<int>& cpus, const std::vector<int>& n
     report << "\n  thread " << i << " (tid " << tids[i] << ") -> CPU " << cpus[i];
     if (errors[i]) report << " FAILED (errno " << errors[i] << ")";
   }
-  report << "\n" << bind_memory(nodes, interleave);
+  int applied = 0;
+  for (char b : bound) applied += b;
+  report << "\n" << memory.report(n, applied);
   return report.str();
 }
 

@@ -7,12 +7,14 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "binding.h"
+#include "collective.h"
 #include "kernels.h"
 
 namespace py = pybind11;
@@ -200,6 +202,27 @@ void use_isa(const std::string& name) {
 
 }  // namespace
 
+void group_all_reduce(ShmGroup& group, const Ref& ref) {
+  T t = tensor(ref, "tensor", std::get<2>(ref).size());
+  contiguous(t);
+  int64_t count = 1;
+  for (int64_t d : t.shape) count *= d;
+  const DType dtype = float_type(t);
+  py::gil_scoped_release release;
+  group.all_reduce(t.ptr, count, dtype == DType::f32 ? 0 : 1);
+}
+
+py::object group_broadcast(ShmGroup& group, const py::bytes& message, double timeout) {
+  std::string data = message;
+  std::optional<std::string> out;
+  {
+    py::gil_scoped_release release;
+    out = group.broadcast(data, timeout);
+  }
+  if (!out) return py::none();
+  return py::bytes(*out);
+}
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "Native CPU kernels and thread/NUMA binding (see native/ and app/kernels/ops.py).";
   m.def("rms_norm", &rms_norm);
@@ -215,4 +238,16 @@ PYBIND11_MODULE(_native, m) {
   m.def("compiled_isas", &compiled);
   m.def("select_isa", &use_isa);
   m.def("max_threads", [] { return omp_get_max_threads(); });
+  py::class_<ShmGroup>(m, "ShmGroup")
+      .def(py::init<const std::string&, int, int, size_t, size_t, double>(), py::arg("name"), py::arg("rank"),
+           py::arg("world"), py::arg("slot_bytes"), py::arg("broadcast_bytes"), py::arg("attach_timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce", &group_all_reduce)
+      .def("broadcast", &group_broadcast)
+      .def("wait_attached", &ShmGroup::wait_attached, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &ShmGroup::abort)
+      .def("close", &ShmGroup::close)
+      .def_readwrite("timeout", &ShmGroup::timeout)
+      .def_property_readonly("rank", &ShmGroup::rank)
+      .def_property_readonly("world", &ShmGroup::world);
 }

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from app.engine.core import EngineCore
-from app.engine.model_runner import ModelRunner
+from app.engine.executor import local_engine
+from app.engine.kv_cache import KVCacheConfig
 from app.engine.params import SamplingParams
 from app.engine.scheduler import SchedulerConfig
 from app.model.loader import load_model
@@ -42,8 +43,8 @@ def prompts(loaded) -> list[list[int]]:
 def run_engine(loaded, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams, *,
                blocks: int = 2048, budget: int = 2048, seqs: int = 64, chunked: bool = True, prefix: bool = True,
                max_len: int = 8192) -> tuple[list[list[int]], EngineCore]:
-    runner = ModelRunner(loaded.model, blocks, BLOCK, budget, seqs)
-    core = EngineCore(runner, SchedulerConfig(seqs, budget, max_len, chunked), blocks, BLOCK, prefix, "smollm2")
+    core = local_engine(loaded.model, KVCacheConfig(blocks, BLOCK, prefix_caching=prefix),
+                        SchedulerConfig(seqs, budget, max_len, chunked), "smollm2")
     params = params if isinstance(params, list) else [params] * len(prompts)
     for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(str(i), ids, p, loaded.tokenizer.eos_token_id)
@@ -127,8 +128,7 @@ def test_seeded_requests_reproduce_alone_and_in_a_batch(loaded, prompts):
 def test_prompt_too_long_is_rejected(loaded):
     from app.engine.core import RequestRejected
 
-    runner = ModelRunner(loaded.model, 64, BLOCK, 256, 4)
-    core = EngineCore(runner, SchedulerConfig(4, 256, 100, True), 64, BLOCK, True, "m")
+    core = local_engine(loaded.model, KVCacheConfig(64, BLOCK), SchedulerConfig(4, 256, 100, True), "m")
     with pytest.raises(RequestRejected, match="the prompt has 150 tokens; this model's context holds 100"):
         core.add_request("x", [5] * 150, GREEDY, 0)
     with pytest.raises(RequestRejected, match="empty"):

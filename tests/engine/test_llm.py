@@ -69,8 +69,8 @@ def test_logprobs_of_sampled_and_top_tokens(llm):
         assert lp.logprob <= 0
 
 
-def test_offline_llm_refuses_more_than_one_rank():
-    with pytest.raises(ValueError, match="single rank"):
+def test_offline_llm_refuses_more_than_one_replica():
+    with pytest.raises(ValueError, match="one replica"):
         LLM(parallel={"dp": 2}, bind_threads=False)
 
 

@@ -10,7 +10,7 @@ from app.engine.request import FinishReason
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from app.model.loader import load_tokenizer
+    from app.model.tokenizer import load_tokenizer
     from app.model.source import resolve_source
     from app.spec.schema import ModelSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.kv_cache import KVCacheManager
+from app.engine.kv_cache import KVCacheConfig, KVCacheManager
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request, Status
 from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -20,7 +20,7 @@ class Harness:
 
     def __init__(self, blocks: int = 64, seqs: int = 8, budget: int = 32, chunked: bool = True,
                  prefix: bool = True, max_len: int = 256, cost: StepCost | None = None):
-        self.kv = KVCacheManager(blocks, BLOCK, prefix, "test-model")
+        self.kv = KVCacheManager(KVCacheConfig(blocks, BLOCK, prefix_caching=prefix), "test-model")
         self.sched = Scheduler(SchedulerConfig(seqs, budget, max_len, chunked), self.kv, cost)
         self.finished: list[Request] = []
 
@@ -348,3 +348,27 @@ def test_new_requests_still_get_in_when_decodes_alone_fill_the_budget():
     assert chunk["new"] == 25  # 25 ms of tokens on top of the decodes
     h.run(500)
     h.assert_no_leaks()
+
+
+def test_the_step_carries_new_and_finished_requests_to_the_runner(h):
+    """The runner learns of a request in the step that first schedules it, and forgets it in the next step
+    after it finished or was aborted (also when it was aborted before ever running, it is never sent)."""
+    h.add("a", [1, 2, 3], max_tokens=2)
+    first = h.step()
+    assert [n.request_id for n in first.new_requests] == ["a"]
+    assert first.new_requests[0].prompt_ids == (1, 2, 3) and first.new_requests[0].eos_token_id == EOS
+    assert first.finished_ids == ()
+    h.add("b", [4, 5])
+    h.add("never-ran", [6, 7])
+    h.sched.finish("never-ran", FinishReason.ABORT)
+    second = h.step()  # a's last token: it finishes in this step's update
+    assert [n.request_id for n in second.new_requests] == ["b"] and second.finished_ids == ()
+    h.sched.finish("b", FinishReason.ABORT)
+    h.add("a", [1, 2, 3], max_tokens=1)  # the same id again, once the first "a" is gone
+    third = h.step()
+    assert set(third.finished_ids) == {"a", "b"}  # first the old ones are forgotten...
+    assert [n.request_id for n in third.new_requests] == ["a"]  # ...then the new "a" is created
+    h.run()
+    h.add("c", [9])
+    assert h.step().finished_ids == ("a",)
+    h.run()

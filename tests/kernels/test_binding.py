@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 CHILD = """
@@ -46,11 +48,36 @@ def test_one_cpu():
 
 
 def test_bad_arguments_are_value_errors():
-    import pytest
-
     from app import kernels
 
     with pytest.raises(ValueError, match="cpus must not be empty"):
         kernels.bind_threads([])
     with pytest.raises(ValueError, match="CPU -3 is out of range"):
         kernels.bind_threads([-3])
+
+
+POLICY_CHILD = """
+import json, os, re, sys
+import torch
+from app import kernels
+torch.set_num_threads(2)
+torch.ones(256, 256) @ torch.ones(256, 256)  # the OpenMP pool exists before binding, as in an engine process
+cpus = sorted(os.sched_getaffinity(0))
+report = kernels.bind_threads([cpus[0], cpus[-1]], [0], sys.argv[1] == "interleave")  # two threads, one CPU or two
+tids = [int(t) for t in re.findall(r"tid (\\d+)", report)]
+# a thread's numa_maps shows its own policy for every mapping that has none of its own
+policies = {t: sorted({line.split()[1] for line in open(f"/proc/self/task/{t}/numa_maps")}) for t in tids}
+print(json.dumps({"report": report, "policies": policies}))
+"""
+
+
+@pytest.mark.parametrize("policy", ["interleave", "bind"])
+def test_every_openmp_thread_gets_the_memory_policy_even_when_the_pool_existed_before(policy):
+    child = subprocess.run([sys.executable, "-c", POLICY_CHILD, policy], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(result["policies"]) == 2
+    for tid, policies in result["policies"].items():
+        assert f"{policy}:0" in policies, f"thread {tid} kept {policies}"
+    assert "on 2 of 2 thread(s)" in result["report"]

@@ -9,6 +9,7 @@ import torch
 from app.model.config import UnsupportedModel
 from app.model.loader import load_model
 from app.model.source import ModelSource
+from tests.gguf_files import new_gguf, write_gguf
 from tests.model.test_parity import Session
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 256, 4, 2, 512, 2, 512
@@ -40,21 +41,9 @@ def _tensor(rng: np.random.Generator, rows: int, cols: int, kind: str):
 
 
 def write_tiny_llama(path) -> None:
-    import gguf
-
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(512)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w = new_gguf(path, "llama", layers=LAYERS, hidden=HIDDEN, inter=INTER, heads=HEADS, kv_heads=KV_HEADS,
+                 vocab=VOCAB)
 
     def add(name: str, rows: int, cols: int, kind: str) -> None:
         data, qtype = _tensor(rng, rows, cols, kind)
@@ -72,10 +61,7 @@ def write_tiny_llama(path) -> None:
             add(f"blk.{i}.{name}.weight", rows, cols, kind)
         add(f"blk.{i}.attn_norm.weight", 1, HIDDEN, "NORM")
         add(f"blk.{i}.ffn_norm.weight", 1, HIDDEN, "NORM")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +92,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    write_gguf(w)
     with pytest.raises(UnsupportedModel, match="'falcon' is not supported; supported: llama, qwen2, qwen3"):
         load_model(ModelSource(tmp_path / "m.gguf", "gguf", "m"), "float32", tokenizer=False)
 
@@ -119,6 +105,6 @@ def test_unsupported_tensor_type_lists_the_supported_ones(tiny, tmp_path):
     for key in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count"):
         w.add_uint32(key, int(reader.fields[key].contents()))
     w.add_tensor("token_embd.weight", np.zeros((4, 66), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    write_gguf(w)
     with pytest.raises(UnsupportedModel, match="IQ2_XXS are not supported; supported: F32, F16, BF16, Q8_0"):
         load_model(ModelSource(tmp_path / "iq.gguf", "gguf", "m"), "float32", tokenizer=False)

@@ -37,7 +37,7 @@ class Appliance:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"appliance-{self.port}.log"
-        spec_path = tmp / f"spec-{self.port}.yaml"
+        self.spec_path = spec_path = tmp / f"spec-{self.port}.yaml"
         spec_path.write_text(spec)
         args = [sys.executable, "-m", "app", "serve", "-c", str(spec_path), "--set", f"server.port={self.port}",
                 "--set", "server.host=127.0.0.1"]

@@ -18,9 +18,13 @@ PROMPTS = [f"Write the number {i} in words, then name a fruit that starts with t
 
 
 @pytest.fixture(scope="module")
-def offline():
+def llm():
+    return LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB"}, bind_threads=False)
+
+
+@pytest.fixture(scope="module")
+def offline(llm):
     """Each prompt alone, through the offline engine."""
-    llm = LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB"}, bind_threads=False)
     greedy = SamplingParams(temperature=0, max_tokens=16)
     return [llm.generate(p, greedy)[0].outputs[0].text for p in PROMPTS]
 
@@ -37,6 +41,19 @@ def test_32_concurrent_streams_each_get_their_offline_greedy_text(appliance, off
         return await asyncio.gather(*(one(p) for p in PROMPTS))
 
     assert asyncio.run(run()) == offline
+
+
+def test_seeded_choices_are_the_same_offline_and_served(appliance, llm):
+    """n choices of several prompts: choice i of every prompt samples with seed + i, in both APIs."""
+    prompts = PROMPTS[:2]
+    params = SamplingParams(n=3, temperature=0.9, seed=1234, max_tokens=8, ignore_eos=True)
+    offline = [[c.text for c in out.outputs] for out in llm.generate(prompts, params)]
+    client = openai.OpenAI(base_url=appliance.url + "/v1", api_key="x", max_retries=0)
+    served = client.completions.create(model="smollm2", prompt=prompts, n=3, temperature=0.9, seed=1234, max_tokens=8,
+                                       extra_body={"ignore_eos": True})
+    texts = [c.text for c in sorted(served.choices, key=lambda c: c.index)]
+    assert [texts[:3], texts[3:]] == offline
+    assert len(set(offline[0])) > 1  # the choices differ
 
 
 def _settled(appliance, timeout: float = 10) -> None:

@@ -110,7 +110,7 @@ def test_idle_connections_cannot_lock_out_a_new_client(guarded):
 
 def test_health_stays_fast_while_large_texts_are_tokenized(guarded):
     text = "The quick brown fox jumps over the lazy dog; sphinx of black quartz, judge my vow 12345. " * 7000
-    done, results = threading.Event(), []
+    results = []
 
     def tokenize():
         began = time.monotonic()

@@ -49,7 +49,7 @@ BAD = [
     ("cpulist-count", "parallel: {tp: 2}\ncores:\n  ranks: '0-3'\n", [], TWO_SOCKET,
      ["spec.yaml:3: cores.ranks: found 1 CPU list", "2 x 1 = 2 ranks need 2 CPU lists"]),
     ("too-many-ranks", "parallel:\n  tp: 4\n  dp: 4\n", [], THIS,
-     ["spec.yaml:1: parallel: found tp x dp = 4 x 4 = 16 ranks", "allowed: at most one rank per CPU: 1 CPU (0) left"]),
+     ["spec.yaml:1: parallel: found tp x dp = 4 x 4 = 16 ranks", "allowed: at most one rank per CPU: 2 CPUs (0-1) left"]),
     ("kv-too-large-for-node", "kv_cache:\n  memory: 70GiB\n", [], NPS4,
      ["spec.yaml:2: kv_cache.memory: found 70.00 GiB of KV per rank", "within NUMA node 0's 64.00 GiB"]),
     ("kv-over-cgroup-limit", "kv_cache:\n  memory: 16GiB\n", [], K8S,

@@ -24,12 +24,14 @@ def test_plan_json_is_the_plan():
 
 
 def test_plan_table_shows_ranks_frontend_env_and_warnings():
-    result = run_cli("plan", "--root", str(TOPOLOGIES / "k8s-cpuset8-smt"), "--set", "parallel.dp=2")
+    # The runtime is given: "auto" would depend on which OpenMP libraries this host has installed.
+    result = run_cli("plan", "--root", str(TOPOLOGIES / "k8s-cpuset8-smt"), "--set", "parallel.dp=2",
+                     "--set", "runtime.openmp=gnu")
     assert result.code == 0, result.err
     lines = result.out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("replica"))
-    assert lines[header + 1].split()[:6] == ["0", "0", "4-5", "2", "bind", "0"]
-    assert lines[header + 2].split()[:6] == ["1", "0", "6-7", "2", "bind", "0"]
+    assert lines[header + 1].split()[:7] == ["0", "0", "9/3", "4-5", "2", "bind", "0"]
+    assert lines[header + 2].split()[:7] == ["1", "0", "9/3", "6-7", "2", "bind", "0"]
     assert "frontend CPUs 39" in result.out
     assert "1/0  OMP_NUM_THREADS=2 GOMP_CPU_AFFINITY='6 7'" in result.out
     assert "auto chose float32" in result.out and "cgroup memory 16.00 GiB" in result.out
@@ -39,3 +41,9 @@ def test_plan_on_this_machine_without_root():
     result = run_cli("plan", "-c", str(CONFIG / "default.yaml"))
     assert result.code == 0, result.err
     assert "SmolLM2-135M-Instruct" in result.out and "OMP_NUM_THREADS=" in result.out
+
+
+def test_plan_on_a_machine_without_any_memory_figure_exits_2_naming_the_files():
+    result = run_cli("plan", "--root", str(TOPOLOGIES / "no-meminfo"))
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "(machine): found no MemTotal in" in result.err and "no-meminfo/proc/meminfo" in result.err

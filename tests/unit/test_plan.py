@@ -11,6 +11,7 @@ from app.placement.memory import RUNTIME_RESERVE
 from app.placement.plan import make_plan
 from app.spec.errors import SpecError
 from app.spec.load import parse_spec
+from app.topology.cpulist import format_cpulist as fmt
 from app.topology.cpulist import parse_cpulist
 from tests.conftest import SMOLLM2, topology
 
@@ -24,8 +25,11 @@ EXPLICIT = {  # machine -> the explicit spec tried on it (tp=2, two lists)
     "2s-2n-32c-smt2": "0-31|32-63", "1s-4n-nps4": "0-3|4-7", "k8s-cpuset8-smt": "4-5|6-7",
     "memory-only-node": "0-7|8-15", "arm64-64c": "0-31|32-63", "offline-cpus": "0-4|6-7",
     "this-machine": "0|1", "numa-vm-2node": "0-1|2-3", "numa-vm-cpuset": "1|2",
+    "old-kernel-masks": "0-4|16-20", "offline-node-links": "0-5|6-11", "cpuset-v1-noprefix": "2-3|4-5",
+    "same-cpus-every-node": "0-15|16-31", "hybrid-8p16e": "0,2,4,6|8,10,12,14", "arm-biglittle-4x4": "4-5|6-7",
 }
 ERROR = "error"
+NO_MEMORY = "no memory"  # the CPUs are there, but a node cannot hold its ranks' weights and runtime
 SHARED = "shared"
 
 # machine -> spec -> ([(cpus, node) per rank, replica-major], frontend CPUs or SHARED) or ERROR
@@ -72,22 +76,76 @@ EXPECTED = {
         "tp2dp2": ([("0-3", 0), ("4,6-7", 0), ("8-10", 1), ("11,13-14", 1)], "15"),
         "explicit": ([("0-4", 0), ("6-7", 0)], "8-11,13-15"),
     },
+    # fewer than 8 CPUs: "auto" keeps none for the frontend, which shares the ranks' CPUs
     "this-machine": {
-        "tp1": ([("0", 0)], "1"),
-        "tp2": ERROR, "dp2": ERROR, "tp2dp2": ERROR,
+        "tp1": ([("0-1", 0)], SHARED),
+        "tp2": ([("0", 0), ("1", 0)], SHARED),
+        "dp2": ([("0", 0), ("1", 0)], SHARED),
+        "tp2dp2": ERROR,
         "explicit": ([("0", 0), ("1", 0)], SHARED),
     },
     "numa-vm-2node": {
-        "tp1": ([("0-1", 0)], "3"),
-        "tp2": ([("0-1", 0), ("2", 1)], "3"),
-        "dp2": ([("0-1", 0), ("2", 1)], "3"),
-        "tp2dp2": ERROR,
+        "tp1": ([("0-1", 0)], SHARED),
+        "tp2": ([("0-1", 0), ("2-3", 1)], SHARED),
+        "dp2": ([("0-1", 0), ("2-3", 1)], SHARED),
+        "tp2dp2": NO_MEMORY,  # 1 GiB nodes
         "explicit": ([("0-1", 0), ("2-3", 1)], SHARED),
     },
     "numa-vm-cpuset": {
-        "tp1": ([("1", 0)], "2"),
-        "tp2": ERROR, "dp2": ERROR, "tp2dp2": ERROR,
+        "tp1": ([("1", 0)], SHARED),
+        "tp2": ([("1", 0), ("2", 1)], SHARED),
+        "dp2": ([("1", 0), ("2", 1)], SHARED),
+        "tp2dp2": ERROR,
         "explicit": ([("1", 0), ("2", 1)], SHARED),
+    },
+    # nodes from cpumap masks, SMT from thread_siblings masks, CPUs 5, 37, 44 offline by cpuN/online:
+    # node 0 keeps 15 cores (0-4,6-15), node 1 has 16; CPU 63 (core 31's second thread) is the frontend's
+    "old-kernel-masks": {
+        "tp1": ([("16-31", 1)], "63"),
+        "tp2": ([("0-4,6-15", 0), ("16-31", 1)], "63"),
+        "dp2": ([("0-4,6-15", 0), ("16-31", 1)], "63"),
+        "tp2dp2": ([("0-4,6-8", 0), ("9-15", 0), ("16-23", 1), ("24-31", 1)], "63"),
+        "explicit": ([("0-4", 0), ("16-20", 1)], "6-15,21-36,38-43,45-63"),
+    },
+    # node 0 (CPUs 0-5, from cpuN/node0 links) is offline and has no memory: its ranks' memory is on node 1
+    "offline-node-links": {
+        "tp1": ([("6-14", 1)], "15"),
+        "tp2": ([("0-5", 1), ("6-14", 1)], "15"),
+        "dp2": ([("0-5", 1), ("6-14", 1)], "15"),
+        "tp2dp2": ([("0-2", 1), ("3-5", 1), ("6-10", 1), ("11-14", 1)], "15"),
+        "explicit": ([("0-5", 1), ("6-11", 1)], "12-15"),
+    },
+    # the cpuset (/dev/cpuset/appliance/cpus) is 2-5,10-13: 4 cores, the frontend on a spare sibling
+    "cpuset-v1-noprefix": {
+        "tp1": ([("2-5", 0)], "13"),
+        "tp2": ([("2-3", 0), ("4-5", 0)], "13"),
+        "dp2": ([("2-3", 0), ("4-5", 0)], "13"),
+        "tp2dp2": ([("2", 0), ("3", 0), ("4", 0), ("5", 0)], "13"),
+        "explicit": ([("2-3", 0), ("4-5", 0)], "10-13"),
+    },
+    # both nodes list every CPU: one group of 32 cores, memory interleaved over both nodes (node = the first)
+    "same-cpus-every-node": {
+        "tp1": ([("0-31", 0)], "63"),
+        "tp2": ([("0-15", 0), ("16-31", 0)], "63"),
+        "dp2": ([("0-15", 0), ("16-31", 0)], "63"),
+        "tp2dp2": ([("0-7", 0), ("8-15", 0), ("16-23", 0), ("24-31", 0)], "63"),
+        "explicit": ([("0-15", 0), ("16-31", 0)], "32-63"),
+    },
+    # 8 P-cores (0-15, siblings adjacent) and 16 E-cores (16-31): ranks on P-cores, the frontend on an E-core
+    "hybrid-8p16e": {
+        "tp1": ([("0,2,4,6,8,10,12,14", 0)], "31"),
+        "tp2": ([("0,2,4,6", 0), ("8,10,12,14", 0)], "31"),
+        "dp2": ([("0,2,4,6", 0), ("8,10,12,14", 0)], "31"),
+        "tp2dp2": ([("0,2", 0), ("4,6", 0), ("8,10", 0), ("12,14", 0)], "31"),
+        "explicit": ([("0,2,4,6", 0), ("8,10,12,14", 0)], "1,3,5,7,9,11,13,15-31"),
+    },
+    # little A55s 0-3, big A76s 4-7: ranks on the big ones, the frontend on a little one
+    "arm-biglittle-4x4": {
+        "tp1": ([("4-7", 0)], "3"),
+        "tp2": ([("4-5", 0), ("6-7", 0)], "3"),
+        "dp2": ([("4-5", 0), ("6-7", 0)], "3"),
+        "tp2dp2": ([("4", 0), ("5", 0), ("6", 0), ("7", 0)], "3"),
+        "explicit": ([("4-5", 0), ("6-7", 0)], "0-3"),
     },
 }
 
@@ -95,7 +153,7 @@ CASES = [(machine, spec) for machine, specs in EXPECTED.items() for spec in spec
 
 
 # The emulated guest's pod has 3 GiB for two ranks: 20% of 1.5 GiB holds no 8192-token fp32 sequence.
-SMALL_CONTEXT = {"numa-vm-cpuset": "model: {max_model_len: 4096}\n"}
+SMALL_CONTEXT = {"numa-vm-cpuset": "model: {max_model_len: 4096}\n", "numa-vm-2node": "model: {max_model_len: 4096}\n"}
 
 
 def _spec_text(machine: str, name: str) -> str:
@@ -113,11 +171,11 @@ def _plan(machine: str, text: str, runtime: str = "gnu"):
 def test_plan_places_ranks_exactly(machine, name):
     expected = EXPECTED[machine][name]
     text = _spec_text(machine, name)
-    if expected == ERROR:
+    if expected in (ERROR, NO_MEMORY):
         with pytest.raises(SpecError) as error:
             _plan(machine, text)
-        assert error.value.problems[0].path == "parallel"
-        assert "ranks" in error.value.render()
+        assert error.value.problems[0].path == ("parallel" if expected == ERROR else "kv_cache.memory")
+        assert "rank" in error.value.render()
         return
     ranks, frontend = expected
     plan = _plan(machine, text)
@@ -132,7 +190,7 @@ def test_plan_places_ranks_exactly(machine, name):
         assert not set(rank.cpus) & (set() if plan.frontend_shared else set(plan.frontend_cpus))
 
 
-@pytest.mark.parametrize(("machine", "name"), [c for c in CASES if EXPECTED[c[0]][c[1]] != ERROR])
+@pytest.mark.parametrize(("machine", "name"), [c for c in CASES if EXPECTED[c[0]][c[1]] not in (ERROR, NO_MEMORY)])
 def test_openmp_environment_for_each_runtime(machine, name):
     ranks, _ = EXPECTED[machine][name]
     for runtime in ("intel", "gnu", "llvm"):
@@ -178,6 +236,7 @@ def test_no_frontend_reservation_shares_all_cpus():
     plan = _plan("this-machine", "parallel: {tp: 2}\ncores: {reserve_frontend: 0}")
     assert [r.cpus for r in plan.ranks] == [(0,), (1,)]
     assert plan.frontend_shared
+    assert [(r.heads, r.kv_heads) for r in plan.ranks] == [(6, 2), (3, 1)]  # SmolLM2's 9/3 heads by KV groups
 
 
 def test_numa_nodes_filter_and_explicit_frontend():
@@ -229,7 +288,12 @@ def test_kv_fraction_is_of_the_node_share():
     per_token = 2 * 30 * 2 * 64 * 2  # K and V, 30 layers, ceil(3/2) KV heads, head_dim 64, bf16
     assert {r.kv_blocks for r in plan.ranks} == {_blocks(128 * 1024**3, 0.2, per_token)}
     assert plan.ranks[0].kv_bytes == plan.ranks[0].kv_blocks * per_token * 16
-    assert plan.ranks[0].weight_bytes == 134_515_008 * 2 // 2
+    # tp=2 of 9 / 3 heads: rank 0 has 6 query and 2 KV heads, rank 1 3 and 1; half the MLP each; the
+    # tied embedding and the norms on both (test_tp.py checks these figures against the loaded shards)
+    embedding, q, kv, mlp, norms = 28_311_552, 19_906_560, 6_635_520, 79_626_240, 35_136
+    assert [r.weight_bytes for r in plan.ranks[:2]] == [
+        2 * (embedding + norms + q * 6 // 9 + kv * 2 // 3 + mlp // 2),
+        2 * (embedding + norms + q * 3 // 9 + kv * 1 // 3 + mlp // 2)]
 
 
 def test_kv_fraction_respects_the_cgroup_limit():
@@ -321,3 +385,73 @@ def test_without_chunked_prefill_one_step_must_hold_the_longest_sequence():
     with pytest.raises(SpecError, match="at least max_model_len \\(8192\\) while scheduler.chunked_prefill is off"):
         _plan("1s-4n-nps4", text)
     assert _plan("1s-4n-nps4", text + "\nmodel: {max_model_len: 2048}").max_model_len == 2048
+
+
+def test_auto_reserve_keeps_a_frontend_cpu_only_on_machines_of_eight_or_more():
+    assert _plan("k8s-cpuset8-smt", SPECS["tp1"]).frontend_cpus == (39,)  # 8 usable: one kept
+    assert _plan("k8s-cpuset8-smt", "parallel: {dp: 8}").frontend_shared  # ... unless every CPU is a rank's
+    assert _plan("this-machine", SPECS["tp1"]).frontend_shared  # 2 usable: shared
+    assert _plan("this-machine", SPECS["tp1"] + "\ncores: {reserve_frontend: 1}").frontend_cpus == (1,)  # as told
+
+
+def test_too_many_ranks_names_cores_numa_nodes_only_when_it_is_set():
+    with pytest.raises(SpecError) as error:
+        _plan("this-machine", "parallel: {dp: 4}\ncores: {reserve_frontend: 1}")
+    assert "numa_nodes" not in error.value.render()
+    assert "1 CPU (0) left for ranks after 1 for the frontend (cores.reserve_frontend or cores.frontend)" \
+        in error.value.render()
+    with pytest.raises(SpecError) as error:
+        _plan("1s-4n-nps4", "parallel: {dp: 20}\ncores: {numa_nodes: [0]}")
+    assert "16 CPUs (0-7,32-39) left for ranks after 0 for the frontend (cores.reserve_frontend or " \
+           "cores.frontend) in cores.numa_nodes [0]" in error.value.render()
+
+
+def test_ranks_on_a_node_without_memory_get_memory_elsewhere_with_a_warning():
+    plan = _plan("offline-node-links", SPECS["tp2"])
+    assert plan.ranks[0].cpus == tuple(range(6)) and plan.ranks[0].memory_nodes == (1,)
+    assert "rank 0's CPUs are on NUMA node(s) [0], which have no memory: its memory goes to [1]" in plan.warnings
+
+
+def test_nodes_that_list_the_same_cpus_are_one_node_with_interleaved_memory():
+    plan = _plan("same-cpus-every-node", SPECS["tp2"])
+    assert [(r.memory_policy, r.memory_nodes) for r in plan.ranks] == [("interleave", (0, 1))] * 2
+    assert ("NUMA nodes [0, 1] list the same CPUs (a firmware table error?): which node a CPU is on is "
+            "unknown, so rank(s) 0, 1 interleave their memory over the nodes that list their CPUs") in plan.warnings
+    assert plan.dtype == "float32"  # no native BF16 on this CPU
+    per_token = 2 * 30 * 2 * 64 * 4  # K and V, 30 layers, ceil(3/2) KV heads, head_dim 64, fp32
+    assert plan.ranks[0].kv_blocks == _blocks(128 * 1024**3, 0.2, per_token)  # 256 GiB over two ranks
+
+
+def test_no_memory_figure_anywhere_is_a_clear_error():
+    with pytest.raises(SpecError) as error:
+        _plan("no-meminfo", SPECS["tp1"])
+    text = error.value.render()
+    assert error.value.problems[0].path == "(machine)"
+    assert "no MemTotal in" in text and "proc/meminfo" in text and "sys/devices/system/node/node0/meminfo" in text
+
+
+def test_hybrid_frontend_on_a_little_core_and_idle_little_cores_are_named():
+    plan = _plan("hybrid-8p16e", SPECS["tp1"])
+    assert ("the 15 E-cores (CPUs 16-30) run no rank: the ranks fit on faster cores, and a rank's threads "
+            "wait for its slowest core at every barrier") in plan.warnings
+    assert not any("mixes" in w for w in plan.warnings)
+    arm = _plan("arm-biglittle-4x4", SPECS["tp1"])
+    assert arm.frontend_cpus == (3,) and any("the 3 capacity-397 cores (CPUs 0-2) run no rank" in w
+                                             for w in arm.warnings)
+
+
+def test_hybrid_ranks_past_the_big_cores_take_little_cores_whole():
+    # 10 ranks > 8 P-cores: D'Hondt over (node, kind) groups, so no rank mixes P- and E-cores
+    plan = _plan("hybrid-8p16e", "parallel: {dp: 10}")
+    assert [fmt(r.cpus) for r in plan.ranks] == [
+        "0,2,4", "6,8,10", "12,14", "16-18", "19-20", "21-22", "23-24", "25-26", "27-28", "29-30"]
+    assert not any("mixes" in w or "run no rank" in w for w in plan.warnings)
+    arm = _plan("arm-biglittle-4x4", "parallel: {dp: 5}")
+    assert [fmt(r.cpus) for r in arm.ranks] == ["4-5", "6", "7", "0-1", "2"]
+
+
+def test_hybrid_rank_mixing_kinds_is_warned():
+    plan = _plan("hybrid-8p16e", 'parallel: {tp: 2}\ncores: {ranks: "0,2,4,16|6,8,10,12"}')
+    assert ("rank 0 (0,2,4,16) mixes P-cores and E-cores: its threads wait for the slowest at every barrier"
+            in plan.warnings)
+    assert not any(w.startswith("rank 1 (") for w in plan.warnings)  # all P-cores

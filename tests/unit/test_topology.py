@@ -6,11 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.spec.errors import SpecError
 from app.topology.capture import capture
-from app.topology.cpulist import format_cpulist, parse_cpulist
+from app.topology.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from app.topology.machine import read_topology
 from tests.conftest import TOPOLOGIES, run_cli, topology
 
@@ -27,6 +29,27 @@ def test_cpulist_forms():
     assert parse_cpulist(" 0-6:3 ,1 ") == (0, 1, 3, 6)
     assert format_cpulist([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
     assert parse_cpulist("") == ()
+
+
+def _mask(cpus: set[int], words: int) -> str:
+    """The kernel's bitmap format, written independently of the reader: 32-bit words, high first."""
+    bits = sum(1 << cpu for cpu in cpus)
+    return ",".join(f"{(bits >> (32 * i)) & 0xffffffff:08x}" for i in reversed(range(words)))
+
+
+@given(st.sets(st.integers(min_value=0, max_value=255)))
+def test_cpumask_reads_the_kernel_bitmap_format(cpus):
+    assert parse_cpumask(_mask(cpus, 8)) == tuple(sorted(cpus))
+
+
+def test_cpumask_forms():
+    assert parse_cpumask("00000000,0000ffff") == tuple(range(16))
+    assert parse_cpumask("ffff0000,ffff0000\n") == tuple(range(16, 32)) + tuple(range(48, 64))
+    assert parse_cpumask("f,ffffffff") == tuple(range(36))  # the first word only as wide as needed
+    assert parse_cpumask("0000") == () and parse_cpumask("") == ()
+    for bad in ("xyz", "1,,2", "123456789", "0x1", "ff,"):
+        with pytest.raises(ValueError):
+            parse_cpumask(bad)
 
 
 def test_two_socket_smt2():
@@ -74,6 +97,112 @@ def test_four_nodes_on_one_socket():
     assert len(t.nodes) == 4 and {t.cpus[c].socket for c in t.online} == {0}
     assert t.nodes[2].cpus == tuple(range(16, 24)) + tuple(range(48, 56))
     assert t.nodes[3].distances == (12, 12, 12, 10)
+
+
+def test_node_cpus_from_cpumap_when_there_is_no_cpulist():
+    t = topology("old-kernel-masks")  # nodes give "0000ffff,0000ffff" and "ffff0000,ffff0000"
+    assert set(t.nodes[1].cpus) == set(range(16, 32)) | set(range(48, 64))
+    assert set(t.nodes[0].cpus) - {5, 37, 44} == (set(range(16)) | set(range(32, 48))) - {5, 37, 44}
+    assert t.cpus[40].node == 0 and t.cpus[20].node == 1 and t.cpus[63].node == 1
+
+
+def test_malformed_cpumap_names_the_file(tmp_path):
+    import shutil
+
+    shutil.copytree(TOPOLOGIES / "old-kernel-masks", tmp_path / "tree")
+    (tmp_path / "tree/sys/devices/system/node/node1/cpumap").write_text("ffff0000,zz\n")
+    with pytest.raises(SpecError, match="node1/cpumap") as error:
+        read_topology(tmp_path / "tree")
+    assert "a CPU mask ('zz' is not a 32-bit hex word" in error.value.render()
+
+
+def test_offline_cpus_from_cpu_online_files_and_siblings_from_masks():
+    t = topology("old-kernel-masks")  # no cpu/online file; no thread_siblings_list
+    assert t.online == tuple(c for c in range(64) if c not in (5, 37, 44))
+    assert 5 not in t.cpus and 5 not in t.allowed and 5 not in t.nodes[0].cpus
+    assert t.cpus[0].siblings == (0, 32) and t.cpus[32].core == 0 and t.cpus[63].siblings == (31, 63)
+    assert t.cpus[12].siblings == (12,)  # its sibling 44 is offline
+
+
+def test_cpus_of_an_offline_node_come_from_their_cpu_node_links(tmp_path):
+    tree = TOPOLOGIES / "offline-node-links"  # no node0 directory; cpu0-5 link to node0
+    t = read_topology(tree)
+    assert sorted(t.nodes) == [0, 1]
+    assert t.nodes[0].cpus == tuple(range(6)) and t.nodes[0].mem_total == 0
+    assert t.nodes[1].cpus == tuple(range(6, 16)) and t.cpus[3].node == 0
+    assert "node 0: CPUs 0-5 only through their cpuN/node0 links (no node0 directory); no memory" in t.notes
+    capture(str(tree), str(tmp_path / "cap"))  # the links are captured too
+    assert os.readlink(tmp_path / "cap/sys/devices/system/cpu/cpu0/node0") == "../../node/node0"
+    again = read_topology(tmp_path / "cap")
+    assert {n: v.cpus for n, v in again.nodes.items()} == {n: v.cpus for n, v in t.nodes.items()}
+
+
+def test_legacy_cpuset_with_noprefix_found_through_proc_self_cpuset():
+    t = topology("cpuset-v1-noprefix")
+    assert t.allowed == (2, 3, 4, 5, 10, 11, 12, 13)
+    assert t.cgroup.cpuset_source == "/dev/cpuset/appliance/cpus" and t.cgroup.mems == (0,)
+
+
+def test_noprefix_cpuset_named_in_proc_self_cgroup(tmp_path):
+    _write(tmp_path, {
+        "proc/cpuinfo": "processor\t: 0\nflags\t\t: avx2\n\n",
+        "proc/self/status": "Cpus_allowed_list:\t0-7\n",
+        "proc/mounts": "cgroup /sys/fs/cgroup/cpuset cgroup rw,nosuid,cpuset,noprefix 0 0\n",
+        "proc/self/cgroup": "4:cpuset:/job\n",
+        "sys/devices/system/cpu/online": "0-7\n",
+        "sys/fs/cgroup/cpuset/cpus": "0-7\n",
+        "sys/fs/cgroup/cpuset/job/cpus": "1-2\n",
+        "sys/fs/cgroup/cpuset/job/effective_cpus": "2\n",
+    })
+    t = read_topology(tmp_path)
+    assert t.allowed == (2,) and t.cgroup.cpuset_source == "/sys/fs/cgroup/cpuset/job/effective_cpus"
+
+
+def test_prefixed_v1_cpuset_found_only_through_proc_self_cpuset(tmp_path):
+    _write(tmp_path, {
+        "proc/cpuinfo": "processor\t: 0\nflags\t\t: avx2\n\n",
+        "proc/self/status": "Cpus_allowed_list:\t0-7\n",
+        "proc/mounts": "cgroup /sys/fs/cgroup/cpuset cgroup rw,nosuid,cpuset 0 0\n",
+        "proc/self/cgroup": "1:name=systemd:/\n",
+        "proc/self/cpuset": "/batch/job7\n",
+        "sys/devices/system/cpu/online": "0-7\n",
+        "sys/fs/cgroup/cpuset/batch/job7/cpuset.cpus": "4-5\n",
+    })
+    assert read_topology(tmp_path).allowed == (4, 5)
+
+
+def test_cpus_that_every_node_lists_belong_to_all_of_them():
+    t = topology("same-cpus-every-node")
+    assert t.nodes[0].cpus == t.nodes[1].cpus == tuple(range(64))
+    assert t.cpus[40].nodes == (0, 1) and t.cpus[40].node == 0  # placed as one node, not the last one read
+    assert any("listed by several NUMA nodes" in note for note in t.notes)
+
+
+def test_hybrid_cpus_have_kinds_fastest_first(tmp_path):
+    intel = topology("hybrid-8p16e")
+    assert intel.kinds == ("P-core", "E-core")
+    assert {intel.cpus[c].kind for c in range(16)} == {0} and {intel.cpus[c].kind for c in range(16, 32)} == {1}
+    assert intel.cpus[3].siblings == (2, 3) and intel.cpus[20].siblings == (20,)
+    arm = topology("arm-biglittle-4x4")
+    assert arm.kinds == ("capacity-1024 core", "capacity-397 core")
+    assert [arm.cpus[c].kind for c in range(8)] == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert all(topology(name).kinds == () for name in ("2s-2n-32c-smt2", "arm64-64c", "this-machine"))
+    for name, machine in (("intel", intel), ("arm", arm)):  # the capture holds what the kinds come from
+        capture(machine.root, str(tmp_path / name))
+        assert read_topology(tmp_path / name).cpus == machine.cpus
+
+
+def test_a_root_that_does_not_exist_or_lacks_cpuinfo_is_named(tmp_path):
+    with pytest.raises(SpecError, match="which does not exist"):
+        read_topology(tmp_path / "nope")
+    _write(tmp_path / "tree", {"sys/devices/system/cpu/online": "0-3\n"})
+    with pytest.raises(SpecError, match="proc/cpuinfo"):
+        read_topology(tmp_path / "tree")
+    for root, missing in ((tmp_path / "nope", "which does not exist"), (tmp_path / "tree", "proc/cpuinfo")):
+        for command in ("plan", "topology"):
+            result = run_cli(command, "--root", str(root))
+            assert result.code == 2 and missing in result.err and "Traceback" not in result.err
+            assert "architecture" not in result.err
 
 
 def test_real_guest_captures():
@@ -157,6 +286,8 @@ def test_synthetic_trees_match_their_generator():
 def test_topology_command_prints_and_captures(tmp_path):
     shown = run_cli("topology", "--root", str(TOPOLOGIES / "k8s-cpuset8-smt"))
     assert "allowed: 4-7,36-39" in shown.out and "cgroup memory limit: 16.00 GiB" in shown.out
+    hybrid = run_cli("topology", "--root", str(TOPOLOGIES / "hybrid-8p16e"))
+    assert "P-cores (fastest): CPUs 0-15" in hybrid.out and "E-cores: CPUs 16-31" in hybrid.out
     as_json = run_cli("topology", "--root", str(TOPOLOGIES / "arm64-64c"), "--json")
     assert '"arch": "aarch64"' in as_json.out
     assert run_cli("topology", "--capture", str(tmp_path / "cap")).code == 0

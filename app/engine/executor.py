@@ -1,0 +1,97 @@
+"""Who runs a step: the one object between the engine core and the model.
+
+The core hands an executor each SchedulerOutput and gets the sampled tokens back. The local
+executor runs the model in this process; a tensor-parallel executor hands the same step to every
+rank of its group (rank 0 samples). The core never touches the model itself.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from app.engine.kv_cache import KVCacheConfig
+from app.engine.scheduler import SchedulerOutput
+
+
+class Executor(Protocol):
+    vocab_size: int
+
+    def execute(self, output: SchedulerOutput):
+        """Run one step; returns a RunnerOutput (sampled tokens and logprobs by request id)."""
+
+    def time_forward(self, count: int, num_computed: int) -> None:
+        """A forward pass of `count` dummy tokens after `num_computed` (the step cost's calibration)."""
+
+    def close(self) -> None:
+        """Release what the executor started (worker processes, shared memory)."""
+
+
+class ExecutorFailed(RuntimeError):
+    """The executor cannot run steps any more (a TP rank died or the group broke): fatal to the engine."""
+
+
+class LocalExecutor:
+    """The whole model in this process."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+
+    def execute(self, output: SchedulerOutput):
+        return self.runner.execute(output)
+
+    def time_forward(self, count: int, num_computed: int) -> None:
+        self.runner.time_forward(count, num_computed)
+
+    def close(self) -> None:
+        pass
+
+
+class TPExecutor:
+    """Rank 0 of a TP group: broadcasts each step to the workers, then runs its own shard and samples.
+
+    Any failure during a step is fatal (the ranks may be at different points of the step): the group
+    is aborted, so every worker stops too, and ExecutorFailed ends the engine.
+    """
+
+    def __init__(self, runner, group, workers: list):
+        self.runner, self.group, self.workers = runner, group, workers
+        self.vocab_size = runner.vocab_size
+
+    def execute(self, output: SchedulerOutput):
+        from app.parallel.worker import encode_step
+
+        try:
+            self.group.broadcast(encode_step(output))
+            return self.runner.execute(output)
+        except Exception as exc:
+            self.group.abort(f"TP rank 0: {type(exc).__name__}: {exc}")
+            raise ExecutorFailed(f"tensor-parallel step failed: {exc}") from exc
+
+    def time_forward(self, count: int, num_computed: int) -> None:
+        from app.engine.model_runner import calibration_step
+
+        self.execute(calibration_step(count, num_computed, self.runner.block_size))
+
+    def close(self) -> None:
+        from app.parallel.worker import Stop, encoder
+
+        try:
+            self.group.broadcast(encoder.encode(Stop()), 5.0)
+        except Exception:  # a group that already failed: the workers are stopping anyway
+            pass
+        for worker in self.workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        self.group.close()
+
+
+def local_engine(model, kv: KVCacheConfig, scheduler_cfg, model_id: str):
+    """An EngineCore running `model` in this process (the offline LLM, tests, a tp=1 engine process)."""
+    from app.engine.core import EngineCore
+    from app.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(model, kv, scheduler_cfg.max_num_batched_tokens, scheduler_cfg.max_num_seqs)
+    return EngineCore(LocalExecutor(runner), scheduler_cfg, kv, model_id)

@@ -1,0 +1,154 @@
+"""The image and `docker compose up`, built and run for real with ../shared/tools/containers (podman/buildah, and a
+private dockerd with the compose plugin; local stand-ins for the python:3.11-slim-bookworm base image).
+
+About 5 minutes: one buildah build, one compose build. CI sets APPLIANCE_REQUIRE_CONTAINERS=1 so that a missing
+tool fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import string
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO
+from tests.server.conftest import free_port
+
+TOOLS = REPO.parent / "shared" / "tools" / "containers"
+IMAGE = "localhost/appliance:cpu-test"
+HADOLINT = str(Path(sys.executable).parent / "hadolint")
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0, "max_tokens": 24}
+
+
+def _env_from(script_output: str, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` with the `export K='V'` lines the tools print applied (`"$PATH"` expands from `base`)."""
+    env = dict(base)
+    for line in script_output.splitlines():
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            env[key] = string.Template(shlex.split(value)[0]).safe_substitute(env) if value else ""
+    return env
+
+
+@pytest.fixture(scope="module")
+def containers():
+    if not (TOOLS / "setup.sh").is_file() or os.geteuid() != 0:
+        if os.environ.get("APPLIANCE_REQUIRE_CONTAINERS") == "1":
+            pytest.fail(f"{TOOLS}/setup.sh is missing or not root, but APPLIANCE_REQUIRE_CONTAINERS=1")
+        pytest.skip(f"no container tools at {TOOLS} (or not root)")
+    setup = subprocess.run(["bash", str(TOOLS / "setup.sh")], capture_output=True, text=True, timeout=900)
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    env = _env_from(setup.stdout, os.environ)
+    base = subprocess.run(["bash", str(TOOLS / "base-images.sh"), "amd64"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert base.returncode == 0, base.stderr[-3000:]
+    return env
+
+
+def _run(env: dict, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    child = subprocess.run(list(args), env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert child.returncode == 0, f"{' '.join(args)}: exit {child.returncode}\n{child.stdout[-2000:]}\n{child.stderr[-3000:]}"
+    return child
+
+
+@pytest.fixture(scope="module")
+def image(containers):
+    # TORCH_INDEX_URL empty: the stand-in base image finds torch 2.13.0+cpu in its /opt/wheels (no other index here)
+    started = time.monotonic()
+    _run(containers, "buildah", "bud", "--isolation", "chroot", "--pull=never", "--format", "docker", "--layers",
+         "--build-arg", "TORCH_INDEX_URL=", "-f", "Dockerfile.cpu", "-t", IMAGE, ".", timeout=1800)
+    size = _run(containers, "podman", "image", "inspect", IMAGE, "--format", "{{.Size}}").stdout.strip()
+    print(f"\nDockerfile.cpu: built in {time.monotonic() - started:.0f} s, {int(size) / 2**30:.2f} GiB")
+    yield IMAGE
+    _run(containers, "podman", "rm", "-f", "appliance-test", check=False)
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.arm"])
+def test_the_dockerfiles_pass_hadolint(dockerfile):
+    lint = subprocess.run([HADOLINT, dockerfile], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def _wait_healthy(url: str, timeout: float = 300) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} not healthy in {timeout} s")
+
+
+def test_the_image_serves_as_non_root_and_stops_within_seconds(containers, image):
+    # podman here shares the host network: the default command serves on 127.0.0.1:8000
+    _run(containers, "podman", "run", "-d", "--name", "appliance-test", image)
+    try:
+        ready = _wait_healthy("http://127.0.0.1:8000")
+        print(f"\nimage ready in {ready:.0f} s")
+        answer = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=CHAT, timeout=120).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        users = _run(containers, "podman", "top", "appliance-test", "user").stdout.split()[1:]
+        assert users and set(users) == {"appliance"}, users  # every process, PID 1 (tini) included
+        # SIGHUP passes through tini to the bootstrap: the unchanged spec is read again, nothing restarts
+        _run(containers, "podman", "kill", "--signal", "HUP", "appliance-test")
+        deadline, logs = time.monotonic() + 30, ""
+        while "nothing the engines use has changed" not in logs and time.monotonic() < deadline:
+            time.sleep(0.5)
+            child = _run(containers, "podman", "logs", "appliance-test")
+            logs = child.stdout + child.stderr
+        assert "nothing the engines use has changed" in logs, logs[-3000:]
+        started = time.monotonic()
+        _run(containers, "podman", "stop", "appliance-test", timeout=60)  # SIGTERM, then 10 s before SIGKILL
+        stopped = time.monotonic() - started
+        code = _run(containers, "podman", "inspect", "appliance-test", "--format", "{{.State.ExitCode}}").stdout
+        assert stopped < 5 and code.strip() == "0", (stopped, code)
+    finally:
+        _run(containers, "podman", "rm", "-f", "appliance-test", check=False)
+
+
+def test_the_image_plans_inside_its_cpuset(containers, image):
+    child = _run(containers, "podman", "run", "--rm", "--cpuset-cpus=1", image, "plan", "-c", "/etc/appliance/spec.yaml",
+                 "--json")
+    plan = json.loads(child.stdout[child.stdout.index("{"):])
+    assert plan["machine"]["allowed_cpus"] == "1" and [r["cpus"] for r in plan["ranks"]] == [[1]]
+
+
+@pytest.fixture(scope="module")
+def docker(containers):
+    _run(containers, "bash", str(TOOLS / "dockerd.sh"), "start", timeout=600)
+    env = _env_from(_run(containers, "bash", str(TOOLS / "dockerd.sh"), "env").stdout, containers)
+    yield env
+    _run(env, "bash", str(TOOLS / "dockerd.sh"), "stop", timeout=300, check=False)
+
+
+def test_compose_up_builds_serves_and_down_leaves_nothing(docker):
+    _run(docker, "docker", "compose", "config", "--quiet")
+    port = free_port()
+    env = {**docker, "APPLIANCE_PORT": str(port), "COMPOSE_PROJECT_NAME": "appliance-test"}
+    _run(env, "docker", "compose", "build", "--build-arg", "TORCH_INDEX_URL=", timeout=1800)
+    try:
+        up = _run(env, "docker", "compose", "up", "-d", "--wait", "--wait-timeout", "300", timeout=400)
+        assert "Healthy" in up.stdout + up.stderr
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                            json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}).json()
+        assert "Paris" in answer["choices"][0]["text"], answer
+        logs = _run(env, "docker", "compose", "logs").stdout
+        # cap_add SYS_NICE is enough under Docker's default seccomp profile: memory is bound on every thread
+        assert re.search(r"memory: bound to NUMA node\(s\) \S+ on (\d+) of \1 thread", logs), logs[-3000:]
+    finally:
+        _run(env, "docker", "compose", "down", timeout=120)
+    assert _run(env, "docker", "ps", "-a", "--filter", "label=com.docker.compose.project=appliance-test",
+                "--format", "{{.Names}}").stdout.strip() == ""

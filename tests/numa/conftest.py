@@ -1,0 +1,30 @@
+"""The two-node NUMA guest (qemu, ../shared/tools/numa-vm): `run_in_guest(*command)` boots it and runs the command.
+
+CI sets APPLIANCE_REQUIRE_NUMA_VM=1 so that a missing tool fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO
+
+NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
+
+
+@pytest.fixture(scope="module")
+def run_in_guest():
+    if not (NUMA_VM / "run.sh").is_file():
+        if os.environ.get("APPLIANCE_REQUIRE_NUMA_VM") == "1":
+            pytest.fail(f"{NUMA_VM}/run.sh is missing but APPLIANCE_REQUIRE_NUMA_VM=1")
+        pytest.skip(f"no NUMA guest tool at {NUMA_VM}")
+
+    def run(*command: str, mem: str = "2G", cpu: str = "max", timeout: int = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(NUMA_VM / "run.sh"), "--mem-per-node", mem, "--cpu", cpu, "--timeout",
+                               str(timeout), "--", *command], cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout + 100)
+
+    return run

@@ -1,0 +1,62 @@
+"""`serve` with tp=2 and with dp=2 inside the two-node NUMA guest: every rank process runs on the plan's CPUs,
+one pinned thread per CPU, with its memory policy bound to its own node and its pages there.
+
+One boot serves both layouts (tests/numa/guest_serve.py); the model is a random-weight Llama GGUF with
+SmolLM2's tokenizer, small enough for software emulation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.model.source import resolve_source
+from app.spec.schema import ModelSpec
+from tests.gguf_files import write_random_gguf
+
+pytestmark = pytest.mark.numa_vm
+
+HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 64, 4, 2, 128, 2
+
+
+def _write_tiny_llama(path: Path) -> None:
+    tokenizer = resolve_source(ModelSpec()).path  # the default model's tokenizer, so the server can tokenize
+    write_random_gguf(path, "llama", seed=0, layers=LAYERS, hidden=HIDDEN, inter=INTER, heads=HEADS,
+                      kv_heads=KV_HEADS, vocab=49152, tokenizer_of=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reports(run_in_guest, tmp_path_factory) -> dict[str, dict]:
+    model = tmp_path_factory.mktemp("numa-serve") / "tiny-llama.gguf"  # under /tmp: the guest sees it
+    _write_tiny_llama(model)
+    child = run_in_guest(sys.executable, "tests/numa/guest_serve.py", str(model), timeout=1500)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    found = [json.loads(line.split(" ", 1)[1]) for line in child.stdout.splitlines() if line.startswith("REPORT ")]
+    return {f"tp{r['tp']}-dp{r['dp']}": r for r in found}
+
+
+@pytest.mark.parametrize(("layout", "nodes"), [("tp2-dp1", {(0, 0): 0, (0, 1): 1}),
+                                                ("tp1-dp2", {(0, 0): 0, (1, 0): 1})])
+def test_each_rank_runs_and_allocates_where_the_plan_says(reports, layout, nodes):
+    report = reports[layout]
+    assert report["exit_code"] == 0, report["log_tail"]
+    assert report["completion"]["completion_tokens"] == 4  # it served
+    plan = {(r["replica"], r["rank"]): r for r in report["plan"]}
+    assert {key: r["node"] for key, r in plan.items()} == nodes  # one rank (or replica) per NUMA node
+    ranks = {(r["replica"], r["rank"]): r for r in report["ranks"]}
+    assert set(ranks) == set(plan)
+    for key, rank in ranks.items():
+        cpus, node = plan[key]["cpus"], plan[key]["node"]
+        pinned = [t["cpus"] for t in rank["threads"]]
+        # every thread is pinned to one CPU of the plan's, and each of the plan's CPUs has its OpenMP thread
+        assert set(pinned) == {str(c) for c in cpus}, (key, cpus, rank["threads"])
+        # the memory policy: bound to the rank's node for every anonymous mapping ...
+        assert set(rank["anon_policies"]) == {f"bind:{node}"}, (key, rank["anon_policies"])
+        # ... and its pages there: weights, KV cache and heap (a few pages of the interpreter's start-up,
+        # touched before the rank bound itself, may sit on the other node)
+        pages = {int(n): count for n, count in rank["anon_pages_by_node"].items()}
+        assert pages.get(node, 0) >= 0.95 * sum(pages.values()), (key, pages)
+        assert pages[node] * 4096 >= plan[key]["kv_bytes"]  # at least the KV cache is resident on the node
