@@ -18,11 +18,12 @@ class ModelLaunch:
     format: str  # "gguf" or "hf"
     served_name: str
     dtype: str  # "float32" or "bfloat16"
+    quantized: str = "keep"  # GGUF quantized weights: "keep" or "dequantize"
 
     @property
     def model_id(self) -> str:
-        """Names the cached KV (prefix-cache hashes): the same weights in the same dtype."""
-        return f"{self.path}:{self.dtype}"
+        """Names the cached KV (prefix-cache hashes): the same weights in the same dtype on the same kernels."""
+        return f"{self.path}:{self.dtype}:{self.quantized}"
 
 
 @dataclass(frozen=True)

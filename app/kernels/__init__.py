@@ -4,9 +4,11 @@ from app.kernels.ops import (
     add_rms_norm,
     bind_threads,
     compiled_isas,
+    dequantize,
     isa,
     linear_f32_out,
     paged_attention,
+    quant_linear,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
@@ -16,6 +18,6 @@ from app.kernels.ops import (
 )
 
 __all__ = [
-    "add_rms_norm", "bind_threads", "compiled_isas", "isa", "linear_f32_out", "paged_attention", "rms_norm", "rotary_embedding",
+    "add_rms_norm", "bind_threads", "compiled_isas", "dequantize", "isa", "linear_f32_out", "paged_attention", "quant_linear", "rms_norm", "rotary_embedding",
     "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
 ]

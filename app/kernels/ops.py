@@ -13,7 +13,7 @@ import torch
 
 from app import _native
 
-_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3}
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3, torch.uint8: 4}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -119,6 +119,24 @@ def linear_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _same_dtype(x, weight=weight)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     _native.linear_f32_out(_ref(out, "out", (torch.float32,), 2), _ref(x, "x", dims=2), _ref(weight, "weight", dims=2))
+    return out
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    # x: [S, K] float; weight: [V, K/32 GGUF blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q8_0 8)
+    # -> x @ dequant(weight).T: [S, V] in out_dtype (default x's), accumulated in float32
+    rows = _rows(x, "x")
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
+    _native.quant_linear(_ref(out, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 2),
+                         int(qtype), int(in_features))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def dequantize(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # weight: [R, K/32 GGUF blocks] uint8 -> [R, K] in dtype
+    out = torch.empty(weight.shape[0], in_features, dtype=dtype)
+    _native.dequantize(_ref(out, "out", dims=2), _ref(weight, "weight", (torch.uint8,), 2), int(qtype), int(in_features))
     return out
 
 

@@ -7,10 +7,10 @@ without loading any weights.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.model.gguf_header import read_gguf_header
+from app.model.gguf_header import KEPT_QUANT_TYPES, read_gguf_header
 from app.model.source import ModelSource
 from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
@@ -60,20 +60,30 @@ class ModelFootprint:
     context_length: int
     intermediate_size: int = 0
     params: ParamCounts | None = None  # None: only the total is known, split evenly
+    kept: ParamCounts | None = None  # of the params, those in GGUF blocks that stay quantized at load
+    kept_bytes: ParamCounts | None = None  # and their bytes
+
+    def dequantized(self) -> ModelFootprint:
+        """The footprint when every weight is expanded to the compute dtype (model.quantized: dequantize)."""
+        return replace(self, kept=None, kept_bytes=None)
 
     def weight_bytes(self, dtype: str, tp: int = 1, rank: int = 0) -> int:
-        """Resident weights of one TP rank, loaded (dequantized) at the compute dtype: its heads' and
-        MLP features' share of the layers, plus what every rank replicates and rank 0's LM head."""
-        p = self.params
-        if tp == 1 or p is None or self.intermediate_size <= 0:
+        """Resident weights of one TP rank: kept-quantized blocks as stored, the rest at the compute dtype;
+        its heads' and MLP features' share of the layers, plus what every rank replicates and rank 0's LM head."""
+        if self.params is None or (tp > 1 and self.intermediate_size <= 0):
             return self.num_params * DTYPE_BYTES[dtype] // tp
+        expanded = self._share(self.params, tp, rank) - (self._share(self.kept, tp, rank) if self.kept else 0)
+        return expanded * DTYPE_BYTES[dtype] + (self._share(self.kept_bytes, tp, rank) if self.kept_bytes else 0)
+
+    def _share(self, p: ParamCounts, tp: int, rank: int) -> int:
+        if tp == 1:
+            return p.total
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank]
         features = len(split_evenly(self.intermediate_size, tp)[rank])
-        share = (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
-                 + p.attention_q * len(heads.q_heads) // self.num_heads
-                 + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads
-                 + p.mlp * features // self.intermediate_size)
-        return share * DTYPE_BYTES[dtype]
+        return (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
+                + p.attention_q * len(heads.q_heads) // self.num_heads
+                + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads
+                + p.mlp * features // self.intermediate_size)
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """K and V of every layer for one token on one rank (KV heads are split across TP ranks)."""
@@ -102,6 +112,10 @@ def _from_gguf(path: Path) -> ModelFootprint:
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     params = ParamCounts.of(header.tensor_shapes)
+    kept = {name: shape for name, shape in header.tensor_shapes.items()
+            if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2}
+    kept_bytes = {name: (_product(shape) // 32 * KEPT_QUANT_TYPES[header.tensor_types[name]][1],)
+                  for name, shape in kept.items()}
     return ModelFootprint(
         architecture=arch,
         num_params=params.total,
@@ -112,6 +126,8 @@ def _from_gguf(path: Path) -> ModelFootprint:
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
         intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)),
         params=params,
+        kept=ParamCounts.of(kept) if kept else None,
+        kept_bytes=ParamCounts.of(kept_bytes) if kept else None,
     )
 
 

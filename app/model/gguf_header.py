@@ -17,6 +17,11 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
+# The GGUF block types our kernels run as stored (app/model/quant.py), by ggml type id: (name, bytes per
+# block of 32 weights). Here, torch-free, so that placement can size them without importing torch.
+KEPT_QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+
 class GGUFFormatError(ValueError):
     """The file is not a GGUF file this reader understands."""
 

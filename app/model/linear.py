@@ -8,58 +8,73 @@ column-parallel layers over concatenated row slices. With a group of one they ar
 
 from __future__ import annotations
 
+import logging
+
 import torch
-import torch.nn.functional as F
 
 from app import kernels
+from app.model.quant import QuantizedTensor, Weight, fuse_rows, linear, storage
+
+log = logging.getLogger(__name__)
 
 
 class ColumnParallelLinear:
     """y = x W^T + b for this rank's output features."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
 
     @staticmethod
-    def shard(full: torch.Tensor, rows: range) -> torch.Tensor:
+    def shard(full: Weight, rows: range) -> Weight:
         """This rank's part of a full weight [out, in] (or bias [out]): its output rows."""
+        if isinstance(full, QuantizedTensor):
+            return full.rows(rows)
         return full[rows.start:rows.stop].clone()  # a copy, so the full tensor can be freed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight] + ([self.bias] if self.bias is not None else [])
+        return [storage(self.weight)] + ([self.bias] if self.bias is not None else [])
 
 
 class RowParallelLinear:
     """y = sum over ranks of x_r W_r^T: each rank holds the input features its x_r covers."""
 
-    def __init__(self, weight: torch.Tensor, group):
+    def __init__(self, weight: Weight, group):
         self.weight, self.group = weight, group
 
     @staticmethod
-    def shard(full: torch.Tensor, columns: range) -> torch.Tensor:
+    def shard(full: Weight, columns: range) -> Weight:
         """This rank's part of a full weight [out, in]: its input columns."""
+        if isinstance(full, QuantizedTensor):
+            part = full.columns(columns)
+            if part is not None:
+                return part
+            log.info("input features %d..%d do not fall on %s block boundaries: that shard is dequantized",
+                     columns.start, columns.stop, full.type_name)
+            full = full.dequantize()
         return full[:, columns.start:columns.stop].contiguous().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.linear(x, self.weight)
+            return linear(x, self.weight)
+        # bfloat16: partial sums stay float32 through the all-reduce: one rounding to bfloat16, as at tp=1
+        if isinstance(self.weight, QuantizedTensor):
+            return self.group.all_reduce(self.weight.linear(x, torch.float32)).to(x.dtype)
         if self.weight.dtype == torch.bfloat16:
-            # partial sums stay float32 through the all-reduce: one rounding to bfloat16, as at tp=1
             return self.group.all_reduce(kernels.linear_f32_out(x, self.weight)).to(torch.bfloat16)
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(linear(x, self.weight))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight]
+        return [storage(self.weight)]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V of this rank's heads in one GEMM; `split` gives the three back."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: tuple | None = None):
-        super().__init__(torch.cat([q, k, v]), torch.cat(biases) if biases is not None else None)
+    def __init__(self, q: Weight, k: Weight, v: Weight, biases: tuple | None = None):
+        super().__init__(fuse_rows([q, k, v]), torch.cat(biases) if biases is not None else None)
         self.sizes = [q.shape[0], k.shape[0], v.shape[0]]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,5 +84,5 @@ class QKVParallelLinear(ColumnParallelLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Gate and up projections of this rank's MLP features in one GEMM: [gate | up]."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
-        super().__init__(torch.cat([gate, up]))
+    def __init__(self, gate: Weight, up: Weight):
+        super().__init__(fuse_rows([gate, up]))

@@ -15,6 +15,7 @@ from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
 from app.model.layers import MLP, Attention, DecoderLayer, KVCache
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from app.model.quant import QuantizedTensor, Weight, storage
 from app.model.rope import cos_sin_table, inverse_frequencies
 from app.parallel.group import SingleRank
 from app.parallel.shard import ShardSpec
@@ -60,7 +61,11 @@ class LlamaForCausalLM:
         # input_ids: [T] -> final hidden states [T, H]
         from app import kernels
 
-        x, residual = F.embedding(input_ids, self.embed), None
+        if isinstance(self.embed, QuantizedTensor):
+            x = self.embed.embedding(input_ids, self.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed)
+        residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
             x, residual = layer(x, residual, batch, cache, self.cos_sin)
         kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
@@ -70,6 +75,8 @@ class LlamaForCausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, H] -> [S, vocab] float32. In bfloat16 the head accumulates AND outputs float32:
         # rounded to bf16, close logits would tie or swap and change greedy choices.
+        if isinstance(self.lm_head, QuantizedTensor):
+            return self.lm_head.linear(hidden, torch.float32)
         if self.dtype == torch.bfloat16:
             from app import kernels
 
@@ -86,7 +93,7 @@ class LlamaForCausalLM:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [t for t in (self.embed, self.norm, self.lm_head, self.cos_sin) if t is not None]
+        out = [storage(t) for t in (self.embed, self.norm, self.lm_head, self.cos_sin) if t is not None]
         for layer in self.layers:
             a = layer.attention
             for linear in (a.qkv, a.o, layer.mlp.gate_up, layer.mlp.down):
@@ -101,11 +108,12 @@ class _Weights:
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype):
         self.weights, self.dtype, self.used = weights, dtype, set()
 
-    def take(self, name: str) -> torch.Tensor:
+    def take(self, name: str) -> Weight:
         if name not in self.weights:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
         self.used.add(name)
-        return self.weights[name].to(self.dtype).contiguous()
+        weight = self.weights[name]
+        return weight if isinstance(weight, QuantizedTensor) else weight.to(self.dtype).contiguous()
 
     def check_all_used(self, ignore: set[str]) -> None:
         unused = sorted(set(self.weights) - self.used - ignore)

@@ -29,9 +29,12 @@ class LoadedModel:
     seconds: float
 
 
-def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, group=None, rank: int = 0,
-               size: int = 1) -> LoadedModel:
+def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantized: str = "keep", group=None,
+               rank: int = 0, size: int = 1) -> LoadedModel:
     """Read `source` and build the model in `dtype` ("float32" or "bfloat16").
+
+    With `quantized` "keep", GGUF weights of the types app/model/quant.py has kernels for stay in
+    their blocks; "dequantize" expands every weight to `dtype`.
 
     With `size` > 1, only TP rank `rank`'s shard is kept: each tensor is cut as it is read, so the
     whole model is never in memory; `group` is the rank's TP group.
@@ -45,10 +48,12 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, group=No
     shard = ShardSpec.of(checkpoint.config, rank, size)
     weights = {}
     bar = tqdm(total=len(checkpoint), desc=f"loading {source.served_name}", unit="tensor", disable=None, leave=False)
-    for name, tensor in checkpoint.tensors():
+    keep = quantized == "keep" and isinstance(checkpoint, GGUFCheckpoint)
+    for name, tensor in checkpoint.tensors(keep_quantized=True) if keep else checkpoint.tensors():
         part = shard.take(name, tensor)
         if part is not None:
-            weights[name] = part.to(DTYPES[dtype]) if part.is_floating_point() else part
+            floating = isinstance(part, torch.Tensor) and part.is_floating_point()
+            weights[name] = part.to(DTYPES[dtype]) if floating else part
         del tensor, part
         bar.update()
     bar.close()
@@ -59,10 +64,27 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, group=No
     seconds = time.perf_counter() - start
     part = f" (TP rank {rank} of {size}: {shard.num_heads} query / {shard.num_kv_heads} KV heads, " \
            f"{len(shard.intermediate)} MLP features)" if size > 1 else ""
-    log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident%s", source.served_name,
+    log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident%s%s", source.served_name,
              checkpoint.config.architecture, checkpoint.config.num_layers, dtype, seconds,
-             format_size(model.resident_bytes()), part)
+             format_size(model.resident_bytes()), part, _weight_types(checkpoint, keep, dtype))
     return LoadedModel(model, checkpoint.config, tok, template, seconds)
+
+
+def _weight_types(checkpoint, keep: bool, dtype: str) -> str:
+    """What became of the file's weight types: kept quantized, or dequantized (and why)."""
+    if not isinstance(checkpoint, GGUFCheckpoint):
+        return ""
+    from app.model.quant import KEPT_TYPES
+
+    kept_names = {name for name, _ in KEPT_TYPES.values()}
+    types = checkpoint.types()
+    kept = sorted(t for t in types if keep and t in kept_names)
+    expanded = sorted(t for t in types if t not in kept and t not in ("F32", "F16", "BF16"))
+    said = f"; kept quantized: {', '.join(kept)}" if kept else ""
+    if expanded:
+        why = "no kernel for them yet" if keep else "model.quantized is dequantize"
+        said += f"; dequantized to {dtype} at load: {', '.join(expanded)} ({why})"
+    return said
 
 
 def _chat_template(tok, from_file: str | None) -> str | None:

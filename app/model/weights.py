@@ -1,6 +1,7 @@
 """Reading checkpoints into Hugging Face-named tensors: one GGUF file, or a HF directory of safetensors.
 
-GGUF tensors are dequantized to float32 at load (quantized GEMMs come later). llama.cpp stores the
+GGUF weights of the types app/model/quant.py has kernels for stay quantized (a QuantizedTensor);
+every other tensor is dequantized to float32 at load. llama.cpp stores the
 Q and K projections of "llama" models permuted for its interleaved RoPE; they are put back here so
 that one NeoX-layout rotary kernel serves every format.
 """
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from app.model.config import ModelConfig, UnsupportedModel, config_from_gguf, config_from_hf
+from app.model.quant import KEPT_TYPES, QuantizedTensor
 
 GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
             "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
@@ -48,18 +50,30 @@ class GGUFCheckpoint:
     def __len__(self) -> int:
         return len(self.reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Every tensor by HF name; with `keep_quantized`, 2-D weights of a kept type as QuantizedTensor."""
         import gguf
 
         arch = self.meta["general.architecture"]
         for tensor in self.reader.tensors:
             name = _hf_name(tensor.name)
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is mapped read-only
+            if keep_quantized and tensor.tensor_type.value in KEPT_TYPES and len(tensor.shape) == 2:
+                rows, features = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dimensions innermost first
+                blocks = torch.from_numpy(np.array(tensor.data)).view(torch.uint8).reshape(rows, -1)  # a copy
+                weight = QuantizedTensor(blocks, tensor.tensor_type.value, features)
+            else:
+                data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+                weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is mapped read-only
             if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 heads = self.config.num_heads if ".q_proj" in name else self.config.num_kv_heads
                 weight = _unpermute(weight, heads)
             yield name, weight
+
+    def types(self) -> dict[str, int]:
+        """How many tensors of each GGUF type the file holds."""
+        from collections import Counter
+
+        return dict(Counter(t.tensor_type.name for t in self.reader.tensors))
 
 
 def _field_value(field) -> object:
@@ -78,9 +92,11 @@ def _hf_name(name: str) -> str:
     raise UnsupportedModel(f"GGUF tensor {name!r} is not part of a supported Llama-family model")
 
 
-def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor | QuantizedTensor, heads: int) -> torch.Tensor | QuantizedTensor:
     """Undo llama.cpp's per-head interleave of the rotary halves: rows (h, d/2, 2) -> (h, 2, d/2)."""
     rows = w.shape[0]
+    if isinstance(w, QuantizedTensor):  # whole rows move, so the blocks along each row stay intact
+        return w.rows(_unpermute(torch.arange(rows), heads))
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 

@@ -108,7 +108,8 @@ def _load(launch: RankLaunch, group, bind: bool):
         for line in kernels.bind_threads(p.cpus, p.memory_nodes, p.interleave).splitlines():
             log.info("binding: %s", line.strip())
     m = launch.model
-    loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=False, group=group,
+    loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=False, quantized=m.quantized,
+                        group=group,
                         rank=launch.rank, size=launch.tp)
     return ModelRunner(loaded.model, launch.kv, launch.scheduler.max_num_batched_tokens, launch.scheduler.max_num_seqs)
 

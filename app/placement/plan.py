@@ -66,6 +66,8 @@ def make_plan(spec: Spec, topo: Topology, model: ModelFootprint, openmp_runtime:
         raise SpecError([Problem("parallel.tp", f"at most the model's {model.num_heads} attention heads, "
                                                 "so that every rank has one", tp)])
     layout = layout_cores(spec.cores, tp, dp, topo)
+    if spec.model.quantized == "dequantize":
+        model = model.dequantized()
     memory, memory_warnings = size_memory(spec.kv_cache, layout.ranks, topo, model, dtype, kv_dtype, tp, max_model_len)
     heads = split_heads(model.num_heads, model.num_kv_heads, tp)
     ranks = tuple(

@@ -79,6 +79,30 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
   int64_t rows, in_features, out_features, x_stride;
 };
 
+// GGUF block types kept quantized (the values are GGML's type ids). Every block holds 32 weights along
+// a row: Q8_0 = fp16 d + 32 int8 (w = d q); Q4_0 = fp16 d + 16 bytes of nibbles (w = d (q - 8));
+// Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles (w = d q + m). Low nibbles are weights 0..15, high 16..31.
+enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8 };
+constexpr int64_t kQuantBlock = 32;
+inline int64_t quant_block_bytes(QType t) { return t == QType::q8_0 ? 34 : t == QType::q4_1 ? 20 : 18; }
+
+struct QuantLinearArgs {  // out[s, v] = sum_k x[s, k] * dequant(weight)[v, k], accumulated in float32
+  QType qtype;
+  DType x_dtype, out_dtype;
+  void* out;               // [S, V] rows at out_stride
+  const void* x;           // [S, K] rows at x_stride
+  const uint8_t* weight;   // [V, K / 32 blocks] contiguous
+  int64_t rows, in_features, out_features, x_stride, out_stride;
+};
+
+struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
+  QType qtype;
+  DType out_dtype;
+  void* out;              // [R, K] rows at out_stride
+  const uint8_t* weight;  // [R, K / 32 blocks] contiguous
+  int64_t rows, in_features, out_stride;
+};
+
 #define APPLIANCE_DECLARE_KERNELS(isa)           \
   namespace isa {                                \
   void rms_norm(const NormArgs&);                \
@@ -88,6 +112,8 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
   void write_kv_cache(const CacheWriteArgs&);    \
   void paged_attention(const AttentionArgs&);    \
   void linear_f32_out(const LinearArgs&);        \
+  void quant_linear(const QuantLinearArgs&);     \
+  void dequantize(const DequantArgs&);           \
   }
 
 APPLIANCE_DECLARE_KERNELS(avx512bf16)
@@ -106,6 +132,8 @@ struct KernelTable {
   void (*write_kv_cache)(const CacheWriteArgs&);
   void (*paged_attention)(const AttentionArgs&);
   void (*linear_f32_out)(const LinearArgs&);
+  void (*quant_linear)(const QuantLinearArgs&);
+  void (*dequantize)(const DequantArgs&);
 };
 
 const KernelTable& kernels();

@@ -47,6 +47,19 @@ inline bf16 float_to_bf16(float f) {
   return static_cast<bf16>(u >> 16);
 }
 
+inline float fp16_to_float(uint16_t h) {  // IEEE half bits -> float (exact)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24
+    const float f = static_cast<float>(mant) * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  u = exp == 31 ? sign | 0x7f800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 template <typename T> inline float to_float(T x);
 template <> inline float to_float<float>(float x) { return x; }
 template <> inline float to_float<bf16>(bf16 x) { return bf16_to_float(x); }

@@ -8,7 +8,7 @@ namespace {
 
 #define APPLIANCE_TABLE(isa) \
   KernelTable { #isa, isa::rms_norm, isa::add_rms_norm, isa::rotary_embedding, isa::silu_and_mul, \
-                isa::write_kv_cache, isa::paged_attention, isa::linear_f32_out }
+                isa::write_kv_cache, isa::paged_attention, isa::linear_f32_out, isa::quant_linear, isa::dequantize }
 
 #if defined(__x86_64__)
 const KernelTable kTables[] = {APPLIANCE_TABLE(avx512bf16), APPLIANCE_TABLE(avx512), APPLIANCE_TABLE(avx2),

@@ -22,7 +22,7 @@ using namespace appliance;
 
 namespace {
 
-enum Code : int { F32 = 0, BF16 = 1, I32 = 2, I64 = 3 };
+enum Code : int { F32 = 0, BF16 = 1, I32 = 2, I64 = 3, U8 = 4 };
 using Ref = std::tuple<uintptr_t, int, std::vector<int64_t>, std::vector<int64_t>>;
 
 struct T {
@@ -183,6 +183,41 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
   kernels().linear_f32_out({dt, static_cast<float*>(out.ptr), x.ptr, w.ptr, x.dim(0), x.dim(1), w.dim(0), x.st(0)});
 }
 
+QType quant_type(int code) {
+  require(code == static_cast<int>(QType::q4_0) || code == static_cast<int>(QType::q4_1) ||
+              code == static_cast<int>(QType::q8_0),
+          "qtype: " + std::to_string(code) + " is not a kept-quantized GGUF type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  return static_cast<QType>(code);
+}
+
+// weight: [V, K / 32 * block bytes] uint8, contiguous; K a multiple of 32
+void quant_weight(const T& w, QType q, int64_t k) {
+  require(w.code == U8, "weight: dtype must be uint8 (GGUF blocks)");
+  contiguous(w);
+  require(k > 0 && k % kQuantBlock == 0, "in_features: must be a positive multiple of 32, got " + std::to_string(k));
+  require(w.dim(1) == k / kQuantBlock * quant_block_bytes(q),
+          "weight: rows must be " + std::to_string(k / kQuantBlock * quant_block_bytes(q)) + " bytes for " +
+              std::to_string(k) + " features, got " + std::to_string(w.dim(1)));
+}
+
+void quant_linear(const Ref& out_r, const Ref& x_r, const Ref& w_r, int qtype, int64_t k) {
+  T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2), w = tensor(w_r, "weight", 2);
+  const QType q = quant_type(qtype);
+  quant_weight(w, q, k);
+  require(x.dim(1) == k && out.dim(0) == x.dim(0) && out.dim(1) == w.dim(0),
+          "quant_linear: x must be [S, K], weight [V, K] and out [S, V]");
+  kernels().quant_linear({q, float_type(x), float_type(out), out.ptr, x.ptr, static_cast<const uint8_t*>(w.ptr),
+                          x.dim(0), k, w.dim(0), x.st(0), out.st(0)});
+}
+
+void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
+  T out = tensor(out_r, "out", 2), w = tensor(w_r, "weight", 2);
+  const QType q = quant_type(qtype);
+  quant_weight(w, q, k);
+  require(out.dim(0) == w.dim(0) && out.dim(1) == k, "dequantize: out must be [R, K] for weight [R, K]");
+  kernels().dequantize({q, float_type(out), out.ptr, static_cast<const uint8_t*>(w.ptr), w.dim(0), k, out.st(0)});
+}
+
 std::string bind(const std::vector<int>& cpus, const std::vector<int>& nodes, bool interleave) {
   require(!cpus.empty(), "bind_threads: cpus must not be empty");
   for (int cpu : cpus) require(cpu >= 0 && cpu < CPU_SETSIZE, "bind_threads: CPU " + std::to_string(cpu) + " is out of range");
@@ -232,6 +267,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>());
   m.def("linear_f32_out", &linear_f32_out, py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
   m.def("best_isa", [] { return std::string(best_isa()); });

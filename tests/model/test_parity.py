@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct through our model against Hugging Face transformers loading the same GGUF.
 
 transformers (with gguf and accelerate) dequantizes the file itself and runs its own Llama code: an
-independent reference for the loader (Q/K un-permutation, tied embeddings) and for every kernel.
+independent reference for the loader (Q/K un-permutation, tied embeddings) and for every kernel,
+the kept-quantized linears included.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from app.model.batch import make_batch
 from app.model.loader import load_model
 from app.model.source import ModelSource, resolve_source
+from app.model.tokenizer import load_tokenizer
 from app.spec.schema import ModelSpec
 
 PROMPTS = [
@@ -39,14 +41,17 @@ def reference(source):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def ours_fp32(source):
-    return load_model(source, "float32")
+@pytest.fixture(scope="module", params=["keep", "dequantize"])
+def ours_fp32(source, request):
+    """float32 activations on the file's Q4_1/Q8_0 blocks as they are ("keep", the default), or on weights
+    expanded to float32 at load: both must match transformers, which expands them itself."""
+    return load_model(source, "float32", quantized=request.param)
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(ours_fp32):
-    return [ours_fp32.tokenizer(p).input_ids for p in PROMPTS]
+def prompt_ids(source):
+    tokenizer = load_tokenizer(source)
+    return [tokenizer(p).input_ids for p in PROMPTS]
 
 
 class Session:

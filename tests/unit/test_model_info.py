@@ -45,9 +45,14 @@ def test_header_scan_agrees_with_gguf_reader(smollm2_path):
 
 def test_smollm2_footprint(smollm2_path):
     footprint = read_footprint(ModelSource(smollm2_path, "gguf", "m"))
-    assert footprint == SMOLLM2
+    assert footprint.dequantized() == SMOLLM2
     assert footprint.kv_bytes_per_token("bfloat16") == 2 * 30 * 3 * 64 * 2
-    assert footprint.weight_bytes("float32") == 134_515_008 * 4
+    assert footprint.dequantized().weight_bytes("float32") == 134_515_008 * 4
+    # Q4_1 layers and the Q8_0 embedding stay as stored; the float32 norms are float32 anyway: the file's bytes
+    tensors = gguf.GGUFReader(smollm2_path).tensors
+    assert footprint.weight_bytes("float32") == sum(int(t.n_bytes) for t in tensors)
+    norms = sum(int(t.n_elements) for t in tensors if t.tensor_type == gguf.GGMLQuantizationType.F32)
+    assert footprint.weight_bytes("bfloat16") == sum(int(t.n_bytes) for t in tensors) - 2 * norms
 
 
 def test_not_a_gguf_file(tmp_path):
