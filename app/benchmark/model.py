@@ -24,6 +24,7 @@ from app.model.source import ModelSource
 class Result:
     what: str
     dtype: str
+    quantized: str
     batch: int
     context: int
     value: float
@@ -31,8 +32,10 @@ class Result:
 
 
 class Bench:
-    def __init__(self, source: ModelSource, dtype: str, block_size: int = 16, capacity: int = 1024):
-        self.loaded = load_model(source, dtype, tokenizer=False)
+    def __init__(self, source: ModelSource, dtype: str, block_size: int = 16, capacity: int = 1024,
+                 quantized: str = "keep"):
+        self.loaded = load_model(source, dtype, tokenizer=False, quantized=quantized)
+        self.quantized = quantized
         self.model, self.dtype, self.block_size, self.capacity = self.loaded.model, dtype, block_size, capacity
         self.vocab = self.loaded.config.vocab_size
 
@@ -63,7 +66,7 @@ class Bench:
             whole_prompt()
             times.append(time.perf_counter() - start)
         what = "prefill" if chunk == tokens else f"prefill/{chunk}"
-        return Result(what, self.dtype, 1, tokens, tokens / statistics.median(times), "tokens/s")
+        return Result(what, self.dtype, self.quantized, 1, tokens, tokens / statistics.median(times), "tokens/s")
 
     def decode(self, batch: int, context: int, steps: int) -> Result:
         blocks, cache = self._cache(batch)
@@ -74,19 +77,21 @@ class Bench:
             start = time.perf_counter()
             self._run(blocks, cache, [context + 1 + step] * batch, [1] * batch)
             times.append(time.perf_counter() - start)
-        return Result("decode step", self.dtype, batch, context, statistics.median(times) * 1000, "ms")
+        return Result("decode step", self.dtype, self.quantized, batch, context, statistics.median(times) * 1000, "ms")
 
 
 def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int,
-        chunk: int | None = None) -> list[Result]:
+        chunk: int | None = None, quantized: list[str] = ("keep",)) -> list[Result]:
     cpus = sorted(os.sched_getaffinity(0))
     print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
     results = []
     for dtype in dtypes:
-        bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16))
-        for result in [bench.prefill(prompt, repeats=3, chunk=chunk)] + [bench.decode(b, context, steps) for b in batches]:
-            print(f"{result.what:12} {result.dtype:9} batch {result.batch:3} context {result.context:5}  "
-                  f"{result.value:9.1f} {result.unit}", flush=True)
-            results.append(result)
+        for weights in quantized:
+            bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16), quantized=weights)
+            for result in [bench.prefill(prompt, repeats=3, chunk=chunk)] + [bench.decode(b, context, steps)
+                                                                             for b in batches]:
+                print(f"{result.what:12} {result.dtype:9} {weights:10} batch {result.batch:3} context "
+                      f"{result.context:5}  {result.value:9.1f} {result.unit}", flush=True)
+                results.append(result)
     print(json.dumps([asdict(r) for r in results]))
     return results

@@ -146,6 +146,77 @@ const float* float_rows(const QuantLinearArgs& a, std::vector<float>& buffer, in
   return buffer.data();
 }
 
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
+// Few activation rows (decode): each block is dequantized into two registers and used at once, with
+// no trip through memory; two weight rows at a time keep independent FMA chains in flight.
+constexpr int64_t kRegisterPathRows = 4;
+constexpr int64_t kPrefetchRows = 16;
+
+template <QType Q>
+inline void block_registers(const uint8_t* b, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(u16(b)));
+  if constexpr (Q == QType::q8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  } else {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Q == QType::q4_1 ? 4 : 2))));
+    const __m512 m = Q == QType::q4_1 ? _mm512_set1_ps(_cvtsh_ss(u16(b + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+  }
+}
+
+template <QType Q, int M>
+void gemv_rows(const QuantLinearArgs& a, const float* x, int64_t x_stride, int64_t row_bytes) {
+  constexpr int64_t bytes = Q == QType::q8_0 ? 34 : Q == QType::q4_1 ? 20 : 18;
+  const int64_t blocks = a.in_features / kQuantBlock, pairs = (a.out_features + 1) / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t v0 = 2 * p, v1 = std::min(v0 + 1, a.out_features - 1);  // an odd last row is done twice
+    const uint8_t* r0 = a.weight + v0 * row_bytes;
+    const uint8_t* r1 = a.weight + v1 * row_bytes;
+    if (v0 + kPrefetchRows + 2 <= a.out_features) {  // a few rows ahead: more bytes in flight than the prefetcher keeps
+      const char* ahead = reinterpret_cast<const char*>(a.weight + (v0 + kPrefetchRows) * row_bytes);
+      for (int64_t off = 0; off < 2 * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    __m512 acc0[M], acc1[M];
+    for (int i = 0; i < M; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 lo0, hi0, lo1, hi1;
+      block_registers<Q>(r0 + b * bytes, lo0, hi0);
+      block_registers<Q>(r1 + b * bytes, lo1, hi1);
+      for (int i = 0; i < M; ++i) {
+        const __m512 xlo = _mm512_loadu_ps(x + i * x_stride + b * kQuantBlock);
+        const __m512 xhi = _mm512_loadu_ps(x + i * x_stride + b * kQuantBlock + 16);
+        acc0[i] = _mm512_fmadd_ps(xhi, hi0, _mm512_fmadd_ps(xlo, lo0, acc0[i]));
+        acc1[i] = _mm512_fmadd_ps(xhi, hi1, _mm512_fmadd_ps(xlo, lo1, acc1[i]));
+      }
+    }
+    for (int i = 0; i < M; ++i) {
+      const float s0 = _mm512_reduce_add_ps(acc0[i]), s1 = _mm512_reduce_add_ps(acc1[i]);
+      if (a.out_dtype == DType::f32) {
+        float* out = static_cast<float*>(a.out) + i * a.out_stride;
+        out[v0] = s0, out[v1] = s1;
+      } else {
+        bf16* out = static_cast<bf16*>(a.out) + i * a.out_stride;
+        out[v0] = float_to_bf16(s0), out[v1] = float_to_bf16(s1);
+      }
+    }
+  }
+}
+
+template <QType Q>
+void gemv(const QuantLinearArgs& a, const float* x, int64_t x_stride, int64_t row_bytes) {
+  switch (a.rows) {
+    case 1: gemv_rows<Q, 1>(a, x, x_stride, row_bytes); break;
+    case 2: gemv_rows<Q, 2>(a, x, x_stride, row_bytes); break;
+    case 3: gemv_rows<Q, 3>(a, x, x_stride, row_bytes); break;
+    default: gemv_rows<Q, 4>(a, x, x_stride, row_bytes); break;
+  }
+}
+#endif
+
 }  // namespace
 
 void quant_linear(const QuantLinearArgs& a) {
@@ -154,6 +225,14 @@ void quant_linear(const QuantLinearArgs& a) {
   std::vector<float> converted;
   int64_t x_stride = 0;
   const float* x = float_rows(a, converted, x_stride);
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
+  if (m <= kRegisterPathRows) {
+    if (a.qtype == QType::q8_0) gemv<QType::q8_0>(a, x, x_stride, row_bytes);
+    else if (a.qtype == QType::q4_0) gemv<QType::q4_0>(a, x, x_stride, row_bytes);
+    else gemv<QType::q4_1>(a, x, x_stride, row_bytes);
+    return;
+  }
+#endif
   // groups of weight rows: a few per thread at least (balance), at most GN (scratch in L2)
   const int64_t threads = omp_get_max_threads();
   const int64_t per = (n + 4 * threads - 1) / (4 * threads);
@@ -161,19 +240,21 @@ void quant_linear(const QuantLinearArgs& a) {
   const int64_t groups = (n + group - 1) / group;
 #pragma omp parallel
   {
-    std::vector<float> w(group * k);
+    thread_local std::vector<float> scratch;  // kept between calls: no allocation or page faults per call
+    if (scratch.size() < static_cast<size_t>(group * k)) scratch.resize(group * k);
+    float* w = scratch.data();
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t n_begin = g * group, rows = std::min(group, n - n_begin);
-      dequant_rows(a.qtype, a.weight + n_begin * row_bytes, rows, k, w.data());
+      dequant_rows(a.qtype, a.weight + n_begin * row_bytes, rows, k, w);
       const int64_t padded = (rows + NB - 1) / NB * NB;
-      std::fill(w.begin() + rows * k, w.begin() + padded * k, 0.f);  // the last tile's missing rows
+      std::fill(w + rows * k, w + padded * k, 0.f);  // the last tile's missing rows
       for (int64_t m0 = 0; m0 < m; m0 += MB) {
         const int mv = static_cast<int>(std::min<int64_t>(MB, m - m0));
         for (int64_t j0 = 0; j0 < rows; j0 += NB) {
           float r[MB][NB];
           const float* xs = x + m0 * x_stride;
-          const float* ws = w.data() + j0 * k;
+          const float* ws = w + j0 * k;
           switch (mv) {
             case 4: tile<4>(xs, x_stride, ws, k, r); break;
             case 3: tile<3>(xs, x_stride, ws, k, r); break;
