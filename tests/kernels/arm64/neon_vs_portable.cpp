@@ -64,6 +64,14 @@ int main() {
   neon::rotary_embedding({DType::f32, rq.data(), rk.data(), pos, cs.data(), 5, Hq, Hk, D, rot, Hq * D, Hk * D, P});
   portable::rotary_embedding({DType::f32, rq2.data(), rk2.data(), pos, cs.data(), 5, Hq, Hk, D, rot, Hq * D, Hk * D, P});
   check("rotary f32", std::fmax(maxdiff(rq, rq2), maxdiff(rk, rk2)), 1e-5);
+  // kept-quantized linear, Q4_1 blocks (fp16 d = 0.01, m = -0.05; random nibbles), 3 x 96 @ (37 x 96)^T
+  const int64_t QN = 37, QK = 96, QM = 3;
+  std::vector<uint8_t> qw(QN * QK / 32 * 20);
+  for (size_t b = 0; b < qw.size(); b += 20) { qw[b] = 0x1f; qw[b + 1] = 0x21; qw[b + 2] = 0x66; qw[b + 3] = 0xaa; for (int i = 4; i < 20; ++i) qw[b + i] = rng() & 0xff; }
+  auto qx = rnd(QM * QK); std::vector<float> qo1(QM * QN), qo2(QM * QN);
+  neon::quant_linear({QType::q4_1, DType::f32, DType::f32, qo1.data(), qx.data(), qw.data(), QM, QK, QN, QK, QN});
+  portable::quant_linear({QType::q4_1, DType::f32, DType::f32, qo2.data(), qx.data(), qw.data(), QM, QK, QN, QK, QN});
+  check("quant_linear q4_1 f32", maxdiff(qo1, qo2), 1e-4);
   printf("%s\n", fails ? "NEON DIFFERS" : "NEON matches portable");
   return fails;
 }
