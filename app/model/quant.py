@@ -17,6 +17,7 @@ from app import kernels
 from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, bytes a block)
 
 BLOCK = 32
+GEMM_ROWS = 64  # more activation rows than this: expand the weight and use torch's GEMM (measured, see linear)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,15 @@ class QuantizedTensor:
         return kernels.dequantize(self.data, self.qtype, self.in_features, dtype)
 
     def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's)."""
-        return kernels.quant_linear(x, self.data, self.qtype, self.in_features, out_dtype)
+        """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's).
+
+        Up to GEMM_ROWS rows of x (decode) run on the native kernel, which reads the blocks once; a
+        prompt's many rows are compute-bound instead, so the weight is expanded to x's dtype for the
+        call and torch's GEMM (oneDNN: AMX / AVX512-BF16 where the CPU has them) runs it."""
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if rows <= GEMM_ROWS or (out_dtype is not None and out_dtype != x.dtype):
+            return kernels.quant_linear(x, self.data, self.qtype, self.in_features, out_dtype)
+        return torch.nn.functional.linear(x, self.dequantize(x.dtype))
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows `ids` (token ids), dequantized: an embedding lookup."""
