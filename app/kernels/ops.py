@@ -92,8 +92,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    # key, value: [T, Hk, D]; caches: [blocks, Hk, block_size, D]; slot_mapping: [T] int64 (-1: skip)
-    _same_dtype(key, value=value, key_cache=key_cache, value_cache=value_cache)
+    # key, value: [T, Hk, D]; caches: [blocks, Hk, block_size, D]; slot_mapping: [T] int64 (-1: skip).
+    # The caches may be bfloat16 for float32 keys and values (rounded as they are written).
+    _same_dtype(key, value=value)
+    _same_dtype(key_cache, value_cache=value_cache)
     _native.write_kv_cache(_ref(key, "key", dims=3), _ref(value, "value", dims=3),
                            _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4),
                            _ref(slot_mapping, "slot_mapping", (torch.int64,), 1))
@@ -104,8 +106,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     out: torch.Tensor | None = None) -> torch.Tensor:
     # q: [Tq, Hq, D], the new tokens of every sequence back to back (q_starts: [S+1] int64 offsets);
     # each attends causally to all context_lens[s] cached tokens of its sequence. Returns [Tq, Hq, D].
+    # The caches may have another float dtype than q (a bfloat16 cache for float32 activations).
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    _same_dtype(q, key_cache=key_cache, value_cache=value_cache, out=out)
+    _same_dtype(q, out=out)
+    _same_dtype(key_cache, value_cache=value_cache)
     _native.paged_attention(_ref(out, "out", dims=3), _ref(q, "q", dims=3), _ref(key_cache, "key_cache", dims=4),
                             _ref(value_cache, "value_cache", dims=4),
                             _ref(block_tables, "block_tables", (torch.int32,), 2),

@@ -45,13 +45,14 @@ struct SiluMulArgs {  // out[t, :] = silu(x[t, :I]) * x[t, I:]
 };
 
 struct CacheWriteArgs {  // cache[slot // B, h, slot % B, :] = k[t, h, :] (and v); slot < 0 skips the token
-  DType dtype;
+  DType dtype;        // of key and value
   const void* key;  // [T, Hk, D] at row strides
   const void* value;
   void* key_cache;  // [blocks, Hk, B, D]
   void* value_cache;
   const int64_t* slot_mapping;  // [T]
   int64_t tokens, kv_heads, head_dim, block_size, num_blocks, key_stride, value_stride;
+  DType cache_dtype;  // may differ from dtype: a bfloat16 cache for float32 activations (rounded when written)
 };
 
 struct AttentionArgs {
@@ -69,6 +70,7 @@ struct AttentionArgs {
   const int64_t* q_starts;      // [S + 1] prefix sums of q_lens
   int64_t seqs, q_heads, kv_heads, head_dim, block_size, max_blocks_per_seq, num_blocks, q_stride, out_stride;
   float scale;
+  DType cache_dtype;  // of key_cache and value_cache; dtype is q's and out's
 };
 
 struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated and stored in float32

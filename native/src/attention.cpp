@@ -186,18 +186,18 @@ void weighted_values(float* acc, int64_t rows, const float* p, const float* keep
 }
 
 // The tile's key and value rows: keys k0 .. k0 + nk of the sequence, wherever their blocks are.
-template <typename T>
-void gather_rows(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scratch<T>& st) {
+template <typename C>
+void gather_rows(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scratch<C>& st) {
   const int64_t D = a.head_dim, B = a.block_size;
   const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
-  const T* kc = static_cast<const T*>(a.key_cache);
-  const T* vc = static_cast<const T*>(a.value_cache);
+  const C* kc = static_cast<const C*>(a.key_cache);
+  const C* vc = static_cast<const C*>(a.value_cache);
   for (int64_t j = 0; j < nk; ++j) {
     const int64_t p = k0 + j, offset = ((table[p / B] * a.kv_heads + it.kv_head) * B + p % B) * D;
     st.krow[j] = kc + offset;
     st.vsrc[j] = vc + offset;
   }
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<C, float>) {
     for (int64_t j = 0; j < nk; ++j) st.vrow[j] = st.vsrc[j];
   } else {  // widen V once per tile, not once per group of rows
     for (int64_t j = 0; j < nk; ++j) {
@@ -211,8 +211,8 @@ void gather_rows(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk,
 }
 
 // q rows as float, scaled; each row's position (tile_pos: the tile's first query's)
-template <typename T>
-void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t tile_pos, Scratch<T>& st) {
+template <typename T, typename C>
+void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t tile_pos, Scratch<C>& st) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads;
   st.q.resize(rows * D), st.acc.assign(rows * D, 0.f), st.p.resize(rows * st.padded);
   st.m.assign(rows, kNegInf), st.l.assign(rows, 0.f), st.keep.resize(rows);
@@ -226,8 +226,8 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
   }
 }
 
-template <typename T>
-void finish_item(const AttentionArgs& a, const Item& it, int64_t rows, const Scratch<T>& st) {
+template <typename T, typename C>
+void finish_item(const AttentionArgs& a, const Item& it, int64_t rows, const Scratch<C>& st) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads;
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
@@ -238,12 +238,12 @@ void finish_item(const AttentionArgs& a, const Item& it, int64_t rows, const Scr
   }
 }
 
-template <typename T>
-void run_item(const AttentionArgs& a, const Item& it, Scratch<T>& st) {
+template <typename T, typename C>  // T: q and out, C: the cache
+void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads, rows = it.tile_len * group;
   const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
   const int64_t tile_pos = a.context_lens[it.seq] - q_len + it.tile_start, last = tile_pos + it.tile_len - 1;
-  start_item(a, it, rows, tile_pos, st);
+  start_item<T>(a, it, rows, tile_pos, st);
   for (int64_t k0 = 0; k0 <= last; k0 += st.key_tile) {
     const int64_t nk = std::min(st.key_tile, last - k0 + 1), np = round_up(nk, N);  // no row sees past `last`
     const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;              // rows before see no key here
@@ -258,10 +258,10 @@ void run_item(const AttentionArgs& a, const Item& it, Scratch<T>& st) {
     weighted_values(&st.acc[row0 * D], rows - row0, &st.p[row0 * np], &st.keep[row0], &st.visible[row0],
                     st.vrow.data(), D, np);
   }
-  finish_item(a, it, rows, st);
+  finish_item<T>(a, it, rows, st);
 }
 
-template <typename T>
+template <typename T, typename C>
 void attention_impl(const AttentionArgs& a) {
   const int64_t key_tile = std::max<int64_t>(1, kKeyTile / a.block_size) * a.block_size;
   std::vector<Item> items;
@@ -275,9 +275,9 @@ void attention_impl(const AttentionArgs& a) {
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel
   {
-    Scratch<T> st(key_tile, a.head_dim);
+    Scratch<C> st(key_tile, a.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<T>(a, items[i], st);
+    for (int64_t i = 0; i < n; ++i) run_item<T, C>(a, items[i], st);
   }
 }
 
@@ -286,8 +286,11 @@ void attention_impl(const AttentionArgs& a) {
 // out, q: [Tq, Hq, D] (rows at out_stride / q_stride); key_cache, value_cache: [blocks, Hk, B, D];
 // block_tables: [S, max_blocks]; context_lens: [S]; q_starts: [S + 1]. Checked in module.cpp.
 void paged_attention(const AttentionArgs& a) {
-  if (a.dtype == DType::f32) attention_impl<float>(a);
-  else attention_impl<bf16>(a);
+  const bool f32 = a.dtype == DType::f32, cache_f32 = a.cache_dtype == DType::f32;
+  if (f32 && cache_f32) attention_impl<float, float>(a);
+  else if (f32) attention_impl<float, bf16>(a);
+  else if (cache_f32) attention_impl<bf16, float>(a);
+  else attention_impl<bf16, bf16>(a);
 }
 
 }  // namespace appliance::APPLIANCE_ISA

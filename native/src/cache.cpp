@@ -1,6 +1,7 @@
 // Writing new keys and values into the paged KV cache: [blocks, kv_heads, block_size, head_dim],
 // so that one head's tokens of a block are contiguous for attention to stream through.
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #include "vec.h"
@@ -8,13 +9,24 @@
 namespace appliance::APPLIANCE_ISA {
 namespace {
 
-template <typename T>
+// one head's row of D values into the cache, converted when the cache's dtype differs
+template <typename T, typename C>
+inline void put(C* dst, const T* src, int64_t D) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, D * sizeof(T));
+  } else {
+    int64_t d = 0;
+    for (; d + VecF::N <= D; d += VecF::N) VecF::load(src + d).store(dst + d);
+    for (; d < D; ++d) dst[d] = from_float<C>(to_float(src[d]));
+  }
+}
+
+template <typename T, typename C>
 void write_impl(const CacheWriteArgs& a) {
   const T* key = static_cast<const T*>(a.key);
   const T* value = static_cast<const T*>(a.value);
-  T* kc = static_cast<T*>(a.key_cache);
-  T* vc = static_cast<T*>(a.value_cache);
-  const int64_t row = a.head_dim * static_cast<int64_t>(sizeof(T));
+  C* kc = static_cast<C*>(a.key_cache);
+  C* vc = static_cast<C*>(a.value_cache);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < a.tokens; ++t) {
     const int64_t slot = a.slot_mapping[t];
@@ -22,8 +34,8 @@ void write_impl(const CacheWriteArgs& a) {
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
     for (int64_t h = 0; h < a.kv_heads; ++h) {
       const int64_t dst = ((block * a.kv_heads + h) * a.block_size + offset) * a.head_dim;
-      std::memcpy(kc + dst, key + t * a.key_stride + h * a.head_dim, row);
-      std::memcpy(vc + dst, value + t * a.value_stride + h * a.head_dim, row);
+      put(kc + dst, key + t * a.key_stride + h * a.head_dim, a.head_dim);
+      put(vc + dst, value + t * a.value_stride + h * a.head_dim, a.head_dim);
     }
   }
 }
@@ -31,8 +43,11 @@ void write_impl(const CacheWriteArgs& a) {
 }  // namespace
 
 void write_kv_cache(const CacheWriteArgs& a) {
-  if (a.dtype == DType::f32) write_impl<float>(a);
-  else write_impl<bf16>(a);
+  const bool f32 = a.dtype == DType::f32, cache_f32 = a.cache_dtype == DType::f32;
+  if (f32 && cache_f32) write_impl<float, float>(a);
+  else if (f32) write_impl<float, bf16>(a);
+  else if (cache_f32) write_impl<bf16, float>(a);
+  else write_impl<bf16, bf16>(a);
 }
 
 }  // namespace appliance::APPLIANCE_ISA

@@ -119,6 +119,7 @@ void silu_and_mul(const Ref& out_r, const Ref& x_r) {
 
 void cache_shape(const T& cache, const T& like) {
   contiguous(cache);
+  float_type(cache);
   same_type(like, cache);
   require(cache.shape == like.shape, cache.name + ": shape differs from " + like.name);
 }
@@ -127,14 +128,15 @@ void write_kv_cache(const Ref& k_r, const Ref& v_r, const Ref& kc_r, const Ref& 
   T k = tensor(k_r, "key", 3), v = tensor(v_r, "value", 3), kc = tensor(kc_r, "key_cache", 4),
     vc = tensor(vc_r, "value_cache", 4), slots = tensor(slots_r, "slot_mapping", 1);
   DType dt = float_type(k);
-  same_type(k, v), cache_shape(kc, kc), cache_shape(vc, kc), same_type(k, kc), integer(slots, I64);
+  same_type(k, v), cache_shape(kc, kc), cache_shape(vc, kc), integer(slots, I64);
   const int64_t tokens = slots.dim(0), H = kc.dim(1), B = kc.dim(2), D = kc.dim(3);
   heads_rows(k, tokens, H, D), heads_rows(v, tokens, H, D);
   const int64_t* s = static_cast<const int64_t*>(slots.ptr);
   for (int64_t t = 0; t < tokens; ++t)
     require(s[t] < kc.dim(0) * B, "slot_mapping: slot " + std::to_string(s[t]) + " is past the cache's " +
                                       std::to_string(kc.dim(0) * B) + " slots");
-  kernels().write_kv_cache({dt, k.ptr, v.ptr, kc.ptr, vc.ptr, s, tokens, H, D, B, kc.dim(0), k.st(0), v.st(0)});
+  kernels().write_kv_cache({dt, k.ptr, v.ptr, kc.ptr, vc.ptr, s, tokens, H, D, B, kc.dim(0), k.st(0), v.st(0),
+                            float_type(kc)});
 }
 
 void check_sequences(const T& tables, const T& lens, const T& starts, int64_t tq, int64_t blocks, int64_t B) {
@@ -161,7 +163,7 @@ void paged_attention(const Ref& out_r, const Ref& q_r, const Ref& kc_r, const Re
     vc = tensor(vc_r, "value_cache", 4), bt = tensor(bt_r, "block_tables", 2), cl = tensor(cl_r, "context_lens", 1),
     qs = tensor(qs_r, "q_starts", 1);
   DType dt = float_type(q);
-  same_type(q, out), same_type(q, kc), cache_shape(kc, kc), cache_shape(vc, kc);
+  same_type(q, out), cache_shape(kc, kc), cache_shape(vc, kc);
   integer(bt, I32), integer(cl, I32), integer(qs, I64);
   const int64_t tq = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hk = kc.dim(1), B = kc.dim(2);
   require(kc.dim(3) == D, "key_cache: head_dim differs from q");
@@ -170,7 +172,7 @@ void paged_attention(const Ref& out_r, const Ref& q_r, const Ref& kc_r, const Re
   check_sequences(bt, cl, qs, tq, kc.dim(0), B);
   kernels().paged_attention({dt, out.ptr, q.ptr, kc.ptr, vc.ptr, static_cast<const int32_t*>(bt.ptr),
                              static_cast<const int32_t*>(cl.ptr), static_cast<const int64_t*>(qs.ptr), cl.dim(0), Hq,
-                             Hk, D, B, bt.dim(1), kc.dim(0), q.st(0), out.st(0), scale});
+                             Hk, D, B, bt.dim(1), kc.dim(0), q.st(0), out.st(0), scale, float_type(kc)});
 }
 
 void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app import LLM, SamplingParams
 
@@ -19,6 +20,15 @@ def test_chat_answers_the_capital_of_france(llm):
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # the model ended its turn itself
     assert out[0].outputs[0].token_ids[-1] == llm.eos_token_id and "<|im_end|>" not in out[0].outputs[0].text
+
+
+def test_a_bfloat16_kv_cache_under_float32_activations():
+    # kv_cache.dtype may differ from model.dtype: K/V are rounded as they are written (this raised before)
+    llm = LLM(model={"dtype": "float32"}, kv_cache={"memory": "256MiB", "dtype": "bfloat16"}, bind_threads=False)
+    assert llm.core.executor.runner.kv_cache[0][0].dtype == torch.bfloat16
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out[0].outputs[0].text
 
 
 def test_generate_returns_outputs_in_input_order(llm):

@@ -129,6 +129,27 @@ def test_write_kv_cache(isa, dtype):
     assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
 
 
+def test_write_kv_cache_rounds_into_a_bfloat16_cache(isa):
+    tokens, kv_heads, head_dim, block_size, blocks = 9, 3, 72, 16, 4
+    kc, vc = make_cache(blocks, kv_heads, block_size, head_dim, torch.bfloat16)
+    key, value = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size)[:tokens].to(torch.int64)
+    kernels.write_kv_cache(key, value, kc, vc, slots)
+    for t, slot in enumerate(slots.tolist()):  # round to nearest even, as torch's .to(bfloat16)
+        assert torch.equal(kc[slot // block_size, :, slot % block_size], key[t].to(torch.bfloat16))
+        assert torch.equal(vc[slot // block_size, :, slot % block_size], value[t].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_attention_with_a_cache_of_another_dtype(isa, q_dtype, cache_dtype):
+    context_lens, q_lens = [37, 100, 81, 250], [37, 29, 1, 1]  # prompt, extend, decodes
+    q, kc, vc, tables, lens, starts = attention_case(q_dtype, 9, 3, 64, context_lens, q_lens, seed=3)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+    out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+    assert out.dtype == q_dtype
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), q_dtype)
+
+
 def attention_ref(q, kc, vc, tables, context_lens, q_lens, scale):
     """Gather each sequence's K/V from its blocks, then causal attention in float32."""
     outs, start = [], 0

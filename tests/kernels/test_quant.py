@@ -42,7 +42,7 @@ def test_dequantize_is_exact(isa, qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 130, 576), (2, 9, 64), (3, 7, 96), (4, 31, 128), (5, 33, 64), (17, 67, 160),
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 130, 576), (2, 9, 64), (3, 7, 96), (4, 31, 128), (100, 33, 64), (5, 33, 64), (17, 67, 160),
                                            (64, 260, 288)])
 def test_linear_matches_dequantize_then_matmul(isa, qtype, m, n, k):
     q, w = quantized(n, k, qtype, seed=m + n + k)

@@ -38,11 +38,11 @@ int main() {
   int32_t lens[2] = {37, 70};
   int64_t starts[3] = {0, 37, 41};
   auto q = rnd(41 * Hq * D); std::vector<float> a1(41 * Hq * D), a2(41 * Hq * D);
-  AttentionArgs args{DType::f32, a1.data(), q.data(), kc.data(), vc.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f};
+  AttentionArgs args{DType::f32, a1.data(), q.data(), kc.data(), vc.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f, DType::f32};
   neon::paged_attention(args); args.out = a2.data(); portable::paged_attention(args);
   check("paged_attention f32", maxdiff(a1, a2), 1e-4);
   auto qb = tobf(q), kb = tobf(kc), vb = tobf(vc); std::vector<bf16> c1(41 * Hq * D), c2(41 * Hq * D);
-  AttentionArgs bargs{DType::bf16, c1.data(), qb.data(), kb.data(), vb.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f};
+  AttentionArgs bargs{DType::bf16, c1.data(), qb.data(), kb.data(), vb.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f, DType::bf16};
   neon::paged_attention(bargs); bargs.out = c2.data(); portable::paged_attention(bargs);
   check("paged_attention bf16", maxdiff(fromb(c1), fromb(c2)), 2e-2);
   // attention over key tiles of several 8-token blocks, head_dim 72 (not a multiple of the vector),
@@ -55,7 +55,7 @@ int main() {
   int32_t lens2[2] = {150, 93};
   int64_t starts2[3] = {0, 150, 155};
   auto q2 = rnd(155 * Hq2 * D2); std::vector<float> e1(q2.size()), e2(q2.size());
-  AttentionArgs args2{DType::f32, e1.data(), q2.data(), kc2.data(), vc2.data(), tables2.data(), lens2, starts2, 2, Hq2, Hk2, D2, B2, M2, NB2, Hq2 * D2, Hq2 * D2, 0.125f};
+  AttentionArgs args2{DType::f32, e1.data(), q2.data(), kc2.data(), vc2.data(), tables2.data(), lens2, starts2, 2, Hq2, Hk2, D2, B2, M2, NB2, Hq2 * D2, Hq2 * D2, 0.125f, DType::f32};
   neon::paged_attention(args2); args2.out = e2.data(); portable::paged_attention(args2);
   check("paged_attention B8 D72 f32", maxdiff(e1, e2), 1e-4);
   // rope
