@@ -86,7 +86,9 @@ class LlamaForCausalLM:
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         shape = (num_blocks, self.shard.num_kv_heads, block_size, self.cfg.head_dim)
         dtype = dtype or self.dtype
-        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in self.layers]
+        # empty, not zeros: attention reads no slot before a step has written it (tests/kernels pins that down
+        # with a NaN-filled cache), and zeroing gigabytes took seconds of every start and made all of it resident
+        return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in self.layers]
 
     def resident_bytes(self) -> int:
         tensors = {id(t): t for t in self.tensors()}
