@@ -1,11 +1,13 @@
 // Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0).
 //
-// A decode step is bound by the bytes of weights it reads: a Q4_1 row is 5 bits a weight, fp32 32.
-// Each thread takes a group of output rows, dequantizes them to float32 once into a scratch buffer
-// it keeps in L2 (plain loops the compiler vectorises for this ISA), and then runs every activation
-// row against them with float32 FMAs: a 4 x 4 register tile of (activation row, weight row) dot
-// products. So the weights are read from memory once per call, whatever the batch, and the result
-// equals dequantize-then-matmul in float32 up to the order of the sums.
+// A decode step reads every weight once: a Q4_1 weight is 5 bits, a float32 one 32. Two paths, both
+// float32 FMAs on exactly dequantized weights, so the result equals dequantize-then-matmul in float32
+// up to the order of the sums:
+//   - up to 4 activation rows (AVX-512): each block is widened into two registers and used at once;
+//   - otherwise each thread dequantizes a group of output rows into a float32 scratch it keeps in
+//     L2, then runs every activation row against them in 4 x 4 register tiles of (activation row,
+//     weight row) dot products: the blocks are read from memory once per call, whatever the batch.
+// Prompts (many rows) do not come here: app/model/quant.py expands the weight for torch's GEMM.
 #include <algorithm>
 #include <vector>
 
@@ -25,24 +27,31 @@ inline uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1
 
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
 #define APPLIANCE_SIMD_DEQUANT 1
-// 16 weights a register: bytes widened to int32 lanes, converted, scaled (and offset) with one FMA
+// One block in two registers of 16 weights: bytes widened to int32 lanes, converted, scaled (and
+// offset) with one FMA.
+template <QType Q>
+inline void block_registers(const uint8_t* b, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(u16(b)));
+  if constexpr (Q == QType::q8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  } else {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Q == QType::q4_1 ? 4 : 2))));
+    const __m512 m = Q == QType::q4_1 ? _mm512_set1_ps(_cvtsh_ss(u16(b + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
+    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+  }
+}
+
 template <QType Q>
 void dequant_row(const uint8_t* row, int64_t blocks, float* out) {
   constexpr int64_t bytes = Q == QType::q8_0 ? 34 : Q == QType::q4_1 ? 20 : 18;
-  const __m512i low4 = _mm512_set1_epi32(15);
   for (int64_t b = 0; b < blocks; ++b, row += bytes, out += kQuantBlock) {
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(u16(row)));
-    if constexpr (Q == QType::q8_0) {
-      const __m128i* q = reinterpret_cast<const __m128i*>(row + 2);
-      _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)))));
-      _mm512_storeu_ps(out + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)))));
-    } else {
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (Q == QType::q4_1 ? 4 : 2))));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4)), hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-      const __m512 m = Q == QType::q4_1 ? _mm512_set1_ps(_cvtsh_ss(u16(row + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(d, lo, m));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(d, hi, m));
-    }
+    __m512 lo, hi;
+    block_registers<Q>(row, lo, hi);
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + 16, hi);
   }
 }
 #elif APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
@@ -151,21 +160,6 @@ const float* float_rows(const QuantLinearArgs& a, std::vector<float>& buffer, in
 // no trip through memory; two weight rows at a time keep independent FMA chains in flight.
 constexpr int64_t kRegisterPathRows = 4;
 constexpr int64_t kPrefetchRows = 16;
-
-template <QType Q>
-inline void block_registers(const uint8_t* b, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(u16(b)));
-  if constexpr (Q == QType::q8_0) {
-    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-  } else {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Q == QType::q4_1 ? 4 : 2))));
-    const __m512 m = Q == QType::q4_1 ? _mm512_set1_ps(_cvtsh_ss(u16(b + 2))) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-    lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
-    hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
-  }
-}
 
 template <QType Q, int M>
 void gemv_rows(const QuantLinearArgs& a, const float* x, int64_t x_stride, int64_t row_bytes) {
