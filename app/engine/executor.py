@@ -80,11 +80,14 @@ class TPExecutor:
             self.group.broadcast(encoder.encode(Stop()), 5.0)
         except Exception:  # a group that already failed: the workers are stopping anyway
             pass
+        from app.bootstrap.runtime import remove_openmp_files
+
         for worker in self.workers:
             worker.join(10)
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+            remove_openmp_files(worker.pid)  # what its OpenMP runtime left in /dev/shm if it did not exit cleanly
         self.group.close()
 
 

@@ -55,8 +55,10 @@ def test_each_rank_runs_and_allocates_where_the_plan_says(reports, layout, nodes
         assert set(pinned) == {str(c) for c in cpus}, (key, cpus, rank["threads"])
         # the memory policy: bound to the rank's node for every anonymous mapping ...
         assert set(rank["anon_policies"]) == {f"bind:{node}"}, (key, rank["anon_policies"])
-        # ... and its pages there: weights, KV cache and heap (a few pages of the interpreter's start-up,
-        # touched before the rank bound itself, may sit on the other node)
+        # ... and its pages there: at least its weights (loaded after it bound itself). What the interpreter
+        # and torch's import touched before that may sit on the other node: a TP worker, spawned by rank 0,
+        # imports torch before it binds (about 150 MiB); the KV cache is allocated empty, resident as used.
         pages = {int(n): count for n, count in rank["anon_pages_by_node"].items()}
-        assert pages.get(node, 0) >= 0.95 * sum(pages.values()), (key, pages)
-        assert pages[node] * 4096 >= plan[key]["kv_bytes"]  # at least the KV cache is resident on the node
+        assert pages.get(node, 0) * 4096 >= plan[key]["weight_bytes"], (key, pages)
+        elsewhere = sum(count for n, count in pages.items() if n != node)
+        assert elsewhere * 4096 <= 256 << 20, (key, pages)
