@@ -101,6 +101,9 @@ def _bench_parsers(commands) -> None:
     model.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable; default: both")
     model.add_argument("--quantized", action="append", choices=["keep", "dequantize"],
                        help="GGUF quantized weights kept or expanded at load; repeatable; default: the spec's")
+    model.add_argument("--activations", action="append", choices=["int16", "int8", "float"],
+                       help="how activations meet kept-quantized weights; repeatable; default: the spec's")
+    model.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV cache dtype (default: the compute dtype)")
     model.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
     model.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     model.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
@@ -178,7 +181,8 @@ def _bench_model(args: argparse.Namespace) -> int:
 
     doc = read_spec(args.config, [])
     run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
-        args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized])
+        args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized],
+        args.activations or [doc.spec.model.quantized_activations], args.kv_dtype)
     return 0
 
 

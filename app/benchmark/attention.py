@@ -25,8 +25,8 @@ def _case(dtype: torch.dtype, context_lens: list[int], q_lens: list[int], heads:
     # one sequence after another in the pool, blocks in order: q [sum(q_lens), Hq, D]
     q_heads, kv_heads, head_dim = heads
     need = [math.ceil(c / block) for c in context_lens]
-    shape = (sum(need), kv_heads, block, head_dim)
-    kc, vc = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    kc = torch.randn(sum(need), kv_heads, head_dim, block).to(dtype)  # keys transposed within a block
+    vc = torch.randn(sum(need), kv_heads, block, head_dim).to(dtype)
     tables = torch.zeros(len(need), max(need), dtype=torch.int32)
     first = 0
     for s, n in enumerate(need):

@@ -24,7 +24,7 @@ from app.model.source import ModelSource
 class Result:
     what: str
     dtype: str
-    quantized: str
+    quantized: str  # "keep/<activations>" or "dequantize"
     batch: int
     context: int
     value: float
@@ -33,16 +33,17 @@ class Result:
 
 class Bench:
     def __init__(self, source: ModelSource, dtype: str, block_size: int = 16, capacity: int = 1024,
-                 quantized: str = "keep"):
-        self.loaded = load_model(source, dtype, tokenizer=False, quantized=quantized)
-        self.quantized = quantized
+                 quantized: str = "keep", activations: str = "int16", kv_dtype: str | None = None):
+        self.loaded = load_model(source, dtype, tokenizer=False, quantized=quantized, activations=activations)
+        self.quantized = f"keep/{activations}" if quantized == "keep" else quantized
         self.model, self.dtype, self.block_size, self.capacity = self.loaded.model, dtype, block_size, capacity
+        self.kv_dtype = getattr(torch, kv_dtype) if kv_dtype else None
         self.vocab = self.loaded.config.vocab_size
 
     def _cache(self, seqs: int):
         per_seq = self.capacity // self.block_size
         blocks = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(seqs)]
-        return blocks, self.model.new_kv_cache(per_seq * seqs, self.block_size)
+        return blocks, self.model.new_kv_cache(per_seq * seqs, self.block_size, self.kv_dtype)
 
     def _run(self, blocks, cache, done: list[int], new: list[int]) -> None:
         batch = make_batch(blocks, done, new, self.block_size)
@@ -81,16 +82,19 @@ class Bench:
 
 
 def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int,
-        chunk: int | None = None, quantized: list[str] = ("keep",)) -> list[Result]:
+        chunk: int | None = None, quantized: list[str] = ("keep",), activations: list[str] = ("int16",),
+        kv_dtype: str | None = None) -> list[Result]:
     cpus = sorted(os.sched_getaffinity(0))
     print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
     results = []
+    variants = [(q, a) for q in quantized for a in (activations if q == "keep" else activations[:1])]
     for dtype in dtypes:
-        for weights in quantized:
-            bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16), quantized=weights)
+        for weights, act in variants:
+            bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16), quantized=weights,
+                          activations=act, kv_dtype=kv_dtype)
             for result in [bench.prefill(prompt, repeats=3, chunk=chunk)] + [bench.decode(b, context, steps)
                                                                              for b in batches]:
-                print(f"{result.what:12} {result.dtype:9} {weights:10} batch {result.batch:3} context "
+                print(f"{result.what:12} {result.dtype:9} {result.quantized:11} batch {result.batch:3} context "
                       f"{result.context:5}  {result.value:9.1f} {result.unit}", flush=True)
                 results.append(result)
     print(json.dumps([asdict(r) for r in results]))

@@ -19,11 +19,12 @@ class ModelLaunch:
     served_name: str
     dtype: str  # "float32" or "bfloat16"
     quantized: str = "keep"  # GGUF quantized weights: "keep" or "dequantize"
+    quantized_activations: str = "int16"  # how activations meet kept-quantized weights: "int16", "int8", "float"
 
     @property
     def model_id(self) -> str:
         """Names the cached KV (prefix-cache hashes): the same weights in the same dtype on the same kernels."""
-        return f"{self.path}:{self.dtype}:{self.quantized}"
+        return f"{self.path}:{self.dtype}:{self.quantized}:{self.quantized_activations}"
 
 
 @dataclass(frozen=True)

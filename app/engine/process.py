@@ -74,7 +74,8 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
         log.info("kernels: %s; torch threads: %d", kernels.isa(), torch.get_num_threads())
         m = launch.model
         loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=tokenizer,
-                            quantized=m.quantized, group=group, rank=0, size=launch.tp)
+                            quantized=m.quantized, group=group, rank=0, size=launch.tp,
+                            activations=m.quantized_activations)
         runner = ModelRunner(loaded.model, launch.kv, launch.scheduler.max_num_batched_tokens,
                              launch.scheduler.max_num_seqs)
         if group is None:

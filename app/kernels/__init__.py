@@ -1,6 +1,7 @@
 """The native kernels (native/), behind wrappers that check their inputs (ops.py)."""
 
 from app.kernels.ops import (
+    DecoderStack,
     add_rms_norm,
     bind_threads,
     compiled_isas,
@@ -8,7 +9,9 @@ from app.kernels.ops import (
     isa,
     linear_f32_out,
     paged_attention,
-    quant_linear,
+    pack_quant,
+    packed_linear,
+    packed_rows,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
@@ -18,6 +21,7 @@ from app.kernels.ops import (
 )
 
 __all__ = [
-    "add_rms_norm", "bind_threads", "compiled_isas", "dequantize", "isa", "linear_f32_out", "paged_attention", "quant_linear", "rms_norm", "rotary_embedding",
+    "DecoderStack", "add_rms_norm", "bind_threads", "compiled_isas", "dequantize", "isa", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
+    "paged_attention", "rms_norm", "rotary_embedding",
     "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
 ]

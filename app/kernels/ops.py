@@ -92,7 +92,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    # key, value: [T, Hk, D]; caches: [blocks, Hk, block_size, D]; slot_mapping: [T] int64 (-1: skip).
+    # key, value: [T, Hk, D]; key_cache: [blocks, Hk, D, block_size] (transposed within a block); value_cache:
+    # [blocks, Hk, block_size, D]; slot_mapping: [T] int64 (-1: skip).
     # The caches may be bfloat16 for float32 keys and values (rounded as they are written).
     _same_dtype(key, value=value)
     _same_dtype(key_cache, value_cache=value_cache)
@@ -126,15 +127,32 @@ def linear_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quant_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    # x: [S, K] float; weight: [V, K/32 GGUF blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q8_0 8)
-    # -> x @ dequant(weight).T: [S, V] in out_dtype (default x's), accumulated in float32
+def pack_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    # weight: [V, K/32 GGUF blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q8_0 8) -> the packed layout, uint8 [bytes]
+    out = torch.empty(_native.packed_bytes(int(qtype), weight.shape[0], int(in_features)), dtype=torch.uint8)
+    _native.pack_quant(_ref(out, "out", (torch.uint8,), 1), _ref(weight, "weight", (torch.uint8,), 2), int(qtype),
+                       int(in_features))
+    return out
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int, out_features: int,
+                  activations: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    # x: [..., K] float; weight: packed [V, K] (pack_quant) -> x @ W^T: [..., V] in out_dtype (default x's),
+    # accumulated in float32; activations: 0 float32 FMAs, 1 int8 per block of 32, 2 int16 (two int8 planes)
     rows = _rows(x, "x")
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
-    _native.quant_linear(_ref(out, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 2),
-                         int(qtype), int(in_features))
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out = torch.empty(rows.shape[0], out_features, dtype=out_dtype or x.dtype)
+    _native.packed_linear(_ref(out, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 1),
+                          int(qtype), int(in_features), int(out_features), int(activations))
+    return out.view(*x.shape[:-1], out_features)
+
+
+def packed_rows(weight: torch.Tensor, ids: torch.Tensor, qtype: int, in_features: int, out_features: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # weight: packed [V, K]; ids: [N] int64 rows -> those rows dequantized: [N, K] in dtype
+    out = torch.empty(ids.shape[0], in_features, dtype=dtype)
+    _native.packed_rows(_ref(out, "out", dims=2), _ref(weight, "weight", (torch.uint8,), 1),
+                        _ref(ids, "ids", (torch.int64,), 1), int(qtype), int(in_features), int(out_features))
+    return out
 
 
 def dequantize(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -175,3 +193,37 @@ def use_isa(name: str) -> Iterator[None]:
         yield
     finally:
         _native.select_isa(previous)
+
+
+class DecoderStack:
+    """A Llama-family layer stack run in one native call a step (native/include/decoder.h): kept-quantized
+    linears with quantized activations, on this rank's heads; `group` is the native tensor-parallel group
+    (app.parallel.group.ShmGroup) or None. The caller keeps every tensor it hands over alive."""
+
+    def __init__(self, dtype: torch.dtype, activations: int, hidden: int, q_heads: int, kv_heads: int, head_dim: int,
+                 inter: int, eps: float, scale: float, cos_sin: torch.Tensor, final_norm: torch.Tensor, group=None):
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {', '.join(map(str, FLOAT_DTYPES))}, not {dtype}")
+        self._stack = _native.DecoderStack(_CODES[dtype], int(activations), hidden, q_heads, kv_heads, head_dim, inter,
+                                           float(eps), float(scale), _ref(cos_sin, "cos_sin", (torch.float32,), 2),
+                                           _ref(final_norm, "final_norm", dims=1), group)
+
+    def add_layer(self, qkv: tuple[torch.Tensor, int], o: tuple[torch.Tensor, int], gate_up: tuple[torch.Tensor, int],
+                  down: tuple[torch.Tensor, int], input_norm: torch.Tensor, post_norm: torch.Tensor,
+                  qkv_bias: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        # each linear: (packed uint8 data, GGML type id); caches as write_kv_cache takes them
+        def packed(w, name):
+            return _ref(w[0], name, (torch.uint8,), 1), int(w[1])
+
+        self._stack.add_layer(*packed(qkv, "qkv"), *packed(o, "o"), *packed(gate_up, "gate_up"), *packed(down, "down"),
+                              _ref(input_norm, "input_norm", dims=1), _ref(post_norm, "post_norm", dims=1),
+                              None if qkv_bias is None else _ref(qkv_bias, "qkv_bias", dims=1),
+                              _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4))
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, q_starts: torch.Tensor) -> None:
+        # in place: x [T, hidden] embeddings -> the final hidden states (after the model's last norm)
+        self._stack.run(_ref(x, "x", dims=2), _ref(positions, "positions", (torch.int64,), 1),
+                        _ref(slot_mapping, "slot_mapping", (torch.int64,), 1),
+                        _ref(block_tables, "block_tables", (torch.int32,), 2),
+                        _ref(context_lens, "context_lens", (torch.int32,), 1), _ref(q_starts, "q_starts", (torch.int64,), 1))

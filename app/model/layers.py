@@ -12,7 +12,7 @@ from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [blocks, kv_heads, block_size, head_dim]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key [blocks, kv_heads, head_dim, block_size], value [.., block_size, head_dim]
 
 
 class Attention:

@@ -4,6 +4,9 @@ A column-parallel layer keeps a slice of the output features (rows of W) and nee
 communication; a row-parallel layer keeps a slice of the input features (columns of W), so each
 rank computes a partial sum and the group all-reduces it. Fused Q/K/V and gate/up projections are
 column-parallel layers over concatenated row slices. With a group of one they are plain linears.
+
+Sharding works on the file's quantized blocks (QuantizedTensor); each layer packs its weight for the
+kernels when it is built, with the `activations` mode of app/model/quant.py.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import torch
 
 from app import kernels
-from app.model.quant import QuantizedTensor, Weight, fuse_rows, linear, storage
+from app.model.quant import PackedWeight, QuantizedTensor, Weight, fuse_rows, linear, pack, storage
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +24,8 @@ log = logging.getLogger(__name__)
 class ColumnParallelLinear:
     """y = x W^T + b for this rank's output features."""
 
-    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
-        self.weight, self.bias = weight, bias
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None, activations: str = "int16"):
+        self.weight, self.bias = pack(weight, activations), bias
 
     @staticmethod
     def shard(full: Weight, rows: range) -> Weight:
@@ -41,8 +44,8 @@ class ColumnParallelLinear:
 class RowParallelLinear:
     """y = sum over ranks of x_r W_r^T: each rank holds the input features its x_r covers."""
 
-    def __init__(self, weight: Weight, group):
-        self.weight, self.group = weight, group
+    def __init__(self, weight: Weight, group, activations: str = "int16"):
+        self.weight, self.group = pack(weight, activations), group
 
     @staticmethod
     def shard(full: Weight, columns: range) -> Weight:
@@ -60,7 +63,7 @@ class RowParallelLinear:
         if self.group.size == 1:
             return linear(x, self.weight)
         # bfloat16: partial sums stay float32 through the all-reduce: one rounding to bfloat16, as at tp=1
-        if isinstance(self.weight, QuantizedTensor):
+        if isinstance(self.weight, PackedWeight):
             return self.group.all_reduce(self.weight.linear(x, torch.float32)).to(x.dtype)
         if self.weight.dtype == torch.bfloat16:
             return self.group.all_reduce(kernels.linear_f32_out(x, self.weight)).to(torch.bfloat16)
@@ -73,8 +76,8 @@ class RowParallelLinear:
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V of this rank's heads in one GEMM; `split` gives the three back."""
 
-    def __init__(self, q: Weight, k: Weight, v: Weight, biases: tuple | None = None):
-        super().__init__(fuse_rows([q, k, v]), torch.cat(biases) if biases is not None else None)
+    def __init__(self, q: Weight, k: Weight, v: Weight, biases: tuple | None = None, activations: str = "int16"):
+        super().__init__(fuse_rows([q, k, v]), torch.cat(biases) if biases is not None else None, activations)
         self.sizes = [q.shape[0], k.shape[0], v.shape[0]]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,5 +87,5 @@ class QKVParallelLinear(ColumnParallelLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Gate and up projections of this rank's MLP features in one GEMM: [gate | up]."""
 
-    def __init__(self, gate: Weight, up: Weight):
-        super().__init__(fuse_rows([gate, up]))
+    def __init__(self, gate: Weight, up: Weight, activations: str = "int16"):
+        super().__init__(fuse_rows([gate, up]), activations=activations)

@@ -15,7 +15,7 @@ from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
 from app.model.layers import MLP, Attention, DecoderLayer, KVCache
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from app.model.quant import QuantizedTensor, Weight, storage
+from app.model.quant import PackedWeight, Weight, pack, storage
 from app.model.rope import cos_sin_table, inverse_frequencies
 from app.parallel.group import SingleRank
 from app.parallel.shard import ShardSpec
@@ -23,36 +23,44 @@ from app.parallel.shard import ShardSpec
 
 class LlamaForCausalLM:
     """One rank's part of the model: `weights` hold the shard `shard` describes (the whole model by default);
-    `group` sums the row-parallel outputs. Rank 0 holds the LM head and computes logits."""
+    `group` sums the row-parallel outputs. Rank 0 holds the LM head and computes logits. Quantized
+    weights meet activations as `activations` says (app/model/quant.py)."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, group=None,
-                 shard: ShardSpec | None = None):
-        self.cfg, self.dtype = cfg, dtype
+                 shard: ShardSpec | None = None, activations: str = "int16"):
+        self.cfg, self.dtype, self.activations = cfg, dtype, activations
         self.group = group or SingleRank()
         self.shard = shard or ShardSpec.whole(cfg)
         w = _Weights(weights, dtype)
-        self.embed = w.take("model.embed_tokens.weight")
+        self.embed = pack(w.take("model.embed_tokens.weight"), activations)
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
         self.norm = w.take("model.norm.weight")
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed
+        elif "lm_head.weight" in weights:  # rank 0 only
+            self.lm_head = pack(w.take("lm_head.weight"), activations)
         else:
-            self.lm_head = w.take("lm_head.weight") if "lm_head.weight" in weights else None  # rank 0 only
+            self.lm_head = None
         rot = cfg.rotary_dim or cfg.head_dim
         factors = weights.get("rope_freqs")  # GGUF's precomputed Llama-3 scaling, when present
         self.cos_sin = cos_sin_table(cfg.max_position, inverse_frequencies(rot, cfg.rope_theta, cfg.rope_scaling, factors))
         w.check_all_used(ignore={"rope_freqs", "lm_head.weight"})
+        # The layer stack in one native call a step where every layer can (see _native_stack); False: the
+        # Python layers always (tests compare the two)
+        self.native_stack = True
+        self._stack: tuple[list[KVCache], object] | None = None  # (the caches it was built for, the stack or None)
 
     def _layer(self, w: _Weights, i: int) -> DecoderLayer:
         p = f"model.layers.{i}."
         biases = tuple(w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv") if self.cfg.qkv_bias else None
-        qkv = QKVParallelLinear(*(w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"), biases)
+        act = self.activations
+        qkv = QKVParallelLinear(*(w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"), biases, act)
         q_norm = w.take(p + "self_attn.q_norm.weight") if self.cfg.qk_norm else None
         k_norm = w.take(p + "self_attn.k_norm.weight") if self.cfg.qk_norm else None
-        o = RowParallelLinear(w.take(p + "self_attn.o_proj.weight"), self.group)
+        o = RowParallelLinear(w.take(p + "self_attn.o_proj.weight"), self.group, act)
         attention = Attention(self.cfg, self.shard.num_heads, self.shard.num_kv_heads, qkv, o, q_norm, k_norm)
-        gate_up = MergedColumnParallelLinear(w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight"))
-        mlp = MLP(gate_up, RowParallelLinear(w.take(p + "mlp.down_proj.weight"), self.group))
+        gate_up = MergedColumnParallelLinear(w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight"), act)
+        mlp = MLP(gate_up, RowParallelLinear(w.take(p + "mlp.down_proj.weight"), self.group, act))
         return DecoderLayer(attention, mlp, w.take(p + "input_layernorm.weight"),
                             w.take(p + "post_attention_layernorm.weight"), self.cfg.rms_norm_eps)
 
@@ -61,21 +69,54 @@ class LlamaForCausalLM:
         # input_ids: [T] -> final hidden states [T, H]
         from app import kernels
 
-        if isinstance(self.embed, QuantizedTensor):
+        if isinstance(self.embed, PackedWeight):
             x = self.embed.embedding(input_ids, self.dtype)
         else:
             x = F.embedding(input_ids, self.embed)
+        stack = self._native_stack(caches) if self.native_stack else None
+        if stack is not None:
+            stack.run(x, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens, batch.q_starts)
+            return x
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
             x, residual = layer(x, residual, batch, cache, self.cos_sin)
         kernels.add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
+    def _native_stack(self, caches: list[KVCache]):
+        """The native layer stack for these caches (built on first use), or None where a layer needs the
+        Python path: dense float weights, float activations, per-head Q/K norms."""
+        if self._stack is not None and self._stack[0] is caches:
+            return self._stack[1]
+        self._stack = (caches, self._build_stack(caches))
+        return self._stack[1]
+
+    def _build_stack(self, caches: list[KVCache]):
+        from app import kernels
+        from app.model.quant import ACTIVATIONS
+
+        linears = [(lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down) for lay in self.layers]
+        weights = [lin.weight for group in linears for lin in group]
+        if (self.cfg.qk_norm or self.activations not in ("int8", "int16")
+                or not all(isinstance(w, PackedWeight) for w in weights)
+                or self.group.size > 1 and getattr(self.group, "native", None) is None):
+            return None
+        native_group = self.group.native if self.group.size > 1 else None
+        stack = kernels.DecoderStack(self.dtype, ACTIVATIONS[self.activations], self.cfg.hidden_size,
+                                     self.shard.num_heads, self.shard.num_kv_heads, self.cfg.head_dim,
+                                     self.layers[0].mlp.down.weight.in_features, self.cfg.rms_norm_eps,
+                                     self.cfg.head_dim ** -0.5, self.cos_sin, self.norm, native_group)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            a, m = layer.attention, layer.mlp
+            stack.add_layer(*((lin.weight.data, lin.weight.qtype) for lin in (a.qkv, a.o, m.gate_up, m.down)),
+                            layer.input_norm, layer.post_norm, a.qkv.bias, *cache)
+        return stack
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, H] -> [S, vocab] float32. In bfloat16 the head accumulates AND outputs float32:
         # rounded to bf16, close logits would tie or swap and change greedy choices.
-        if isinstance(self.lm_head, QuantizedTensor):
+        if isinstance(self.lm_head, PackedWeight):
             return self.lm_head.linear(hidden, torch.float32)
         if self.dtype == torch.bfloat16:
             from app import kernels
@@ -84,11 +125,13 @@ class LlamaForCausalLM:
         return F.linear(hidden, self.lm_head)
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
-        shape = (num_blocks, self.shard.num_kv_heads, block_size, self.cfg.head_dim)
-        dtype = dtype or self.dtype
+        # per layer: keys [blocks, kv_heads, head_dim, block_size] (transposed within a block, so attention scores
+        # a vector of keys at a time), values [blocks, kv_heads, block_size, head_dim]
+        heads, dim, dtype = self.shard.num_kv_heads, self.cfg.head_dim, dtype or self.dtype
         # empty, not zeros: attention reads no slot before a step has written it (tests/kernels pins that down
         # with a NaN-filled cache), and zeroing gigabytes took seconds of every start and made all of it resident
-        return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in self.layers]
+        return [(torch.empty(num_blocks, heads, dim, block_size, dtype=dtype),
+                 torch.empty(num_blocks, heads, block_size, dim, dtype=dtype)) for _ in self.layers]
 
     def resident_bytes(self) -> int:
         tensors = {id(t): t for t in self.tensors()}
@@ -115,7 +158,7 @@ class _Weights:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
         self.used.add(name)
         weight = self.weights[name]
-        return weight if isinstance(weight, QuantizedTensor) else weight.to(self.dtype).contiguous()
+        return weight if not isinstance(weight, torch.Tensor) else weight.to(self.dtype).contiguous()
 
     def check_all_used(self, ignore: set[str]) -> None:
         unused = sorted(set(self.weights) - self.used - ignore)

@@ -30,11 +30,11 @@ class LoadedModel:
 
 
 def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantized: str = "keep", group=None,
-               rank: int = 0, size: int = 1) -> LoadedModel:
+               rank: int = 0, size: int = 1, activations: str = "int16") -> LoadedModel:
     """Read `source` and build the model in `dtype` ("float32" or "bfloat16").
 
     With `quantized` "keep", GGUF weights of the types app/model/quant.py has kernels for stay in
-    their blocks; "dequantize" expands every weight to `dtype`.
+    their blocks, and meet activations as `activations` says; "dequantize" expands every weight to `dtype`.
 
     With `size` > 1, only TP rank `rank`'s shard is kept: each tensor is cut as it is read, so the
     whole model is never in memory; `group` is the rank's TP group.
@@ -57,7 +57,7 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
         del tensor, part
         bar.update()
     bar.close()
-    model = LlamaForCausalLM(checkpoint.config, weights, DTYPES[dtype], group, shard)
+    model = LlamaForCausalLM(checkpoint.config, weights, DTYPES[dtype], group, shard, activations)
     del weights
     tok = load_tokenizer(source) if tokenizer else None
     template = _chat_template(tok, checkpoint.chat_template)
@@ -66,11 +66,11 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
            f"{len(shard.intermediate)} MLP features)" if size > 1 else ""
     log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident%s%s", source.served_name,
              checkpoint.config.architecture, checkpoint.config.num_layers, dtype, seconds,
-             format_size(model.resident_bytes()), part, _weight_types(checkpoint, keep, dtype))
+             format_size(model.resident_bytes()), part, _weight_types(checkpoint, keep, dtype, activations))
     return LoadedModel(model, checkpoint.config, tok, template, seconds)
 
 
-def _weight_types(checkpoint, keep: bool, dtype: str) -> str:
+def _weight_types(checkpoint, keep: bool, dtype: str, activations: str) -> str:
     """What became of the file's weight types: kept quantized, or dequantized (and why)."""
     if not isinstance(checkpoint, GGUFCheckpoint):
         return ""
@@ -80,7 +80,7 @@ def _weight_types(checkpoint, keep: bool, dtype: str) -> str:
     types = checkpoint.types()
     kept = sorted(t for t in types if keep and t in kept_names)
     expanded = sorted(t for t in types if t not in kept and t not in ("F32", "F16", "BF16"))
-    said = f"; kept quantized: {', '.join(kept)}" if kept else ""
+    said = f"; kept quantized: {', '.join(kept)} (activations: {activations})" if kept else ""
     if expanded:
         why = "no kernel for them yet" if keep else "model.quantized is dequantize"
         said += f"; dequantized to {dtype} at load: {', '.join(expanded)} ({why})"

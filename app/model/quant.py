@@ -1,9 +1,16 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
-Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay as the file stores them: a decode
-step then reads 5 (Q4_1) or 8.5 (Q8_0) bits a weight instead of 32. The native kernels dequantize a
-few rows at a time into cache and accumulate in float32, so results equal dequantize-then-matmul up
-to the order of the sums. Other GGUF types are dequantized at load (the loader says which).
+Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
+(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. At load they are `QuantizedTensor`s, the
+file's blocks, which TP sharding cuts and fused projections stack; the model then packs each into a
+`PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot
+products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS`):
+  - "int16": each block of 32 activations quantized to about 16 bits (two int8 planes) and multiplied
+    with int8 dot products (AVX512-VNNI); agrees with float32 to about 1e-5 of a logit's range;
+  - "int8": one plane, as llama.cpp does: fastest, and answers can differ from float32 ones;
+  - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
+    torch's GEMM): the reference's arithmetic, slowest.
+Other GGUF types are dequantized at load (the loader says which).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from app import kernels
 from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, bytes a block)
 
 BLOCK = 32
-GEMM_ROWS = 64  # more activation rows than this: expand the weight and use torch's GEMM (measured, see linear)
+GEMM_ROWS = 64  # "float": more activation rows than this expand the weight for torch's GEMM (compute-bound)
+ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}  # the native kernels' codes
 
 
 @dataclass(frozen=True)
@@ -63,20 +71,10 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return kernels.dequantize(self.data, self.qtype, self.in_features, dtype)
 
-    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's).
-
-        Up to GEMM_ROWS rows of x (decode) run on the native kernel, which reads the blocks once; a
-        prompt's many rows are compute-bound instead, so the weight is expanded to x's dtype for the
-        call and torch's GEMM (oneDNN: AMX / AVX512-BF16 where the CPU has them) runs it."""
-        rows = x.numel() // self.in_features if self.in_features else 0
-        if rows <= GEMM_ROWS or (out_dtype is not None and out_dtype != x.dtype):
-            return kernels.quant_linear(x, self.data, self.qtype, self.in_features, out_dtype)
-        return torch.nn.functional.linear(x, self.dequantize(x.dtype))
-
-    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The rows `ids` (token ids), dequantized: an embedding lookup."""
-        return kernels.dequantize(self.data[ids], self.qtype, self.in_features, dtype)
+    def pack(self, activations: str) -> PackedWeight:
+        """The weight in the kernels' layout, multiplied with activations quantized as `activations` says."""
+        return PackedWeight(kernels.pack_quant(self.data, self.qtype, self.in_features), self.qtype,
+                            self.data.shape[0], self.in_features, activations)
 
     @staticmethod
     def cat(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
@@ -84,7 +82,50 @@ class QuantizedTensor:
         return QuantizedTensor(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].in_features)
 
 
-Weight = torch.Tensor | QuantizedTensor
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [rows, in_features] weight packed for the native kernels (uint8 `data`), and how it meets activations."""
+
+    data: torch.Tensor
+    qtype: int
+    rows: int
+    in_features: int
+    activations: str  # a key of ACTIVATIONS
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {self.activations!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.in_features
+
+    @property
+    def type_name(self) -> str:
+        return KEPT_TYPES[self.qtype][0]
+
+    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's)."""
+        rows = x.numel() // self.in_features
+        if self.activations == "float" and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype))
+        return kernels.packed_linear(x, self.data, self.qtype, self.in_features, self.rows,
+                                     ACTIVATIONS[self.activations], out_dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows `ids` (token ids), dequantized: an embedding lookup."""
+        return kernels.packed_rows(self.data, ids, self.qtype, self.in_features, self.rows, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.embedding(torch.arange(self.rows), dtype)
+
+
+Weight = torch.Tensor | QuantizedTensor | PackedWeight
+
+
+def pack(weight: Weight, activations: str) -> Weight:
+    """A file's quantized weight in the kernels' layout; float weights as they are."""
+    return weight.pack(activations) if isinstance(weight, QuantizedTensor) else weight
 
 
 def fuse_rows(parts: Sequence[Weight]) -> Weight:
@@ -97,7 +138,7 @@ def fuse_rows(parts: Sequence[Weight]) -> Weight:
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, QuantizedTensor):
+    if isinstance(weight, PackedWeight):
         out = weight.linear(x)
         return out.add_(bias) if bias is not None else out
     return torch.nn.functional.linear(x, weight, bias)
@@ -105,4 +146,4 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 def storage(weight: Weight) -> torch.Tensor:
     """The tensor that holds a weight's bytes."""
-    return weight.data if isinstance(weight, QuantizedTensor) else weight
+    return weight.data if isinstance(weight, QuantizedTensor | PackedWeight) else weight

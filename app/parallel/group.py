@@ -19,6 +19,7 @@ class SingleRank:
     """The group of one: collectives are no-ops."""
 
     rank, size = 0, 1
+    native = None  # no native group to hand to native code (app.kernels.DecoderStack)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -47,6 +48,11 @@ class ShmGroup:
 
         self.name, self.rank, self.size = name, rank, size
         self._group = _native.ShmGroup(name, rank, size, slot_bytes, broadcast_bytes, attach_timeout)
+
+    @property
+    def native(self):
+        """The native group, for native code that runs collectives itself (app.kernels.DecoderStack)."""
+        return self._group
 
     @staticmethod
     def new_name() -> str:

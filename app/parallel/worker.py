@@ -109,8 +109,7 @@ def _load(launch: RankLaunch, group, bind: bool):
             log.info("binding: %s", line.strip())
     m = launch.model
     loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=False, quantized=m.quantized,
-                        group=group,
-                        rank=launch.rank, size=launch.tp)
+                        group=group, rank=launch.rank, size=launch.tp, activations=m.quantized_activations)
     return ModelRunner(loaded.model, launch.kv, launch.scheduler.max_num_batched_tokens, launch.scheduler.max_num_seqs)
 
 

@@ -88,13 +88,69 @@ enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8 };
 constexpr int64_t kQuantBlock = 32;
 inline int64_t quant_block_bytes(QType t) { return t == QType::q8_0 ? 34 : t == QType::q4_1 ? 20 : 18; }
 
-struct QuantLinearArgs {  // out[s, v] = sum_k x[s, k] * dequant(weight)[v, k], accumulated in float32
+// Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
+// in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
+// 4 with zero rows. Per panel, per block of 32 weights along the rows, in this order:
+//   quants  4-bit types: 4 vectors of 64 bytes; in vector t, bytes 4j..4j+3 (row j) hold weights
+//           4t..4t+3 in their low nibbles and 16+4t..19+4t in their high ones (a GGUF Q4 block's own byte
+//           order, the 16 rows interleaved 4 bytes at a time, as vpdpbusd wants them).
+//           8-bit types: 8 vectors of 64 bytes; in vector g, bytes 4j..4j+3 hold weights 4g..4g+3, as
+//           unsigned u = q + 128.
+//   scales  16 fp16 d, then (Q4_1 only) 16 fp16 m.
+// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 0 for Q4_1 (whose m is stored).
+constexpr int64_t kPanelRows = 16;
+constexpr int64_t kPanelGroup = 4;
+
+struct PackedLayout {
+  int bits;              // 4 or 8
+  int zero;              // subtracted from every u
+  bool has_min;          // 16 fp16 m follow the 16 fp16 d
+  int64_t quant_bytes;   // per panel and block
+  int64_t block_bytes;   // quants and scales, per panel and block
+};
+
+inline PackedLayout packed_layout(QType t) {
+  if (t == QType::q8_0) return {8, 128, false, 512, 512 + 32};
+  if (t == QType::q4_0) return {4, 8, false, 256, 256 + 32};
+  return {4, 0, true, 256, 256 + 64};
+}
+inline int64_t packed_panels(int64_t rows) {
+  const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;
+  return (panels + kPanelGroup - 1) / kPanelGroup * kPanelGroup;
+}
+inline int64_t packed_bytes(QType t, int64_t rows, int64_t k) {
+  return packed_panels(rows) * (k / kQuantBlock) * packed_layout(t).block_bytes;
+}
+
+// How activations meet kept-quantized weights: exact float32 FMAs on the dequantized weights (none), or
+// quantized per block of 32 to one int8 plane (int8, as llama.cpp does) or to two (int16: x = s (h + l/256),
+// about 16 bits) and multiplied with int8 dot products, then scaled in float32.
+enum class ActQuant : int { none = 0, int8 = 1, int16 = 2 };
+
+struct PackArgs {  // out = the packed layout above of rows [R, K / 32 GGUF blocks]
   QType qtype;
+  const uint8_t* gguf;  // [R, K / 32 * block bytes] contiguous
+  uint8_t* out;         // packed_bytes(qtype, R, K)
+  int64_t rows, in_features;
+};
+
+struct PackedLinearArgs {  // out[s, v] = sum_k x[s, k] * w[v, k], accumulated in float32
+  QType qtype;
+  ActQuant act;
   DType x_dtype, out_dtype;
-  void* out;               // [S, V] rows at out_stride
-  const void* x;           // [S, K] rows at x_stride
-  const uint8_t* weight;   // [V, K / 32 blocks] contiguous
+  void* out;              // [S, V] rows at out_stride
+  const void* x;          // [S, K] rows at x_stride
+  const uint8_t* weight;  // packed [V, K]
   int64_t rows, in_features, out_features, x_stride, out_stride;
+};
+
+struct PackedRowsArgs {  // out[i, :] = w[ids[i], :] dequantized (an embedding lookup, or the whole weight)
+  QType qtype;
+  DType out_dtype;
+  void* out;              // [count, K] rows at out_stride
+  const uint8_t* weight;  // packed [V, K]
+  const int64_t* ids;     // [count], each in [0, V)
+  int64_t count, in_features, out_stride;
 };
 
 struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
@@ -114,7 +170,9 @@ struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
   void write_kv_cache(const CacheWriteArgs&);    \
   void paged_attention(const AttentionArgs&);    \
   void linear_f32_out(const LinearArgs&);        \
-  void quant_linear(const QuantLinearArgs&);     \
+  void pack_quant(const PackArgs&);              \
+  void packed_linear(const PackedLinearArgs&);   \
+  void packed_rows(const PackedRowsArgs&);       \
   void dequantize(const DequantArgs&);           \
   }
 
@@ -134,7 +192,9 @@ struct KernelTable {
   void (*write_kv_cache)(const CacheWriteArgs&);
   void (*paged_attention)(const AttentionArgs&);
   void (*linear_f32_out)(const LinearArgs&);
-  void (*quant_linear)(const QuantLinearArgs&);
+  void (*pack_quant)(const PackArgs&);
+  void (*packed_linear)(const PackedLinearArgs&);
+  void (*packed_rows)(const PackedRowsArgs&);
   void (*dequantize)(const DequantArgs&);
 };
 

@@ -271,6 +271,143 @@ struct VecF {
 #error "APPLIANCE_ISA must be one of avx512bf16, avx512, avx2, neon, portable"
 #endif
 
+// Sixteen lanes on every ISA (one AVX-512 register, two AVX2 ones, plain arrays elsewhere): the kept-
+// quantized linears (quant.cpp) work on panels of 16 weight rows, one lane a row, so one packed layout
+// serves every ISA. I32x16 holds 64 bytes: lane j is bytes 4j..4j+3. dot4 is VNNI's vpdpbusd: each lane
+// adds the products of its 4 unsigned bytes with the 4 signed bytes of x4 (exact: no saturation).
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
+
+struct F32x16 {
+  __m512 v;
+  static F32x16 zero() { return {_mm512_setzero_ps()}; }
+  static F32x16 set1(float x) { return {_mm512_set1_ps(x)}; }
+  static F32x16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static F32x16 load_half(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static F32x16 fmadd(F32x16 a, F32x16 b, F32x16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend F32x16 operator*(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+
+struct I32x16 {
+  __m512i v;
+  static I32x16 zero() { return {_mm512_setzero_si512()}; }
+  static I32x16 set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
+  static I32x16 load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+  I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
+  I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
+  template <int I> I32x16 byte() const { return {_mm512_and_si512(_mm512_srli_epi32(v, 8 * I), _mm512_set1_epi32(0xff))}; }
+  I32x16 shl8() const { return {_mm512_slli_epi32(v, 8)}; }
+  friend I32x16 operator+(I32x16 a, I32x16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
+  friend I32x16 operator-(I32x16 a, I32x16 b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+  F32x16 to_float() const { return {_mm512_cvtepi32_ps(v)}; }
+  // kSmall: every byte of w is below 16 (4-bit weights), which the emulation below can use
+  template <bool kSmall>
+  static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16  // this tier has AVX512-VNNI too (every BF16 CPU does)
+    return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
+#else  // pairs of u8 x s8 into int16 (no saturation for bytes below 16), pairs of those into int32
+    const __m512i x = _mm512_set1_epi32(x4), ones = _mm512_set1_epi16(1);
+    if (kSmall) return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, x), ones))};
+    const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(w.low_nibbles().v, x), ones);
+    const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(w.high_nibbles().v, x), ones);
+    return {_mm512_add_epi32(acc.v, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)))};
+#endif
+  }
+};
+
+#elif APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
+
+struct F32x16 {
+  __m256 a, b;
+  static F32x16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F32x16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static F32x16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static F32x16 load_half(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static F32x16 fmadd(F32x16 x, F32x16 y, F32x16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+  friend F32x16 operator*(F32x16 x, F32x16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, a), _mm256_storeu_ps(p + 8, b); }
+};
+
+struct I32x16 {
+  __m256i a, b;
+  static I32x16 zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static I32x16 set1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+  static I32x16 load(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static __m256i low(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0f)); }
+  static __m256i high(__m256i x) { return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0f)); }
+  I32x16 low_nibbles() const { return {low(a), low(b)}; }
+  I32x16 high_nibbles() const { return {high(a), high(b)}; }
+  template <int I> I32x16 byte() const {
+    const __m256i m = _mm256_set1_epi32(0xff);
+    return {_mm256_and_si256(_mm256_srli_epi32(a, 8 * I), m), _mm256_and_si256(_mm256_srli_epi32(b, 8 * I), m)};
+  }
+  I32x16 shl8() const { return {_mm256_slli_epi32(a, 8), _mm256_slli_epi32(b, 8)}; }
+  friend I32x16 operator+(I32x16 x, I32x16 y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+  friend I32x16 operator-(I32x16 x, I32x16 y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
+  F32x16 to_float() const { return {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)}; }
+  template <bool kSmall>
+  static __m256i dot4_half(__m256i acc, __m256i w, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (kSmall) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(low(w), x), ones);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(high(w), x), ones);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4)));
+  }
+  template <bool kSmall>
+  static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    return {dot4_half<kSmall>(acc.a, w.a, x), dot4_half<kSmall>(acc.b, w.b, x)};
+  }
+};
+
+#else  // portable and NEON: plain loops the compiler vectorises
+
+struct F32x16 {
+  float v[16];
+#define APPLIANCE_LANES(expr) F32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = (expr); return r;
+  static F32x16 zero() { APPLIANCE_LANES(0.f) }
+  static F32x16 set1(float x) { APPLIANCE_LANES(x) }
+  static F32x16 load(const float* p) { APPLIANCE_LANES(p[i]) }
+  static F32x16 load_half(const uint16_t* p) { APPLIANCE_LANES(fp16_to_float(p[i])) }
+  static F32x16 fmadd(F32x16 a, F32x16 b, F32x16 c) { APPLIANCE_LANES(a.v[i] * b.v[i] + c.v[i]) }
+  friend F32x16 operator*(F32x16 a, F32x16 b) { APPLIANCE_LANES(a.v[i] * b.v[i]) }
+#undef APPLIANCE_LANES
+  void store(float* p) const { for (int i = 0; i < 16; ++i) p[i] = v[i]; }
+};
+
+struct I32x16 {
+  int32_t v[16];
+#define APPLIANCE_LANES(expr) I32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = (expr); return r;
+  static I32x16 zero() { APPLIANCE_LANES(0) }
+  static I32x16 set1(int32_t x) { APPLIANCE_LANES(x) }
+  static I32x16 load(const uint8_t* p) { I32x16 r; std::memcpy(r.v, p, 64); return r; }  // little-endian lanes
+  I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
+  I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
+  template <int I> I32x16 byte() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (8 * I)) & 0xffu)) }
+  I32x16 shl8() const { APPLIANCE_LANES(static_cast<int32_t>(static_cast<uint32_t>(v[i]) << 8)) }
+  friend I32x16 operator+(I32x16 a, I32x16 b) { APPLIANCE_LANES(a.v[i] + b.v[i]) }
+  friend I32x16 operator-(I32x16 a, I32x16 b) { APPLIANCE_LANES(a.v[i] - b.v[i]) }
+#undef APPLIANCE_LANES
+  F32x16 to_float() const { F32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(v[i]); return r; }
+  template <bool kSmall>
+  static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t u = static_cast<uint32_t>(w.v[i]);
+      int32_t s = 0;
+      for (int b = 0; b < 4; ++b) s += static_cast<int32_t>((u >> (8 * b)) & 0xffu) * static_cast<int8_t>(x4 >> (8 * b));
+      acc.v[i] += s;
+    }
+    return acc;
+  }
+};
+
+#endif
+
 // exp(x) to about 2 ulp: x = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial, times 2^n.
 inline VecF exp(VecF x) {
   x = VecF::min(VecF::max(x, VecF::set1(-87.3f)), VecF::set1(88.3f));

@@ -1,21 +1,29 @@
 // Attention over the paged KV cache, for decode and for prefill/extend alike.
 //
-// One work item is (sequence, KV head, tile of up to kQueryTile new queries). Its rows are the query
-// heads that share the KV head (GQA), for each query of the tile: row r is query r / group, head
-// kv_head * group + r % group. The item walks the sequence's keys in key tiles of whole cache blocks
-// (about kKeyTile keys, so a tile can span blocks of 8 and one block of 256 is one tile):
-//   - the tile's K is packed transposed once, kt [D][keys rounded up to VecF::N], with N x N
-//     register transposes, so a row's scores for VecF::N keys are D FMAs of a broadcast q element
-//     with one kt row: SIMD across keys, no horizontal sum per key;
+// The key cache is transposed within each block, [blocks, Hk, D, B], so the B keys of a block lie
+// side by side for every feature d: a row's scores for VecF::N keys are D FMAs of a broadcast q
+// element with one vector loaded straight from the cache (SIMD across keys, no horizontal sum per key,
+// no transposition). Values stay [blocks, Hk, B, D]: P.V adds broadcast p[j] times value row j.
+//
+// One work item is (sequence, KV head, tile of up to kQueryTile new queries, range of keys). Its rows
+// are the query heads that share the KV head (GQA), for each query of the tile: row r is query
+// r / group, head kv_head * group + r % group. The item walks its keys in key tiles of whole cache
+// blocks (about kKeyTile keys):
+//   - a vector of N keys is read from the cache where it lies inside one block and the context; one
+//     that straddles blocks (B not a multiple of N) or ends past the context is copied to a zero-padded
+//     scratch first, so no slot past the context is ever read;
 //   - softmax is online in float32: per row and key tile one max, one exp per key (vector), one
-//     sum; keys past a row's causal limit and the padding get -inf, so probability exactly 0;
-//   - P.V: each row's accumulator gets broadcast p[j] times V row j (vector over features).
-// Both inner products run on a few rows at once (registers hold kRows x kCols vectors), so each kt
-// or V load feeds several FMAs and enough independent FMAs are in flight.
+//     sum; keys past a row's causal limit get -inf, so probability exactly 0;
+//   - both inner products run on a few rows at once (kRows x kCols vectors of accumulators).
+// With few items (decode of one or two sequences), each item's keys are split in ranges that run
+// in parallel; their partial (max, sum, accumulator) are merged at the end (split-KV).
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include <omp.h>
 
 #include "kernels.h"
 #include "vec.h"
@@ -24,8 +32,9 @@ namespace appliance::APPLIANCE_ISA {
 namespace {
 
 constexpr int N = VecF::N;
-constexpr int64_t kQueryTile = 16;  // queries per item: more amortise the K packing, fewer balance threads
+constexpr int64_t kQueryTile = 16;  // queries per item: more amortise the key loads, fewer balance threads
 constexpr int64_t kKeyTile = 64;    // keys per tile (at least one block): amortises the per-tile reductions
+constexpr int64_t kSplitKeys = 128; // fewest keys a split-KV range gets
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Register blocking of both products: kRows rows x kCols vectors of accumulators. The portable VecF is
 // an array the compiler vectorises one operation at a time; 4 x 2 of them spill (2.5x slower there),
@@ -37,74 +46,70 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 struct Item {
   int64_t seq, kv_head, tile_start, tile_len;
+  int64_t key_begin, key_end;  // the keys this item covers (the whole causal range unless split)
+  int64_t partial;             // -1: writes the output; else its slot in the split-KV partials
 };
 
-// One thread's buffers, reused by all its items. KT: keys per tile, KP: that rounded up to N.
-template <typename T>
+// Where a vector of N keys' values for feature d lives: keys[d * stride .. + N)
+template <typename C>
+struct KeyVector {
+  const C* keys;
+  int64_t stride;
+};
+
+// One thread's buffers, reused by all its items.
+template <typename C>
 struct Scratch {
-  Scratch(int64_t key_tile, int64_t D)
-      : key_tile(key_tile), padded(round_up(key_tile, N)), kt(D * padded), vf(key_tile * D), krow(key_tile),
-        vsrc(key_tile), vrow(key_tile), bias(2 * padded, 0.f), ones(2 * padded, 1.f) {
+  explicit Scratch(int64_t key_tile, int64_t D)
+      : key_tile(key_tile), padded(round_up(key_tile, N)), packed(padded * D), vectors(padded / N), vrow(key_tile), bias(2 * padded, 0.f),
+        ones(2 * padded, 1.f) {
     std::fill(bias.begin() + padded, bias.end(), kNegInf);
     std::fill(ones.begin() + padded, ones.end(), 0.f);
   }
-  int64_t key_tile, padded;               // KT, KP
-  std::vector<float> kt, vf;              // [D, KP] packed keys; [KT, D] the tile's V as float (bf16 caches)
-  std::vector<const T*> krow, vsrc;       // [KT] the tile's key and value rows in the cache
-  std::vector<const float*> vrow;         // [KT] value rows as float (the cache itself, or vf)
+  int64_t key_tile, padded;               // KT: keys a tile (whole blocks); KP: that rounded up to N
+  std::vector<C> packed;                  // [KP / N][D][N]: key vectors copied out of the cache, zero-padded
+  std::vector<KeyVector<C>> vectors;      // [KP / N]
+  std::vector<const C*> vrow;             // [KT] value rows in the cache
   std::vector<float> bias, ones;          // [2 KP]: 0.. then -inf..; 1.. then 0..: slid by a row's visible keys
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
 };
 
-// kt[d, j] = K[j, d] for the tile's nk keys, zero in the padding up to np
-template <typename T>
-void pack_keys(const T* const* krow, int64_t nk, int64_t np, int64_t D, float* kt) {
-  VecF tile[N];
-  int64_t d0 = 0;
-  for (; d0 + N <= D; d0 += N)
-    for (int64_t j0 = 0; j0 < np; j0 += N) {
-      for (int i = 0; i < N; ++i) tile[i] = j0 + i < nk ? VecF::load(krow[j0 + i] + d0) : VecF::zero();
-      VecF::transpose(tile);
-      for (int i = 0; i < N; ++i) tile[i].store(kt + (d0 + i) * np + j0);
-    }
-  for (; d0 < D; ++d0)  // head_dim not a multiple of N
-    for (int64_t j = 0; j < np; ++j) kt[d0 * np + j] = j < nk ? to_float(krow[j][d0]) : 0.f;
-}
-
-// s[r, j0 + j] = q[r, :] . K[j0 + j, :] for R rows and C vectors of keys
-template <int R, int C>
-void score_block(const float* q, int64_t D, const float* kt, int64_t np, int64_t j0, float* s) {
+// s[r, c N .. (c + 1) N) = q[r, :] . keys of vector c, for R rows and C vectors
+template <int R, int C, typename K>
+void score_block(const float* q, int64_t D, const KeyVector<K>* v, float* s, int64_t np) {
   VecF acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = VecF::zero();
   for (int64_t d = 0; d < D; ++d) {
     VecF k[C];
-    for (int c = 0; c < C; ++c) k[c] = VecF::load(kt + d * np + j0 + c * N);
+    for (int c = 0; c < C; ++c) k[c] = VecF::load(v[c].keys + d * v[c].stride);
     for (int r = 0; r < R; ++r) {
       const VecF qd = VecF::set1(q[r * D + d]);
       for (int c = 0; c < C; ++c) acc[r][c] = VecF::fmadd(qd, k[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c].store(s + r * np + j0 + c * N);
+    for (int c = 0; c < C; ++c) acc[r][c].store(s + r * np + c * N);
 }
 
-template <int R>
-void score_rows(const float* q, int64_t D, const float* kt, int64_t np, float* s) {
-  int64_t j0 = 0;
-  for (; j0 + kCols * N <= np; j0 += kCols * N) score_block<R, kCols>(q, D, kt, np, j0, s);
-  for (; j0 < np; j0 += N) score_block<R, 1>(q, D, kt, np, j0, s);
+template <int R, typename K>
+void score_rows(const float* q, int64_t D, const KeyVector<K>* v, int64_t vectors, float* s, int64_t np) {
+  int64_t c = 0;
+  for (; c + kCols <= vectors; c += kCols) score_block<R, kCols>(q, D, v + c, s + c * N, np);
+  for (; c < vectors; ++c) score_block<R, 1>(q, D, v + c, s + c * N, np);
 }
 
-// s: [rows, np] scores of rows q: [rows, D] against the packed tile
-void scores(const float* q, int64_t rows, int64_t D, const float* kt, int64_t np, float* s) {
+// s: [rows, np] scores of rows q: [rows, D] against the tile's key vectors
+template <typename K>
+void scores(const float* q, int64_t rows, int64_t D, const KeyVector<K>* v, int64_t np, float* s) {
+  const int64_t vectors = np / N;
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) score_rows<kRows>(q + r * D, D, kt, np, s + r * np);
+  for (; r + kRows <= rows; r += kRows) score_rows<kRows>(q + r * D, D, v, vectors, s + r * np, np);
   switch (rows - r) {  // fewer than kRows left
-    case 3: score_rows<3>(q + r * D, D, kt, np, s + r * np); break;
-    case 2: score_rows<2>(q + r * D, D, kt, np, s + r * np); break;
-    case 1: score_rows<1>(q + r * D, D, kt, np, s + r * np); break;
+    case 3: score_rows<3>(q + r * D, D, v, vectors, s + r * np, np); break;
+    case 2: score_rows<2>(q + r * D, D, v, vectors, s + r * np, np); break;
+    case 1: score_rows<1>(q + r * D, D, v, vectors, s + r * np, np); break;
   }
 }
 
@@ -137,8 +142,8 @@ float softmax_row(float* s, int64_t np, bool masked, const float* bias, const fl
 }
 
 // acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows
-template <int R, int C>
-void pv_block(float* acc, const float* p, const float* keep, const float* const* vrow, int64_t n, int64_t D,
+template <int R, int C, typename V>
+void pv_block(float* acc, const float* p, const float* keep, const V* const* vrow, int64_t n, int64_t D,
               int64_t np, int64_t d0) {
   VecF o[R][C];
   for (int r = 0; r < R; ++r) {
@@ -158,23 +163,23 @@ void pv_block(float* acc, const float* p, const float* keep, const float* const*
 }
 
 // R rows whose last sees n keys (the others see fewer; their p is 0 beyond)
-template <int R>
-void pv_rows(float* acc, const float* p, const float* keep, const float* const* vrow, int64_t n, int64_t D,
-             int64_t np) {
+template <int R, typename V>
+void pv_rows(float* acc, const float* p, const float* keep, const V* const* vrow, int64_t n, int64_t D, int64_t np) {
   int64_t d0 = 0;
   for (; d0 + kCols * N <= D; d0 += kCols * N) pv_block<R, kCols>(acc, p, keep, vrow, n, D, np, d0);
   for (; d0 + N <= D; d0 += N) pv_block<R, 1>(acc, p, keep, vrow, n, D, np, d0);
   for (; d0 < D; ++d0)  // head_dim not a multiple of N
     for (int r = 0; r < R; ++r) {
       float o = acc[r * D + d0] * keep[r];
-      for (int64_t j = 0; j < n; ++j) o += p[r * np + j] * vrow[j][d0];
+      for (int64_t j = 0; j < n; ++j) o += p[r * np + j] * to_float(vrow[j][d0]);
       acc[r * D + d0] = o;
     }
 }
 
 // acc: [rows, D] += p: [rows, np] . V, after scaling each row by keep
+template <typename V>
 void weighted_values(float* acc, int64_t rows, const float* p, const float* keep, const int64_t* visible,
-                     const float* const* vrow, int64_t D, int64_t np) {
+                     const V* const* vrow, int64_t D, int64_t np) {
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows)
     pv_rows<kRows>(acc + r * D, p + r * np, keep + r, vrow, visible[r + kRows - 1], D, np);
@@ -185,28 +190,46 @@ void weighted_values(float* acc, int64_t rows, const float* p, const float* keep
   }
 }
 
-// The tile's key and value rows: keys k0 .. k0 + nk of the sequence, wherever their blocks are.
+// The tile's key vectors and value rows: keys k0 .. k0 + nk of the sequence, wherever their blocks are.
 template <typename C>
-void gather_rows(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scratch<C>& st) {
+void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scratch<C>& st) {
   const int64_t D = a.head_dim, B = a.block_size;
   const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
   const C* kc = static_cast<const C*>(a.key_cache);
   const C* vc = static_cast<const C*>(a.value_cache);
-  for (int64_t j = 0; j < nk; ++j) {
-    const int64_t p = k0 + j, offset = ((table[p / B] * a.kv_heads + it.kv_head) * B + p % B) * D;
-    st.krow[j] = kc + offset;
-    st.vsrc[j] = vc + offset;
-  }
-  if constexpr (std::is_same_v<C, float>) {
-    for (int64_t j = 0; j < nk; ++j) st.vrow[j] = st.vsrc[j];
-  } else {  // widen V once per tile, not once per group of rows
-    for (int64_t j = 0; j < nk; ++j) {
-      float* dst = &st.vf[j * D];
-      int64_t d = 0;
-      for (; d + N <= D; d += N) VecF::load(st.vsrc[j] + d).store(dst + d);
-      for (; d < D; ++d) dst[d] = to_float(st.vsrc[j][d]);
-      st.vrow[j] = dst;
+  auto block_base = [&](int64_t p) { return (table[p / B] * a.kv_heads + it.kv_head) * B * D; };
+  for (int64_t j = 0; j < nk; ++j) st.vrow[j] = vc + block_base(k0 + j) + (k0 + j) % B * D;
+  for (int64_t v = 0; v * N < nk; ++v) {
+    const int64_t first = k0 + v * N, offset = first % B;
+    if (v * N + N <= nk && offset + N <= B) {  // inside one block and the context: read in place
+      st.vectors[v] = {kc + block_base(first) + offset, B};
+      continue;
     }
+    C* dst = &st.packed[v * D * N];
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t p = first + i;
+      if (v * N + i < nk) {
+        const C* src = kc + block_base(p) + p % B;
+        for (int64_t d = 0; d < D; ++d) dst[d * N + i] = src[d * B];
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d * N + i] = from_float<C>(0.f);
+      }
+    }
+    st.vectors[v] = {dst, N};
+  }
+}
+
+// Ask for the blocks of keys k0 .. k0 + nk ahead of use: a sequence's blocks lie anywhere in the pool, so
+// the hardware prefetchers cannot see the next one coming, and a decode step streams the whole cache.
+template <typename C>
+void prefetch_keys(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk) {
+  const int64_t B = a.block_size, bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
+  const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
+  for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B) {
+    const int64_t offset = (table[p / B] * a.kv_heads + it.kv_head) * bytes;
+    const char* k = static_cast<const char*>(a.key_cache) + offset;
+    const char* v = static_cast<const char*>(a.value_cache) + offset;
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k + line, 0, 1), __builtin_prefetch(v + line, 0, 1);  // to L2
   }
 }
 
@@ -226,30 +249,39 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
   }
 }
 
-template <typename T, typename C>
-void finish_item(const AttentionArgs& a, const Item& it, int64_t rows, const Scratch<C>& st) {
+template <typename T>
+void write_rows(const AttentionArgs& a, const Item& it, int64_t rows, const float* acc, const float* l) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads;
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = a.q_starts[it.seq] + it.tile_start + r / group, head = it.kv_head * group + r % group;
     T* dst = out + token * a.out_stride + head * D;
-    const float inv = 1.f / st.l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(st.acc[r * D + d] * inv);
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(acc[r * D + d] * inv);
   }
 }
 
+// Split-KV partial results: per item slot, per row, [max, sum, acc[D]]
+struct Partials {
+  int64_t row_floats = 0, rows = 0;
+  std::vector<float> data;
+  float* at(int64_t slot, int64_t row) { return data.data() + (slot * rows + row) * row_floats; }
+};
+
 template <typename T, typename C>  // T: q and out, C: the cache
-void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st) {
+void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st, Partials& partials) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads, rows = it.tile_len * group;
+  const int64_t key_tile = st.key_tile;
   const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
-  const int64_t tile_pos = a.context_lens[it.seq] - q_len + it.tile_start, last = tile_pos + it.tile_len - 1;
+  const int64_t tile_pos = a.context_lens[it.seq] - q_len + it.tile_start;
+  const int64_t last = std::min(tile_pos + it.tile_len, it.key_end) - 1;  // no row sees past `last`
   start_item<T>(a, it, rows, tile_pos, st);
-  for (int64_t k0 = 0; k0 <= last; k0 += st.key_tile) {
-    const int64_t nk = std::min(st.key_tile, last - k0 + 1), np = round_up(nk, N);  // no row sees past `last`
-    const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;              // rows before see no key here
-    gather_rows(a, it, k0, nk, st);
-    pack_keys(st.krow.data(), nk, np, D, st.kt.data());
-    scores(&st.q[row0 * D], rows - row0, D, st.kt.data(), np, &st.p[row0 * np]);
+  for (int64_t k0 = it.key_begin; k0 <= last; k0 += key_tile) {
+    const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, N);
+    const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;  // rows before see no key here
+    gather(a, it, k0, nk, st);
+    if (k0 + key_tile <= last) prefetch_keys<C>(a, it, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
+    scores(&st.q[row0 * D], rows - row0, D, st.vectors.data(), np, &st.p[row0 * np]);
     for (int64_t r = row0; r < rows; ++r) {
       const int64_t visible = std::min(nk, st.pos[r] - k0 + 1), slide = st.padded - visible;
       st.visible[r] = visible;
@@ -258,33 +290,86 @@ void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st) {
     weighted_values(&st.acc[row0 * D], rows - row0, &st.p[row0 * np], &st.keep[row0], &st.visible[row0],
                     st.vrow.data(), D, np);
   }
-  finish_item<T>(a, it, rows, st);
+  if (it.partial < 0) return write_rows<T>(a, it, rows, st.acc.data(), st.l.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = partials.at(it.partial, r);
+    dst[0] = st.m[r], dst[1] = st.l[r];
+    std::copy(&st.acc[r * D], &st.acc[r * D] + D, dst + 2);
+  }
+}
+
+// The split ranges of one (sequence, KV head, tile) back into its output rows.
+template <typename T>
+void merge(const AttentionArgs& a, const Item& first, int64_t splits, Partials& partials) {
+  const int64_t D = a.head_dim, rows = first.tile_len * (a.q_heads / a.kv_heads);
+  std::vector<float> acc(rows * D, 0.f), l(rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int64_t s = 0; s < splits; ++s) m = std::max(m, partials.at(first.partial + s, r)[0]);
+    for (int64_t s = 0; s < splits; ++s) {
+      const float* part = partials.at(first.partial + s, r);
+      if (part[1] == 0.f) continue;  // a range with no key this row sees
+      const float w = std::exp(part[0] - m);
+      l[r] += part[1] * w;
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += part[2 + d] * w;
+    }
+  }
+  write_rows<T>(a, first, rows, acc.data(), l.data());
 }
 
 template <typename T, typename C>
 void attention_impl(const AttentionArgs& a) {
   const int64_t key_tile = std::max<int64_t>(1, kKeyTile / a.block_size) * a.block_size;
-  std::vector<Item> items;
+  std::vector<Item> whole;
   for (int64_t s = 0; s < a.seqs; ++s) {
     const int64_t q_len = a.q_starts[s + 1] - a.q_starts[s];
     if (q_len == 0) continue;
     for (int64_t h = 0; h < a.kv_heads; ++h)  // latest queries first: the longest items start early
       for (int64_t start = (q_len - 1) / kQueryTile * kQueryTile; start >= 0; start -= kQueryTile)
-        items.push_back({s, h, start, std::min(kQueryTile, q_len - start)});
+        whole.push_back({s, h, start, std::min(kQueryTile, q_len - start), 0, a.context_lens[s], -1});
+  }
+  // Few items (decode of a sequence or two): split each one's keys so that every thread has work.
+  const int64_t threads = omp_get_max_threads(), count = static_cast<int64_t>(whole.size());
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, splits)
+  Partials partials;
+  if (count > 0 && count < 2 * threads) {
+    const int64_t want = (4 * threads + count - 1) / count, group = a.q_heads / a.kv_heads;
+    partials.rows = kQueryTile * group, partials.row_floats = a.head_dim + 2;
+    for (const Item& it : whole) {
+      const int64_t keys = it.key_end, step = round_up(std::max(kSplitKeys, (keys + want - 1) / want), key_tile);
+      const int64_t splits = (keys + step - 1) / step;
+      if (splits <= 1) {
+        items.push_back(it);
+        continue;
+      }
+      merges.emplace_back(static_cast<int64_t>(items.size()), splits);
+      for (int64_t s = 0; s < splits; ++s) {
+        Item part = it;
+        part.key_begin = s * step, part.key_end = std::min(keys, (s + 1) * step);
+        part.partial = static_cast<int64_t>(partials.data.size() / (partials.rows * partials.row_floats));
+        partials.data.resize(partials.data.size() + partials.rows * partials.row_floats);
+        items.push_back(part);
+      }
+    }
+  } else {
+    items = std::move(whole);
   }
   const int64_t n = static_cast<int64_t>(items.size());
 #pragma omp parallel
   {
     Scratch<C> st(key_tile, a.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<T, C>(a, items[i], st);
+    for (int64_t i = 0; i < n; ++i) run_item<T, C>(a, items[i], st, partials);
   }
+  for (const auto& [first, splits] : merges) merge<T>(a, items[first], splits, partials);
 }
 
 }  // namespace
 
-// out, q: [Tq, Hq, D] (rows at out_stride / q_stride); key_cache, value_cache: [blocks, Hk, B, D];
-// block_tables: [S, max_blocks]; context_lens: [S]; q_starts: [S + 1]. Checked in module.cpp.
+// out, q: [Tq, Hq, D] (rows at out_stride / q_stride); key_cache: [blocks, Hk, D, B]; value_cache:
+// [blocks, Hk, B, D]; block_tables: [S, max_blocks]; context_lens: [S]; q_starts: [S + 1]. Checked in
+// module.cpp.
 void paged_attention(const AttentionArgs& a) {
   const bool f32 = a.dtype == DType::f32, cache_f32 = a.cache_dtype == DType::f32;
   if (f32 && cache_f32) attention_impl<float, float>(a);

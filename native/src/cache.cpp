@@ -1,5 +1,6 @@
-// Writing new keys and values into the paged KV cache: [blocks, kv_heads, block_size, head_dim],
-// so that one head's tokens of a block are contiguous for attention to stream through.
+// Writing new keys and values into the paged KV cache. Values: [blocks, kv_heads, block_size, head_dim],
+// one head's tokens of a block contiguous for P.V to stream through; keys: [blocks, kv_heads, head_dim,
+// block_size], transposed within the block, so that attention scores a vector of keys at a time.
 #include <cstring>
 #include <type_traits>
 
@@ -33,9 +34,11 @@ void write_impl(const CacheWriteArgs& a) {
     if (slot < 0) continue;  // padding: no cache slot
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      const int64_t dst = ((block * a.kv_heads + h) * a.block_size + offset) * a.head_dim;
-      put(kc + dst, key + t * a.key_stride + h * a.head_dim, a.head_dim);
-      put(vc + dst, value + t * a.value_stride + h * a.head_dim, a.head_dim);
+      const int64_t base = (block * a.kv_heads + h) * a.block_size * a.head_dim;
+      put(vc + base + offset * a.head_dim, value + t * a.value_stride + h * a.head_dim, a.head_dim);
+      const T* k = key + t * a.key_stride + h * a.head_dim;
+      C* kt = kc + base + offset;
+      for (int64_t d = 0; d < a.head_dim; ++d) kt[d * a.block_size] = from_float<C>(to_float(k[d]));
     }
   }
 }

@@ -8,7 +8,8 @@ namespace {
 
 #define APPLIANCE_TABLE(isa) \
   KernelTable { #isa, isa::rms_norm, isa::add_rms_norm, isa::rotary_embedding, isa::silu_and_mul, \
-                isa::write_kv_cache, isa::paged_attention, isa::linear_f32_out, isa::quant_linear, isa::dequantize }
+                isa::write_kv_cache, isa::paged_attention, isa::linear_f32_out, isa::pack_quant, \
+                isa::packed_linear, isa::packed_rows, isa::dequantize }
 
 #if defined(__x86_64__)
 const KernelTable kTables[] = {APPLIANCE_TABLE(avx512bf16), APPLIANCE_TABLE(avx512), APPLIANCE_TABLE(avx2),
@@ -19,7 +20,8 @@ bool cpu_supports(const char* isa) {
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (!std::strcmp(isa, "avx512bf16")) return avx512 && __builtin_cpu_supports("avx512bf16");
+  // the avx512bf16 tier also uses VNNI's vpdpbusd; every CPU with AVX512-BF16 has it
+  if (!std::strcmp(isa, "avx512bf16")) return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (!std::strcmp(isa, "avx512")) return avx512;
   if (!std::strcmp(isa, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return !std::strcmp(isa, "portable");

@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "binding.h"
 #include "collective.h"
+#include "decoder.h"
 #include "kernels.h"
 
 namespace py = pybind11;
@@ -117,19 +119,22 @@ void silu_and_mul(const Ref& out_r, const Ref& x_r) {
   kernels().silu_and_mul({dt, out.ptr, x.ptr, x.dim(0), out.dim(1), x.st(0), out.st(0)});
 }
 
-void cache_shape(const T& cache, const T& like) {
-  contiguous(cache);
-  float_type(cache);
-  same_type(like, cache);
-  require(cache.shape == like.shape, cache.name + ": shape differs from " + like.name);
+// value_cache: [blocks, Hk, B, D]; key_cache: [blocks, Hk, D, B] (transposed within each block)
+void kv_caches(const T& kc, const T& vc) {
+  contiguous(kc), contiguous(vc), float_type(vc), same_type(vc, kc);
+  const std::vector<int64_t> expected{vc.dim(0), vc.dim(1), vc.dim(3), vc.dim(2)};
+  require(kc.shape == expected, "key_cache: must be [blocks, kv_heads, head_dim, block_size] = [" +
+                                    std::to_string(vc.dim(0)) + ", " + std::to_string(vc.dim(1)) + ", " +
+                                    std::to_string(vc.dim(3)) + ", " + std::to_string(vc.dim(2)) +
+                                    "] for value_cache [blocks, kv_heads, block_size, head_dim]");
 }
 
 void write_kv_cache(const Ref& k_r, const Ref& v_r, const Ref& kc_r, const Ref& vc_r, const Ref& slots_r) {
   T k = tensor(k_r, "key", 3), v = tensor(v_r, "value", 3), kc = tensor(kc_r, "key_cache", 4),
     vc = tensor(vc_r, "value_cache", 4), slots = tensor(slots_r, "slot_mapping", 1);
   DType dt = float_type(k);
-  same_type(k, v), cache_shape(kc, kc), cache_shape(vc, kc), integer(slots, I64);
-  const int64_t tokens = slots.dim(0), H = kc.dim(1), B = kc.dim(2), D = kc.dim(3);
+  same_type(k, v), kv_caches(kc, vc), integer(slots, I64);
+  const int64_t tokens = slots.dim(0), H = vc.dim(1), B = vc.dim(2), D = vc.dim(3);
   heads_rows(k, tokens, H, D), heads_rows(v, tokens, H, D);
   const int64_t* s = static_cast<const int64_t*>(slots.ptr);
   for (int64_t t = 0; t < tokens; ++t)
@@ -163,10 +168,10 @@ void paged_attention(const Ref& out_r, const Ref& q_r, const Ref& kc_r, const Re
     vc = tensor(vc_r, "value_cache", 4), bt = tensor(bt_r, "block_tables", 2), cl = tensor(cl_r, "context_lens", 1),
     qs = tensor(qs_r, "q_starts", 1);
   DType dt = float_type(q);
-  same_type(q, out), cache_shape(kc, kc), cache_shape(vc, kc);
+  same_type(q, out), kv_caches(kc, vc);
   integer(bt, I32), integer(cl, I32), integer(qs, I64);
-  const int64_t tq = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hk = kc.dim(1), B = kc.dim(2);
-  require(kc.dim(3) == D, "key_cache: head_dim differs from q");
+  const int64_t tq = q.dim(0), Hq = q.dim(1), D = q.dim(2), Hk = vc.dim(1), B = vc.dim(2);
+  require(vc.dim(3) == D, "value_cache: head_dim differs from q");
   require(Hk > 0 && Hq % Hk == 0, "q: query heads must be a multiple of the cache's KV heads");
   heads_rows(q, tq, Hq, D), heads_rows(out, tq, Hq, D);
   check_sequences(bt, cl, qs, tq, kc.dim(0), B);
@@ -202,14 +207,46 @@ void quant_weight(const T& w, QType q, int64_t k) {
               std::to_string(k) + " features, got " + std::to_string(w.dim(1)));
 }
 
-void quant_linear(const Ref& out_r, const Ref& x_r, const Ref& w_r, int qtype, int64_t k) {
-  T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2), w = tensor(w_r, "weight", 2);
+// packed: uint8 [packed_bytes(q, N, K)] for a weight of N rows
+void packed_weight(const T& w, QType q, int64_t n, int64_t k) {
+  require(w.code == U8, "weight: dtype must be uint8 (packed blocks)");
+  contiguous(w);
+  require(k > 0 && k % kQuantBlock == 0, "in_features: must be a positive multiple of 32, got " + std::to_string(k));
+  require(n > 0, "out_features: must be positive, got " + std::to_string(n));
+  require(w.dim(0) == packed_bytes(q, n, k), "weight: " + std::to_string(n) + " x " + std::to_string(k) +
+                                                 " packed takes " + std::to_string(packed_bytes(q, n, k)) +
+                                                 " bytes, got " + std::to_string(w.dim(0)));
+}
+
+void pack_quant(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
+  T out = tensor(out_r, "out", 1), w = tensor(w_r, "weight", 2);
   const QType q = quant_type(qtype);
   quant_weight(w, q, k);
-  require(x.dim(1) == k && out.dim(0) == x.dim(0) && out.dim(1) == w.dim(0),
-          "quant_linear: x must be [S, K], weight [V, K] and out [S, V]");
-  kernels().quant_linear({q, float_type(x), float_type(out), out.ptr, x.ptr, static_cast<const uint8_t*>(w.ptr),
-                          x.dim(0), k, w.dim(0), x.st(0), out.st(0)});
+  packed_weight(out, q, w.dim(0), k);
+  kernels().pack_quant({q, static_cast<const uint8_t*>(w.ptr), static_cast<uint8_t*>(out.ptr), w.dim(0), k});
+}
+
+void packed_linear(const Ref& out_r, const Ref& x_r, const Ref& w_r, int qtype, int64_t k, int64_t n, int act) {
+  T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2), w = tensor(w_r, "weight", 1);
+  const QType q = quant_type(qtype);
+  packed_weight(w, q, n, k);
+  require(act >= 0 && act <= 2, "act: must be 0 (none), 1 (int8) or 2 (int16), got " + std::to_string(act));
+  require(x.dim(1) == k && out.dim(0) == x.dim(0) && out.dim(1) == n,
+          "packed_linear: x must be [S, K] and out [S, N] for a weight [N, K]");
+  kernels().packed_linear({q, static_cast<ActQuant>(act), float_type(x), float_type(out), out.ptr, x.ptr,
+                           static_cast<const uint8_t*>(w.ptr), x.dim(0), k, n, x.st(0), out.st(0)});
+}
+
+void packed_rows(const Ref& out_r, const Ref& w_r, const Ref& ids_r, int qtype, int64_t k, int64_t n) {
+  T out = tensor(out_r, "out", 2), w = tensor(w_r, "weight", 1), ids = tensor(ids_r, "ids", 1);
+  const QType q = quant_type(qtype);
+  packed_weight(w, q, n, k);
+  integer(ids, I64);
+  require(out.dim(0) == ids.dim(0) && out.dim(1) == k, "packed_rows: out must be [len(ids), K]");
+  const int64_t* id = static_cast<const int64_t*>(ids.ptr);
+  for (int64_t i = 0; i < ids.dim(0); ++i)
+    require(id[i] >= 0 && id[i] < n, "ids: " + std::to_string(id[i]) + " is not a row of " + std::to_string(n));
+  kernels().packed_rows({q, float_type(out), out.ptr, static_cast<const uint8_t*>(w.ptr), id, ids.dim(0), k, out.st(0)});
 }
 
 void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
@@ -235,6 +272,102 @@ std::vector<std::string> compiled() {
 
 void use_isa(const std::string& name) {
   require(select_isa(name.c_str()), "ISA '" + name + "' is not compiled in or not supported by this CPU");
+}
+
+
+// ---- DecoderStack: the whole layer stack in one call (native/include/decoder.h) ----
+
+PackedMatrix packed_matrix(const Ref& ref, int qtype, int64_t n, int64_t k, const std::string& name) {
+  T w = tensor(ref, "weight", 1);
+  const QType q = quant_type(qtype);
+  try {
+    packed_weight(w, q, n, k);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(name + " " + e.what());
+  }
+  return {static_cast<const uint8_t*>(w.ptr), q, n, k};
+}
+
+const void* vector_of(const Ref& ref, const char* name, int code, int64_t n) {
+  T v = tensor(ref, name, 1);
+  contiguous(v);
+  require(v.code == code && v.dim(0) == n, std::string(name) + ": must be [" + std::to_string(n) + "] in the activation dtype");
+  return v.ptr;
+}
+
+std::unique_ptr<DecoderStack> make_stack(int dtype, int act, int64_t hidden, int64_t q_heads, int64_t kv_heads,
+                                         int64_t head_dim, int64_t inter, float eps, float scale, const Ref& cs_r,
+                                         const Ref& norm_r, ShmGroup* group) {
+  require(dtype == F32 || dtype == BF16, "dtype: must be float32 (0) or bfloat16 (1)");
+  require(act == 1 || act == 2, "act: the stack runs quantized activations only: 1 (int8) or 2 (int16)");
+  require(hidden > 0 && head_dim > 0 && inter > 0 && q_heads > 0 && kv_heads > 0 && q_heads % kv_heads == 0,
+          "DecoderStack: sizes must be positive and query heads a multiple of KV heads");
+  require(eps > 0.f, "eps: must be positive");
+  T cs = tensor(cs_r, "cos_sin", 2);
+  contiguous(cs);
+  require(cs.code == F32, "cos_sin: dtype must be float32");
+  require(cs.dim(1) % 2 == 0 && cs.dim(1) <= head_dim && cs.dim(1) > 0, "cos_sin: width must be even and at most head_dim");
+  DecoderShape shape{static_cast<DType>(dtype), static_cast<DType>(dtype), static_cast<ActQuant>(act), hidden, q_heads,
+                     kv_heads, head_dim, inter, cs.dim(1), cs.dim(0), 0, 0, eps, scale,
+                     static_cast<const float*>(cs.ptr), vector_of(norm_r, "final_norm", dtype, hidden)};
+  return std::make_unique<DecoderStack>(shape, group);
+}
+
+void stack_add_layer(DecoderStack& stack, const Ref& qkv, int qkv_type, const Ref& o, int o_type, const Ref& gu,
+                     int gu_type, const Ref& down, int down_type, const Ref& in_norm, const Ref& post_norm,
+                     const std::optional<Ref>& bias, const Ref& kc_r, const Ref& vc_r) {
+  DecoderShape s = stack.shape();
+  const int code = s.dtype == DType::f32 ? F32 : BF16;
+  const int64_t H = s.hidden, qw = s.q_heads * s.head_dim, qkvw = qw + 2 * s.kv_heads * s.head_dim;
+  T kc = tensor(kc_r, "key_cache", 4), vc = tensor(vc_r, "value_cache", 4);
+  kv_caches(kc, vc);
+  require(vc.dim(1) == s.kv_heads && vc.dim(3) == s.head_dim, "value_cache: must be [blocks, " +
+                                                                  std::to_string(s.kv_heads) + ", block_size, " +
+                                                                  std::to_string(s.head_dim) + "]");
+  if (stack.num_layers() == 0) {
+    s.cache_dtype = float_type(kc), s.block_size = vc.dim(2), s.num_blocks = vc.dim(0);
+    require(s.block_size > 0, "value_cache: block_size must be positive");
+  } else {
+    require(float_type(kc) == s.cache_dtype && vc.dim(2) == s.block_size && vc.dim(0) == s.num_blocks,
+            "key_cache: every layer's cache must have the first layer's dtype and shape");
+  }
+  DecoderLayerWeights l{packed_matrix(qkv, qkv_type, qkvw, H, "qkv"),
+                        packed_matrix(o, o_type, H, qw, "o"),
+                        packed_matrix(gu, gu_type, 2 * s.inter, H, "gate_up"),
+                        packed_matrix(down, down_type, H, s.inter, "down"),
+                        vector_of(in_norm, "input_norm", code, H),
+                        vector_of(post_norm, "post_norm", code, H),
+                        bias ? vector_of(*bias, "qkv_bias", code, qkvw) : nullptr,
+                        kc.ptr,
+                        vc.ptr};
+  stack.set_cache_shape(s.cache_dtype, s.block_size, s.num_blocks);
+  stack.add_layer(l);
+}
+
+void stack_run(DecoderStack& stack, const Ref& x_r, const Ref& pos_r, const Ref& slots_r, const Ref& bt_r,
+               const Ref& cl_r, const Ref& qs_r) {
+  const DecoderShape& s = stack.shape();
+  require(stack.num_layers() > 0, "DecoderStack: no layers");
+  T x = tensor(x_r, "x", 2), pos = tensor(pos_r, "positions", 1), slots = tensor(slots_r, "slot_mapping", 1),
+    bt = tensor(bt_r, "block_tables", 2), cl = tensor(cl_r, "context_lens", 1), qs = tensor(qs_r, "q_starts", 1);
+  contiguous(x);
+  require(float_type(x) == s.dtype && x.dim(1) == s.hidden, "x: must be [tokens, " + std::to_string(s.hidden) +
+                                                                 "] in the stack's dtype");
+  integer(pos, I64), integer(slots, I64), integer(bt, I32), integer(cl, I32), integer(qs, I64);
+  const int64_t tokens = x.dim(0);
+  require(pos.dim(0) == tokens && slots.dim(0) == tokens, "positions, slot_mapping: must have one entry a token");
+  const int64_t* p = static_cast<const int64_t*>(pos.ptr);
+  const int64_t* sl = static_cast<const int64_t*>(slots.ptr);
+  for (int64_t t = 0; t < tokens; ++t) {
+    require(p[t] >= 0 && p[t] < s.max_position, "positions: " + std::to_string(p[t]) + " is outside the cos/sin table");
+    require(sl[t] < s.num_blocks * s.block_size, "slot_mapping: slot " + std::to_string(sl[t]) + " is past the cache's " +
+                                                     std::to_string(s.num_blocks * s.block_size) + " slots");
+  }
+  check_sequences(bt, cl, qs, tokens, s.num_blocks, s.block_size);
+  const StepBatch batch{p, sl, static_cast<const int32_t*>(bt.ptr), static_cast<const int32_t*>(cl.ptr),
+                        static_cast<const int64_t*>(qs.ptr), tokens, cl.dim(0), bt.dim(1)};
+  py::gil_scoped_release release;
+  stack.run(x.ptr, batch);
 }
 
 }  // namespace
@@ -269,7 +402,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("write_kv_cache", &write_kv_cache);
   m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>());
   m.def("linear_f32_out", &linear_f32_out, py::call_guard<py::gil_scoped_release>());
-  m.def("quant_linear", &quant_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("pack_quant", &pack_quant, py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear", &packed_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("packed_rows", &packed_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("packed_bytes", [](int qtype, int64_t n, int64_t k) { return packed_bytes(quant_type(qtype), n, k); });
   m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
@@ -277,6 +413,13 @@ PYBIND11_MODULE(_native, m) {
   m.def("compiled_isas", &compiled);
   m.def("select_isa", &use_isa);
   m.def("max_threads", [] { return omp_get_max_threads(); });
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("eps"), py::arg("scale"),
+           py::arg("cos_sin"), py::arg("final_norm"), py::arg("group").none(true), py::keep_alive<1, 13>())
+      .def("add_layer", &stack_add_layer)
+      .def("run", &stack_run)
+      .def_property_readonly("num_layers", &DecoderStack::num_layers);
   py::class_<ShmGroup>(m, "ShmGroup")
       .def(py::init<const std::string&, int, int, size_t, size_t, double>(), py::arg("name"), py::arg("rank"),
            py::arg("world"), py::arg("slot_bytes"), py::arg("broadcast_bytes"), py::arg("attach_timeout"),

@@ -1,14 +1,20 @@
 // Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0).
 //
-// A decode step reads every weight once: a Q4_1 weight is 5 bits, a float32 one 32. Two paths, both
-// float32 FMAs on exactly dequantized weights, so the result equals dequantize-then-matmul in float32
-// up to the order of the sums:
-//   - up to 4 activation rows (AVX-512): each block is widened into two registers and used at once;
-//   - otherwise each thread dequantizes a group of output rows into a float32 scratch it keeps in
-//     L2, then runs every activation row against them in 4 x 4 register tiles of (activation row,
-//     weight row) dot products: the blocks are read from memory once per call, whatever the batch.
-// Prompts (many rows) do not come here: app/model/quant.py expands the weight for torch's GEMM.
+// A decode step reads every weight once: a Q4_1 weight is 5 bits, a float32 one 32. pack_quant repacks
+// the file's rows once, at load, into panels of 16 rows whose bytes sit in the int32 lanes that VNNI's
+// vpdpbusd multiplies (the layout is in kernels.h). Each packed_linear call then
+//   - quantizes x per block of 32 into one or two int8 planes (ActQuant int8, int16), or keeps it float
+//     (ActQuant none: the exact path);
+//   - runs tiles of MR activation rows x NP panels: per block, int32 dot products of the unsigned quants
+//     with the signed activation bytes, then per lane one float32 FMA with the block's scales; (none:
+//     float32 FMAs on the exactly widened quants, scaled per block the same way);
+//   - splits the tiles over the threads by panels (few rows: decode streams the weights once) and, for
+//     many rows, by chunks of rows too (prefill: a panel's blocks stay in cache while the rows go past).
+// The integer dot products are exact, so every ISA computes the same sums up to float32 rounding.
+// dequantize (GGUF rows -> float) serves the weights no kernel takes, expanded at load.
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -18,10 +24,6 @@
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
-
-constexpr int NB = 4;      // weight rows in a register tile
-constexpr int MB = 4;      // activation rows in a register tile
-constexpr int64_t GN = 64;  // most weight rows a thread dequantizes at a time (64 x K floats: in L2)
 
 inline uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 
@@ -116,151 +118,355 @@ void dequant_rows(QType q, const uint8_t* w, int64_t rows, int64_t k, float* out
   }
 }
 
-// r[i][j] = dot(x row i, w row j) for M activation rows (at x_stride) and NB weight rows (at k)
-template <int M>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, float r[MB][NB]) {
-  VecF acc[M][NB];
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = VecF::zero();
-  for (int64_t c = 0; c < k; c += VecF::N) {  // k is a multiple of 32, so of every VecF::N
-    VecF wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = VecF::load(w + j * k + c);
-    for (int i = 0; i < M; ++i) {
-      const VecF xv = VecF::load(x + i * x_stride + c);
-      for (int j = 0; j < NB; ++j) acc[i][j] = VecF::fmadd(xv, wv[j], acc[i][j]);
-    }
+// ---- activations, per block of 32: x = scale * (the block's combined integers) ----
+
+struct Activations {
+  int planes = 0;             // 1 (int8: h), 2 (int16: 256 h + l); 0: float rows (ActQuant none)
+  int64_t rows = 0, blocks = 0;
+  std::vector<int8_t> q;      // [rows][blocks][planes][32]
+  std::vector<float> scale;   // [rows][blocks]
+  std::vector<int32_t> isum;  // [rows][blocks]: the sum of the block's combined integers
+  std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
+  std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
+};
+
+// One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
+// both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
+template <typename T>
+void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& isum) {
+  float v[kQuantBlock], h[kQuantBlock], l[kQuantBlock];
+  VecF peak = VecF::zero();
+  for (int c = 0; c < kQuantBlock; c += VecF::N) {
+    const VecF a = VecF::load(x + c);
+    a.store(v + c);
+    peak = VecF::max(peak, VecF::max(a, VecF::zero() - a));
   }
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < NB; ++j) r[i][j] = acc[i][j].reduce_add();
+  const float amax = peak.reduce_max();
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, planes * kQuantBlock);
+    scale = 0.f, isum = 0;
+    return;
+  }
+  const VecF inv = VecF::set1(127.f / amax);
+  for (int c = 0; c < kQuantBlock; c += VecF::N) {
+    const VecF y = VecF::load(v + c) * inv, r = VecF::round(y);
+    r.store(h + c);
+    if (planes == 2) VecF::min(VecF::max(VecF::round((y - r) * VecF::set1(256.f)), VecF::set1(-127.f)), VecF::set1(127.f)).store(l + c);
+  }
+  int32_t sum_h = 0, sum_l = 0;
+  for (int i = 0; i < kQuantBlock; ++i) q[i] = static_cast<int8_t>(h[i]), sum_h += static_cast<int32_t>(h[i]);
+  if (planes == 2)
+    for (int i = 0; i < kQuantBlock; ++i) q[kQuantBlock + i] = static_cast<int8_t>(l[i]), sum_l += static_cast<int32_t>(l[i]);
+  scale = planes == 2 ? amax / 127.f / 256.f : amax / 127.f;
+  isum = planes == 2 ? 256 * sum_h + sum_l : sum_h;
 }
 
 template <typename T>
-void store_tile(const QuantLinearArgs& a, int64_t m0, int mv, int64_t n0, int nv, const float r[MB][NB]) {
-  T* out = static_cast<T*>(a.out);
-  for (int i = 0; i < mv; ++i)
-    for (int j = 0; j < nv; ++j) out[(m0 + i) * a.out_stride + n0 + j] = from_float<T>(r[i][j]);
-}
-
-// x as float32 rows: the caller's own memory when it already is, else a converted copy in `buffer`
-const float* float_rows(const QuantLinearArgs& a, std::vector<float>& buffer, int64_t& stride) {
-  if (a.x_dtype == DType::f32) {
-    stride = a.x_stride;
-    return static_cast<const float*>(a.x);
+void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
+  const int64_t at = row * a.blocks;
+  if (a.planes == 0) {
+    float* f = a.fx.data() + row * k;
+    for (int64_t c = 0; c < k; ++c) f[c] = to_float(x[c]);
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      float s = 0.f;
+      for (int i = 0; i < kQuantBlock; ++i) s += f[b * kQuantBlock + i];
+      a.fsum[at + b] = s;
+    }
+    return;
   }
-  const bf16* x = static_cast<const bf16*>(a.x);
-  buffer.resize(a.rows * a.in_features);
-  for (int64_t s = 0; s < a.rows; ++s)
-    for (int64_t c = 0; c < a.in_features; ++c) buffer[s * a.in_features + c] = bf16_to_float(x[s * a.x_stride + c]);
-  stride = a.in_features;
-  return buffer.data();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    quantize_block(x + b * kQuantBlock, a.planes, a.q.data() + (at + b) * a.planes * kQuantBlock, a.scale[at + b], a.isum[at + b]);
+    a.fsum[at + b] = a.scale[at + b] * static_cast<float>(a.isum[at + b]);
+  }
 }
 
-#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
-// Few activation rows (decode): each block is dequantized into two registers and used at once, with
-// no trip through memory; two weight rows at a time keep independent FMA chains in flight.
-constexpr int64_t kRegisterPathRows = 4;
-constexpr int64_t kPrefetchRows = 16;
+void prepare(const PackedLinearArgs& p, Activations& a) {
+  a.planes = static_cast<int>(p.act), a.rows = p.rows, a.blocks = p.in_features / kQuantBlock;
+  const size_t cells = static_cast<size_t>(a.rows * a.blocks);
+  a.fsum.resize(cells);
+  if (a.planes == 0) {
+    a.fx.resize(cells * kQuantBlock);
+  } else {
+    a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
+  }
+#pragma omp parallel for schedule(static) if (p.rows >= 16)
+  for (int64_t r = 0; r < p.rows; ++r) {
+    if (p.x_dtype == DType::f32) prepare_row(static_cast<const float*>(p.x) + r * p.x_stride, p.in_features, a, r);
+    else prepare_row(static_cast<const bf16*>(p.x) + r * p.x_stride, p.in_features, a, r);
+  }
+}
 
-template <QType Q, int M>
-void gemv_rows(const QuantLinearArgs& a, const float* x, int64_t x_stride, int64_t row_bytes) {
-  constexpr int64_t bytes = Q == QType::q8_0 ? 34 : Q == QType::q4_1 ? 20 : 18;
-  const int64_t blocks = a.in_features / kQuantBlock, pairs = (a.out_features + 1) / 2;
+// ---- tiles: MR activation rows x NP panels of 16 weight rows ----
+
+struct Tiles {  // what every tile of one call shares
+  const uint8_t* weight;
+  PackedLayout layout;
+  int64_t blocks, panel_bytes, out_features;
+  const Activations* x;
+  void* out;
+  DType out_dtype;
+  int64_t out_stride;
+};
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <typename T>
+void store_lanes(const F32x16& v, T* out, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == kPanelRows) return v.store(out);
+  }
+  float lanes[kPanelRows];
+  v.store(lanes);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(lanes[i]);
+}
+
+template <int MR, int NP>
+void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][NP]) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) {
+      const int64_t col = (p0 + j) * kPanelRows, n = std::min<int64_t>(kPanelRows, t.out_features - col);
+      if (n <= 0) continue;
+      const int64_t at = (r0 + r) * t.out_stride + col;
+      if (t.out_dtype == DType::f32) store_lanes(acc[r][j], static_cast<float*>(t.out) + at, n);
+      else store_lanes(acc[r][j], static_cast<bf16*>(t.out) + at, n);
+    }
+}
+
+// Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
+// or with one plane the two halves of the block, so that enough independent chains are in flight),
+// then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
+template <int MR, int NP, int BITS, int PLANES>
+void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  constexpr bool kSmall = BITS == 4;
+  const PackedLayout& L = t.layout;
+  const Activations& x = *t.x;
+  F32x16 acc[MR][NP];
+  for (auto& row : acc)
+    for (auto& a : row) a = F32x16::zero();
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* blk[NP];
+    for (int j = 0; j < NP; ++j) blk[j] = t.weight + (p0 + j) * t.panel_bytes + b * L.block_bytes;
+    const int8_t* xb[MR];
+    for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
+    I32x16 hi[MR][NP], lo[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
+    if constexpr (BITS == 4) {
+      for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 v = I32x16::load(blk[j] + 64 * g), wl = v.low_nibbles(), wh = v.high_nibbles();
+          for (int r = 0; r < MR; ++r) {
+            if constexpr (PLANES == 2) {
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wl, load4(xb[r] + 4 * g));
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wh, load4(xb[r] + 16 + 4 * g));
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], wl, load4(xb[r] + 32 + 4 * g));
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], wh, load4(xb[r] + 48 + 4 * g));
+            } else {
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wl, load4(xb[r] + 4 * g));
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], wh, load4(xb[r] + 16 + 4 * g));
+            }
+          }
+        }
+    } else {
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 w = I32x16::load(blk[j] + 64 * g);
+          for (int r = 0; r < MR; ++r) {
+            if constexpr (PLANES == 2) {
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
+            } else if (g % 2 == 0) {
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
+            } else {
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 4 * g));
+            }
+          }
+        }
+    }
+    F32x16 d[NP], m[NP];
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk[j] + L.quant_bytes);
+      d[j] = F32x16::load_half(scales);
+      m[j] = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t cell = (r0 + r) * t.blocks + b;
+      const F32x16 scale = F32x16::set1(x.scale[cell]), sum = F32x16::set1(x.fsum[cell]);
+      const I32x16 correction = I32x16::set1(L.zero * x.isum[cell]);
+      for (int j = 0; j < NP; ++j) {
+        I32x16 total = PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
+        if (L.zero) total = total - correction;
+        acc[r][j] = F32x16::fmadd(total.to_float(), d[j] * scale, acc[r][j]);
+        if (L.has_min) acc[r][j] = F32x16::fmadd(m[j], sum, acc[r][j]);
+      }
+    }
+  }
+  store_tile<MR, NP>(t, r0, p0, acc);
+}
+
+// Float tile (ActQuant none): the quants widened exactly to float32 (u - zero), four weights of each of
+// the 16 rows at a time, FMAs with broadcast x; per block acc += part * d (+ m * sum(x)).
+template <int MR, int NP, int BITS>
+void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  const PackedLayout& L = t.layout;
+  const Activations& x = *t.x;
+  const int64_t k = t.blocks * kQuantBlock;
+  const I32x16 zero = I32x16::set1(L.zero);
+  F32x16 acc[MR][NP];
+  for (auto& row : acc)
+    for (auto& a : row) a = F32x16::zero();
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* blk[NP];
+    for (int j = 0; j < NP; ++j) blk[j] = t.weight + (p0 + j) * t.panel_bytes + b * L.block_bytes;
+    const float* xb[MR];
+    for (int r = 0; r < MR; ++r) xb[r] = x.fx.data() + (r0 + r) * k + b * kQuantBlock;
+    F32x16 part[MR][NP];
+    for (auto& row : part)
+      for (auto& a : row) a = F32x16::zero();
+    auto group = [&](int j, const I32x16& w, int k0) {  // weights k0..k0+3 of the panel's rows
+      const F32x16 w0 = (w.byte<0>() - zero).to_float(), w1 = (w.byte<1>() - zero).to_float();
+      const F32x16 w2 = (w.byte<2>() - zero).to_float(), w3 = (w.byte<3>() - zero).to_float();
+      for (int r = 0; r < MR; ++r) {
+        F32x16 p = F32x16::fmadd(w0, F32x16::set1(xb[r][k0]), part[r][j]);
+        p = F32x16::fmadd(w1, F32x16::set1(xb[r][k0 + 1]), p);
+        p = F32x16::fmadd(w2, F32x16::set1(xb[r][k0 + 2]), p);
+        part[r][j] = F32x16::fmadd(w3, F32x16::set1(xb[r][k0 + 3]), p);
+      }
+    };
+    if constexpr (BITS == 4) {
+      for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 v = I32x16::load(blk[j] + 64 * g);
+          group(j, v.low_nibbles(), 4 * g);
+          group(j, v.high_nibbles(), 16 + 4 * g);
+        }
+    } else {
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g), 4 * g);
+    }
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk[j] + L.quant_bytes);
+      const F32x16 d = F32x16::load_half(scales);
+      const F32x16 m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
+      for (int r = 0; r < MR; ++r) {
+        acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]);
+        if (L.has_min) acc[r][j] = F32x16::fmadd(m, F32x16::set1(x.fsum[(r0 + r) * t.blocks + b]), acc[r][j]);
+      }
+    }
+  }
+  store_tile<MR, NP>(t, r0, p0, acc);
+}
+
+template <int MR, int NP, int BITS, int PLANES>
+void tile(const Tiles& t, int64_t r0, int64_t p0) {
+  if constexpr (PLANES == 0) float_tile<MR, NP, BITS>(t, r0, p0);
+  else int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
+}
+
+template <int NP, int BITS, int PLANES>
+void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
+  int64_t r = r_begin;
+  for (; r + 4 <= r_end; r += 4) tile<4, NP, BITS, PLANES>(t, r, p0);
+  switch (r_end - r) {
+    case 3: tile<3, NP, BITS, PLANES>(t, r, p0); break;
+    case 2: tile<2, NP, BITS, PLANES>(t, r, p0); break;
+    case 1: tile<1, NP, BITS, PLANES>(t, r, p0); break;
+    default: break;
+  }
+}
+
+constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations (K x 2 bytes each) stay in L2
+
+template <int BITS, int PLANES>
+void run(const Tiles& t, int64_t rows) {
+  const int64_t panels = packed_panels(t.out_features);
+  if (rows == 1) {  // decode of one sequence: four panels a tile keep eight independent chains in flight
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t v0 = 2 * p, v1 = std::min(v0 + 1, a.out_features - 1);  // an odd last row is done twice
-    const uint8_t* r0 = a.weight + v0 * row_bytes;
-    const uint8_t* r1 = a.weight + v1 * row_bytes;
-    if (v0 + kPrefetchRows + 2 <= a.out_features) {  // a few rows ahead: more bytes in flight than the prefetcher keeps
-      const char* ahead = reinterpret_cast<const char*>(a.weight + (v0 + kPrefetchRows) * row_bytes);
-      for (int64_t off = 0; off < 2 * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
-    __m512 acc0[M], acc1[M];
-    for (int i = 0; i < M; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 lo0, hi0, lo1, hi1;
-      block_registers<Q>(r0 + b * bytes, lo0, hi0);
-      block_registers<Q>(r1 + b * bytes, lo1, hi1);
-      for (int i = 0; i < M; ++i) {
-        const __m512 xlo = _mm512_loadu_ps(x + i * x_stride + b * kQuantBlock);
-        const __m512 xhi = _mm512_loadu_ps(x + i * x_stride + b * kQuantBlock + 16);
-        acc0[i] = _mm512_fmadd_ps(xhi, hi0, _mm512_fmadd_ps(xlo, lo0, acc0[i]));
-        acc1[i] = _mm512_fmadd_ps(xhi, hi1, _mm512_fmadd_ps(xlo, lo1, acc1[i]));
-      }
-    }
-    for (int i = 0; i < M; ++i) {
-      const float s0 = _mm512_reduce_add_ps(acc0[i]), s1 = _mm512_reduce_add_ps(acc1[i]);
-      if (a.out_dtype == DType::f32) {
-        float* out = static_cast<float*>(a.out) + i * a.out_stride;
-        out[v0] = s0, out[v1] = s1;
-      } else {
-        bf16* out = static_cast<bf16*>(a.out) + i * a.out_stride;
-        out[v0] = float_to_bf16(s0), out[v1] = float_to_bf16(s1);
-      }
-    }
+    for (int64_t p = 0; p < panels; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p);
+    return;
+  }
+  // Work items: a chunk of rows x a run of panels; at least 4 items a thread for balance.
+  const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk;
+  const int64_t wanted = std::max<int64_t>(1, 4 * omp_get_max_threads() / row_chunks);
+  const int64_t per = std::max<int64_t>(kPanelGroup, (panels / std::min(wanted, panels / kPanelGroup)) / kPanelGroup * kPanelGroup);
+  const int64_t panel_runs = (panels + per - 1) / per;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < row_chunks * panel_runs; ++item) {
+    const int64_t rc = item / panel_runs, pr = item % panel_runs;
+    const int64_t r_begin = rc * kRowChunk, r_end = std::min(rows, r_begin + kRowChunk);
+    const int64_t p_end = std::min(panels, (pr + 1) * per);
+    for (int64_t p = pr * per; p < p_end; p += 2) row_tiles<2, BITS, PLANES>(t, r_begin, r_end, p);
   }
 }
 
-template <QType Q>
-void gemv(const QuantLinearArgs& a, const float* x, int64_t x_stride, int64_t row_bytes) {
-  switch (a.rows) {
-    case 1: gemv_rows<Q, 1>(a, x, x_stride, row_bytes); break;
-    case 2: gemv_rows<Q, 2>(a, x, x_stride, row_bytes); break;
-    case 3: gemv_rows<Q, 3>(a, x, x_stride, row_bytes); break;
-    default: gemv_rows<Q, 4>(a, x, x_stride, row_bytes); break;
+template <typename T>
+void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_bytes, int64_t blocks, int64_t id, T* out) {
+  const int64_t j = id % kPanelRows;
+  for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
+    const uint8_t* blk = w + id / kPanelRows * panel_bytes + b * L.block_bytes;
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
+    const float d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
+    for (int i = 0; i < kQuantBlock; ++i) {
+      int u;
+      if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
+      else u = blk[64 * (i / 4) + 4 * j + i % 4];
+      out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
+    }
   }
 }
-#endif
 
 }  // namespace
 
-void quant_linear(const QuantLinearArgs& a) {
-  const int64_t k = a.in_features, n = a.out_features, m = a.rows;
-  const int64_t row_bytes = k / kQuantBlock * quant_block_bytes(a.qtype);
-  std::vector<float> converted;
-  int64_t x_stride = 0;
-  const float* x = float_rows(a, converted, x_stride);
-#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
-  if (m <= kRegisterPathRows) {
-    if (a.qtype == QType::q8_0) gemv<QType::q8_0>(a, x, x_stride, row_bytes);
-    else if (a.qtype == QType::q4_0) gemv<QType::q4_0>(a, x, x_stride, row_bytes);
-    else gemv<QType::q4_1>(a, x, x_stride, row_bytes);
-    return;
-  }
-#endif
-  // groups of weight rows: a few per thread at least (balance), at most GN (scratch in L2)
-  const int64_t threads = omp_get_max_threads();
-  const int64_t per = (n + 4 * threads - 1) / (4 * threads);
-  const int64_t group = std::clamp<int64_t>((per + NB - 1) / NB * NB, NB, GN);
-  const int64_t groups = (n + group - 1) / group;
-#pragma omp parallel
-  {
-    thread_local std::vector<float> scratch;  // kept between calls: no allocation or page faults per call
-    if (scratch.size() < static_cast<size_t>(group * k)) scratch.resize(group * k);
-    float* w = scratch.data();
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t n_begin = g * group, rows = std::min(group, n - n_begin);
-      dequant_rows(a.qtype, a.weight + n_begin * row_bytes, rows, k, w);
-      const int64_t padded = (rows + NB - 1) / NB * NB;
-      std::fill(w + rows * k, w + padded * k, 0.f);  // the last tile's missing rows
-      for (int64_t m0 = 0; m0 < m; m0 += MB) {
-        const int mv = static_cast<int>(std::min<int64_t>(MB, m - m0));
-        for (int64_t j0 = 0; j0 < rows; j0 += NB) {
-          float r[MB][NB];
-          const float* xs = x + m0 * x_stride;
-          const float* ws = w + j0 * k;
-          switch (mv) {
-            case 4: tile<4>(xs, x_stride, ws, k, r); break;
-            case 3: tile<3>(xs, x_stride, ws, k, r); break;
-            case 2: tile<2>(xs, x_stride, ws, k, r); break;
-            default: tile<1>(xs, x_stride, ws, k, r); break;
-          }
-          const int nv = static_cast<int>(std::min<int64_t>(NB, rows - j0));
-          if (a.out_dtype == DType::f32) store_tile<float>(a, m0, mv, n_begin + j0, nv, r);
-          else store_tile<bf16>(a, m0, mv, n_begin + j0, nv, r);
+void pack_quant(const PackArgs& a) {
+  const PackedLayout L = packed_layout(a.qtype);
+  const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
+  const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* dst = a.out + p * panel_bytes + b * L.block_bytes;
+      std::memset(dst, 0, L.block_bytes);  // rows past the end: d = m = 0
+      for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j) {
+        const uint8_t* src = a.gguf + (p * kPanelRows + j) * row_bytes + b * gguf_block;
+        std::memcpy(dst + L.quant_bytes + 2 * j, src, 2);  // d
+        if (L.has_min) std::memcpy(dst + L.quant_bytes + 2 * (kPanelRows + j), src + 2, 2);
+        if (L.bits == 4) {
+          const uint8_t* qs = src + (L.has_min ? 4 : 2);
+          for (int g = 0; g < 4; ++g) std::memcpy(dst + 64 * g + 4 * j, qs + 4 * g, 4);
+        } else {
+          for (int g = 0; g < 8; ++g)
+            for (int i = 0; i < 4; ++i) dst[64 * g + 4 * j + i] = src[2 + 4 * g + i] ^ 0x80;  // q + 128
         }
       }
     }
+  }
+}
+
+void packed_linear(const PackedLinearArgs& a) {
+  thread_local Activations x;  // kept between calls: no allocation per call
+  prepare(a, x);
+  const PackedLayout L = packed_layout(a.qtype);
+  const int64_t blocks = a.in_features / kQuantBlock;
+  const Tiles t{a.weight, L, blocks, blocks * L.block_bytes, a.out_features, &x, a.out, a.out_dtype, a.out_stride};
+  const int bits = L.bits;
+  if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a.rows) : run<8, 2>(t, a.rows);
+  else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a.rows) : run<8, 1>(t, a.rows);
+  else bits == 4 ? run<4, 0>(t, a.rows) : run<8, 0>(t, a.rows);
+}
+
+void packed_rows(const PackedRowsArgs& a) {
+  const PackedLayout L = packed_layout(a.qtype);
+  const int64_t blocks = a.in_features / kQuantBlock, panel_bytes = blocks * L.block_bytes;
+#pragma omp parallel for schedule(static) if (a.count >= 64)
+  for (int64_t i = 0; i < a.count; ++i) {
+    if (a.out_dtype == DType::f32)
+      dequant_packed_row(a.weight, L, panel_bytes, blocks, a.ids[i], static_cast<float*>(a.out) + i * a.out_stride);
+    else
+      dequant_packed_row(a.weight, L, panel_bytes, blocks, a.ids[i], static_cast<bf16*>(a.out) + i * a.out_stride);
   }
 }
 

@@ -108,8 +108,9 @@ def test_silu_and_mul(isa, dtype, tokens, inter):
 
 
 def make_cache(blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
-    shape = (blocks, kv_heads, block_size, head_dim)
-    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    """Keys [blocks, Hk, D, B] (transposed within each block), values [blocks, Hk, B, D]."""
+    keys = torch.randn(blocks, kv_heads, block_size, head_dim).transpose(2, 3).contiguous()
+    return keys.to(dtype), torch.randn(blocks, kv_heads, block_size, head_dim).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -123,7 +124,7 @@ def test_write_kv_cache(isa, dtype):
     expected_k, expected_v = kc.clone(), vc.clone()
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            expected_k[slot // block_size, :, slot % block_size] = key[t]
+            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
             expected_v[slot // block_size, :, slot % block_size] = value[t]
     kernels.write_kv_cache(key, value, kc, vc, slots)
     assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
@@ -136,7 +137,7 @@ def test_write_kv_cache_rounds_into_a_bfloat16_cache(isa):
     slots = torch.randperm(blocks * block_size)[:tokens].to(torch.int64)
     kernels.write_kv_cache(key, value, kc, vc, slots)
     for t, slot in enumerate(slots.tolist()):  # round to nearest even, as torch's .to(bfloat16)
-        assert torch.equal(kc[slot // block_size, :, slot % block_size], key[t].to(torch.bfloat16))
+        assert torch.equal(kc[slot // block_size, :, :, slot % block_size], key[t].to(torch.bfloat16))
         assert torch.equal(vc[slot // block_size, :, slot % block_size], value[t].to(torch.bfloat16))
 
 
@@ -153,11 +154,11 @@ def test_attention_with_a_cache_of_another_dtype(isa, q_dtype, cache_dtype):
 def attention_ref(q, kc, vc, tables, context_lens, q_lens, scale):
     """Gather each sequence's K/V from its blocks, then causal attention in float32."""
     outs, start = [], 0
-    group = q.shape[1] // kc.shape[1]
+    group = q.shape[1] // vc.shape[1]
     for s, (ctx, q_len) in enumerate(zip(context_lens.tolist(), q_lens, strict=True)):
-        blocks = tables[s, : math.ceil(ctx / kc.shape[2])].long()
-        k = kc[blocks].float().permute(0, 2, 1, 3).reshape(-1, kc.shape[1], kc.shape[3])[:ctx]
-        v = vc[blocks].float().permute(0, 2, 1, 3).reshape(-1, kc.shape[1], kc.shape[3])[:ctx]
+        blocks = tables[s, : math.ceil(ctx / vc.shape[2])].long()
+        k = kc[blocks].float().permute(0, 3, 1, 2).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
+        v = vc[blocks].float().permute(0, 2, 1, 3).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         qs = q[start: start + q_len].float()
         positions = torch.arange(ctx - q_len, ctx)[:, None]
@@ -231,8 +232,8 @@ def test_attention_reads_no_cache_slot_past_the_context(isa, block_size):
     for s, ctx in enumerate(context_lens):
         for pos in range(ctx):
             used[tables[s, pos // block_size], pos % block_size] = True
-    unused = (~used)[:, None, :, None].expand_as(kc)
-    kc[unused], vc[unused] = float("nan"), float("nan")  # a NaN read anywhere would reach the output
+    kc[(~used)[:, None, None, :].expand_as(kc)] = float("nan")  # a NaN read anywhere would reach the output
+    vc[(~used)[:, None, :, None].expand_as(vc)] = float("nan")
     out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
     assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), torch.float32)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app import kernels
-from app.model.quant import QuantizedTensor, fuse_rows, linear
+from app.model.quant import PackedWeight, QuantizedTensor, fuse_rows, linear
 from app.model.weights import _unpermute
 
 ISAS = kernels.supported_isas()
@@ -41,30 +41,91 @@ def test_dequantize_is_exact(isa, qtype):
     assert torch.equal(q.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
 
 
+def quantize_activations(x: torch.Tensor, activations: str) -> torch.Tensor:
+    """x as the kernels see it: per block of 32, h = round(x * 127 / max|x|) and, for int16, a second plane
+    l = round((x * 127 / max|x| - h) * 256) in [-127, 127]; x = max|x| / 127 * (h + l / 256)."""
+    if activations == "float":
+        return x.float()
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    peak = blocks.abs().amax(-1, keepdim=True)
+    y = blocks * (torch.full_like(peak, 127.0) / peak)  # (torch computes 127.0 / peak as 127 * (1 / peak))
+    h = torch.round(y)
+    value = h if activations == "int8" else h + torch.clamp(torch.round((y - h) * 256), -127, 127) / 256
+    return torch.nan_to_num(peak / 127 * value).reshape(x.shape)  # an all-zero block is 0
+
+
+ACTIVATIONS = ["int16", "int8", "float"]
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 130, 576), (2, 9, 64), (3, 7, 96), (4, 31, 128), (100, 33, 64), (5, 33, 64), (17, 67, 160),
-                                           (64, 260, 288)])
-def test_linear_matches_dequantize_then_matmul(isa, qtype, m, n, k):
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 130, 576), (2, 9, 64), (3, 7, 96), (4, 31, 128), (100, 33, 64),
+                                           (5, 33, 64), (17, 67, 160), (64, 260, 288), (65, 64, 96), (131, 17, 32)])
+def test_linear_matches_dequantize_then_matmul(isa, qtype, activations, m, n, k):
+    """Against x (quantized as the kernel does, in torch) @ gguf's dequantized weights in float64: the integer
+    dot products are exact, so only float32 rounding separates them."""
     q, w = quantized(n, k, qtype, seed=m + n + k)
+    packed = q.pack(activations)
     x = torch.randn(m, k)
-    expected = x @ w.T
-    torch.testing.assert_close(q.linear(x), expected, atol=2e-5, rtol=2e-5)
+    x[0, :32] = 0  # an all-zero block
+    expected = (quantize_activations(x, activations).double() @ w.double().T).float()
+    torch.testing.assert_close(packed.linear(x), expected, atol=2e-5, rtol=2e-5)
     # bfloat16 activations: widened exactly, accumulated in float32, one rounding of the output
     xb = x.to(torch.bfloat16)
-    torch.testing.assert_close(q.linear(xb).float(), (xb.float() @ w.T).to(torch.bfloat16).float(), atol=2e-2,
+    expected_b = (quantize_activations(xb, activations).double() @ w.double().T).float()
+    torch.testing.assert_close(packed.linear(xb, torch.float32), expected_b, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(packed.linear(xb).float(), expected_b.to(torch.bfloat16).float(), atol=2e-2,
                                rtol=1.6e-2)
-    torch.testing.assert_close(q.linear(xb, torch.float32), xb.float() @ w.T, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_quantized_activations_stay_close_to_float32(activations):
+    """What the quantization costs against exact float32 arithmetic (int16: about 2^-16 of each block's
+    largest value; int8: about 2^-8)."""
+    q, w = quantized(256, 576, gguf.GGMLQuantizationType.Q4_1)
+    x = torch.randn(8, 576)
+    exact, mine = x.double() @ w.double().T, q.pack(activations).linear(x).double()
+    error = ((mine - exact).abs().max() / exact.abs().max()).item()
+    assert error < (5e-5 if activations == "int16" else 1e-2), error
+
+
+def test_every_isa_gives_the_same_sums():
+    q, _ = quantized(70, 128, gguf.GGMLQuantizationType.Q4_1)
+    x = torch.randn(9, 128)
+    for activations in ACTIVATIONS:
+        packed = q.pack(activations)
+        results = []
+        for isa in ISAS:
+            with kernels.use_isa(isa):
+                results.append(packed.linear(x))
+        for other in results[1:]:
+            torch.testing.assert_close(other, results[0], atol=1e-5, rtol=1e-5)  # float32 rounding only
 
 
 def test_linear_takes_strided_rows_and_leading_dimensions(isa):
     q, w = quantized(40, 64, gguf.GGMLQuantizationType.Q4_1)
+    packed = q.pack("float")
     x = torch.randn(6, 64 + 11)[:, :64]
     assert not x.is_contiguous()
-    torch.testing.assert_close(q.linear(x), x @ w.T, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(packed.linear(x), x @ w.T, atol=2e-5, rtol=2e-5)
     x3 = torch.randn(2, 3, 64)
-    torch.testing.assert_close(q.linear(x3), x3 @ w.T, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(packed.linear(x3), x3 @ w.T, atol=2e-5, rtol=2e-5)
     bias = torch.randn(40)
-    torch.testing.assert_close(linear(x, q, bias), x @ w.T + bias, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(linear(x, packed, bias), x @ w.T + bias, atol=2e-5, rtol=2e-5)
+    many = torch.randn(100, 64)  # "float" expands the weight for torch's GEMM past 64 rows
+    torch.testing.assert_close(packed.linear(many), many @ w.T, atol=2e-5, rtol=2e-5)
+
+
+def test_a_row_gives_the_same_result_in_any_batch(isa):
+    """Each activation row is quantized and summed on its own, in the same order whatever the tile: a
+    sequence's logits do not depend on what else is in the step."""
+    q, _ = quantized(96, 160, gguf.GGMLQuantizationType.Q4_1)
+    x = torch.randn(37, 160)
+    for activations in ("int16", "int8"):
+        packed = q.pack(activations)
+        alone = torch.cat([packed.linear(x[i:i + 1]) for i in range(37)])
+        assert torch.equal(packed.linear(x), alone)
+        assert torch.equal(packed.linear(x[5:9]), alone[5:9])
 
 
 def test_rows_columns_and_fusion_keep_the_blocks():
@@ -87,23 +148,37 @@ def test_unpermute_moves_whole_rows_like_the_float_path():
     assert torch.equal(_unpermute(q, heads=4).dequantize(), _unpermute(w, heads=4))
 
 
-def test_embedding_rows(isa):
-    q, w = quantized(100, 64, gguf.GGMLQuantizationType.Q8_0)
-    ids = torch.tensor([3, 99, 3, 0])
-    assert torch.equal(q.embedding(ids, torch.float32), w[ids])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_packed_rows_dequantize_exactly(isa, qtype):
+    q, w = quantized(100, 64, qtype)
+    packed = q.pack("int16")
+    assert isinstance(packed, PackedWeight) and packed.shape == (100, 64)
+    ids = torch.tensor([3, 99, 3, 0, 16, 17])
+    assert torch.equal(packed.embedding(ids, torch.float32), w[ids])
+    assert torch.equal(packed.embedding(ids, torch.bfloat16), w[ids].to(torch.bfloat16))
+    assert torch.equal(packed.dequantize(), w)
 
 
 def test_bad_arguments_are_errors_not_crashes():
     q, _ = quantized(4, 64, gguf.GGMLQuantizationType.Q4_0)
+    packed = q.pack("int16")
     with pytest.raises(ValueError, match="not a kept-quantized GGUF type"):
-        kernels.quant_linear(torch.randn(1, 64), q.data, 12, 64)  # Q4_K
+        kernels.pack_quant(q.data, 12, 64)  # Q4_K
     with pytest.raises(ValueError, match="rows must be 36 bytes"):
-        kernels.quant_linear(torch.randn(1, 64), q.data[:, :20].contiguous(), 2, 64)
+        kernels.pack_quant(q.data[:, :20].contiguous(), 2, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
-        kernels.quant_linear(torch.randn(1, 48), q.data, 2, 48)
+        kernels.packed_linear(torch.randn(1, 48), packed.data, 2, 48, 4, 2)
     with pytest.raises(ValueError, match=r"x must be \[S, K\]"):
-        kernels.quant_linear(torch.randn(1, 32), q.data, 2, 64)
+        kernels.packed_linear(torch.randn(1, 32), packed.data, 2, 64, 4, 2)
+    with pytest.raises(ValueError, match="packed takes"):
+        kernels.packed_linear(torch.randn(1, 64), packed.data[:-1], 2, 64, 4, 2)
+    with pytest.raises(ValueError, match="act: must be"):
+        kernels.packed_linear(torch.randn(1, 64), packed.data, 2, 64, 4, 7)
     with pytest.raises(TypeError, match="uint8"):
-        kernels.quant_linear(torch.randn(1, 64), q.data.float(), 2, 64)
+        kernels.packed_linear(torch.randn(1, 64), packed.data.float(), 2, 64, 4, 2)
+    with pytest.raises(ValueError, match="is not a row of 4"):
+        kernels.packed_rows(packed.data, torch.tensor([4]), 2, 64, 4)
     with pytest.raises(ValueError, match="does not hold rows of 48 weights"):
         QuantizedTensor(q.data, 2, 48)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        q.pack("int4")

@@ -68,10 +68,16 @@ int main() {
   const int64_t QN = 37, QK = 96, QM = 3;
   std::vector<uint8_t> qw(QN * QK / 32 * 20);
   for (size_t b = 0; b < qw.size(); b += 20) { qw[b] = 0x1f; qw[b + 1] = 0x21; qw[b + 2] = 0x66; qw[b + 3] = 0xaa; for (int i = 4; i < 20; ++i) qw[b + i] = rng() & 0xff; }
+  std::vector<uint8_t> packed(packed_bytes(QType::q4_1, QN, QK)), packed2(packed.size());
+  neon::pack_quant({QType::q4_1, qw.data(), packed.data(), QN, QK});
+  portable::pack_quant({QType::q4_1, qw.data(), packed2.data(), QN, QK});
+  check("pack_quant q4_1", packed == packed2 ? 0.f : 1.f, 0.f);
   auto qx = rnd(QM * QK); std::vector<float> qo1(QM * QN), qo2(QM * QN);
-  neon::quant_linear({QType::q4_1, DType::f32, DType::f32, qo1.data(), qx.data(), qw.data(), QM, QK, QN, QK, QN});
-  portable::quant_linear({QType::q4_1, DType::f32, DType::f32, qo2.data(), qx.data(), qw.data(), QM, QK, QN, QK, QN});
-  check("quant_linear q4_1 f32", maxdiff(qo1, qo2), 1e-4);
+  for (ActQuant act : {ActQuant::int16, ActQuant::none}) {
+    neon::packed_linear({QType::q4_1, act, DType::f32, DType::f32, qo1.data(), qx.data(), packed.data(), QM, QK, QN, QK, QN});
+    portable::packed_linear({QType::q4_1, act, DType::f32, DType::f32, qo2.data(), qx.data(), packed.data(), QM, QK, QN, QK, QN});
+    check(act == ActQuant::int16 ? "packed_linear q4_1 int16" : "packed_linear q4_1 float", maxdiff(qo1, qo2), 1e-4);
+  }
   printf("%s\n", fails ? "NEON DIFFERS" : "NEON matches portable");
   return fails;
 }

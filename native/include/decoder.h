@@ -1,0 +1,74 @@
+// A Llama-family decoder stack run in one native call a step: every layer's norms, kept-quantized
+// linears, RoPE, cache write and attention, then the final norm, with no Python between them.
+//
+// It strings together the same kernels app/model/layers.py calls one by one (through kernels(), so the
+// ISA is the one dispatch picked), on scratch buffers it owns; a row-parallel layer's float32 partial
+// sums go through the tensor-parallel group's all-reduce when there is one. What it does not cover
+// (dense float weights, per-head Q/K norms, float activations) stays on the Python path.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "collective.h"
+#include "kernels.h"
+
+namespace appliance {
+
+struct PackedMatrix {  // a packed [rows, in_features] weight (see PackedLayout)
+  const uint8_t* data;
+  QType qtype;
+  int64_t rows, in_features;
+};
+
+struct DecoderLayerWeights {
+  PackedMatrix qkv, o, gate_up, down;  // qkv rows: this rank's Q heads, then K, then V; gate_up: [gate | up]
+  const void* input_norm;              // [hidden], activation dtype
+  const void* post_norm;
+  const void* qkv_bias;                // [qkv rows] or null
+  void* key_cache;                     // [blocks, Hk, D, B]
+  void* value_cache;                   // [blocks, Hk, B, D]
+};
+
+struct DecoderShape {
+  DType dtype, cache_dtype;
+  ActQuant act;
+  int64_t hidden, q_heads, kv_heads, head_dim, inter, rot_dim, max_position, block_size, num_blocks;
+  float eps, scale;
+  const float* cos_sin;    // [max_position, rot_dim]
+  const void* final_norm;  // [hidden]
+};
+
+struct StepBatch {  // as ForwardBatch (app/model/batch.py)
+  const int64_t* positions;     // [T]
+  const int64_t* slot_mapping;  // [T]
+  const int32_t* block_tables;  // [S, max_blocks_per_seq]
+  const int32_t* context_lens;  // [S]
+  const int64_t* q_starts;      // [S + 1]
+  int64_t tokens, seqs, max_blocks_per_seq;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(const DecoderShape& shape, ShmGroup* group) : shape_(shape), group_(group) {}
+  void add_layer(const DecoderLayerWeights& layer) { layers_.push_back(layer); }
+  void set_cache_shape(DType dtype, int64_t block_size, int64_t num_blocks) {
+    shape_.cache_dtype = dtype, shape_.block_size = block_size, shape_.num_blocks = num_blocks;
+  }
+  size_t num_layers() const { return layers_.size(); }
+  const DecoderShape& shape() const { return shape_; }
+
+  // x: [T, hidden] contiguous, the embeddings in; the final hidden states (after the last norm) out.
+  void run(void* x, const StepBatch& batch);
+
+ private:
+  void row_parallel(const PackedMatrix& w, const void* in, void* x, int64_t tokens);
+  void* buffer(size_t index, int64_t bytes);
+
+  DecoderShape shape_;
+  ShmGroup* group_;  // null: a single rank
+  std::vector<DecoderLayerWeights> layers_;
+  std::vector<std::vector<uint8_t>> scratch_;
+};
+
+}  // namespace appliance

@@ -1,0 +1,100 @@
+// DecoderStack::run: one step of every layer, as app/model/layers.py runs it (see decoder.h).
+#include "decoder.h"
+
+#include <cstring>
+
+namespace appliance {
+namespace {
+
+int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// x[t, :] += bias for T rows of width n (contiguous)
+void add_bias(DType dt, void* x, const void* bias, int64_t tokens, int64_t n) {
+  if (dt == DType::f32) {
+    float* y = static_cast<float*>(x);
+    const float* b = static_cast<const float*>(bias);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t i = 0; i < n; ++i) y[t * n + i] += b[i];
+    return;
+  }
+  uint16_t* y = static_cast<uint16_t*>(x);
+  const uint16_t* b = static_cast<const uint16_t*>(bias);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < n; ++i) y[t * n + i] = float_to_bf16(bf16_to_float(y[t * n + i]) + bf16_to_float(b[i]));
+}
+
+}  // namespace
+
+void* DecoderStack::buffer(size_t index, int64_t bytes) {
+  if (scratch_.size() <= index) scratch_.resize(index + 1);
+  if (scratch_[index].size() < static_cast<size_t>(bytes)) scratch_[index].resize(bytes);
+  return scratch_[index].data();
+}
+
+// x = in @ w^T, summed over the tensor-parallel group (float32 partials, one rounding to bfloat16 after)
+void DecoderStack::row_parallel(const PackedMatrix& w, const void* in, void* x, int64_t tokens) {
+  const DType dt = shape_.dtype;
+  const int64_t H = shape_.hidden;
+  if (!group_ || dt == DType::f32) {
+    kernels().packed_linear({w.qtype, shape_.act, dt, dt, x, in, w.data, tokens, w.in_features, H, w.in_features, H});
+    if (group_) group_->all_reduce(x, tokens * H, 0);
+    return;
+  }
+  float* partial = static_cast<float*>(buffer(5, tokens * H * 4));
+  kernels().packed_linear({w.qtype, shape_.act, dt, DType::f32, partial, in, w.data, tokens, w.in_features, H,
+                           w.in_features, H});
+  group_->all_reduce(partial, tokens * H, 0);
+  uint16_t* y = static_cast<uint16_t*>(x);
+  for (int64_t i = 0; i < tokens * H; ++i) y[i] = float_to_bf16(partial[i]);
+}
+
+void DecoderStack::run(void* x, const StepBatch& b) {
+  const DecoderShape& s = shape_;
+  const DType dt = s.dtype;
+  const int64_t T = b.tokens, H = s.hidden, D = s.head_dim, E = element_bytes(dt);
+  const int64_t q_width = s.q_heads * D, kv_width = s.kv_heads * D, qkv_width = q_width + 2 * kv_width;
+  uint8_t* residual = static_cast<uint8_t*>(buffer(0, T * H * E));
+  uint8_t* qkv = static_cast<uint8_t*>(buffer(1, T * qkv_width * E));
+  void* attn = buffer(2, T * q_width * E);
+  void* gate_up = buffer(3, T * 2 * s.inter * E);
+  void* act = buffer(4, T * s.inter * E);
+  std::memset(residual, 0, T * H * E);  // so the first layer's add_rms_norm makes residual = x (zero bits are 0.0)
+  for (const DecoderLayerWeights& l : layers_) {
+    kernels().add_rms_norm({dt, x, residual, l.input_norm, T, H, H, H, s.eps});
+    kernels().packed_linear({l.qkv.qtype, s.act, dt, dt, qkv, x, l.qkv.data, T, H, qkv_width, H, qkv_width});
+    if (l.qkv_bias) add_bias(dt, qkv, l.qkv_bias, T, qkv_width);
+    void* q = qkv;
+    void* k = qkv + q_width * E;
+    void* v = qkv + (q_width + kv_width) * E;
+    kernels().rotary_embedding({dt, q, k, b.positions, s.cos_sin, T, s.q_heads, s.kv_heads, D, s.rot_dim, qkv_width,
+                                qkv_width, s.max_position});
+    kernels().write_kv_cache({dt, k, v, l.key_cache, l.value_cache, b.slot_mapping, T, s.kv_heads, D, s.block_size,
+                              s.num_blocks, qkv_width, qkv_width, s.cache_dtype});
+    kernels().paged_attention({dt, attn, q, l.key_cache, l.value_cache, b.block_tables, b.context_lens, b.q_starts,
+                               b.seqs, s.q_heads, s.kv_heads, D, s.block_size, b.max_blocks_per_seq, s.num_blocks,
+                               qkv_width, q_width, s.scale, s.cache_dtype});
+    row_parallel(l.o, attn, x, T);
+    kernels().add_rms_norm({dt, x, residual, l.post_norm, T, H, H, H, s.eps});
+    kernels().packed_linear({l.gate_up.qtype, s.act, dt, dt, gate_up, x, l.gate_up.data, T, H, 2 * s.inter, H,
+                             2 * s.inter});
+    kernels().silu_and_mul({dt, act, gate_up, T, s.inter, 2 * s.inter, s.inter});
+    row_parallel(l.down, act, x, T);
+  }
+  kernels().add_rms_norm({dt, x, residual, s.final_norm, T, H, H, H, s.eps});
+}
+
+}  // namespace appliance
