@@ -85,7 +85,8 @@ def _bench_parsers(commands) -> None:
     serve.set_defaults(run=_bench_serve)
     plot = kinds.add_parser("plot", help="draw latency vs throughput from bench serve JSON files",
                             description="one line per server label, one point per concurrency level")
-    plot.add_argument("files", nargs="+", help="JSON files written by bench serve --json")
+    plot.add_argument("files", nargs="+", help="JSON files written by bench serve --json (or by vllm bench serve "
+                                               "--save-result, labelled by file name up to its last '-')")
     plot.add_argument("-o", "--output", required=True, metavar="PNG")
     plot.add_argument("--title", default="")
     plot.set_defaults(run=_bench_plot)
@@ -104,6 +105,8 @@ def _bench_parsers(commands) -> None:
     model.add_argument("--activations", action="append", choices=["int16", "int8", "float"],
                        help="how activations meet kept-quantized weights; repeatable; default: the spec's")
     model.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV cache dtype (default: the compute dtype)")
+    model.add_argument("--python-layers", action="store_true",
+                       help="run the layers one Python-level kernel call at a time, not as one native stack")
     model.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
     model.add_argument("--context", type=int, default=512, help="tokens already in each sequence's cache")
     model.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
@@ -182,7 +185,7 @@ def _bench_model(args: argparse.Namespace) -> int:
     doc = read_spec(args.config, [])
     run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
         args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized],
-        args.activations or [doc.spec.model.quantized_activations], args.kv_dtype)
+        args.activations or [doc.spec.model.quantized_activations], args.kv_dtype, not args.python_layers)
     return 0
 
 
@@ -223,9 +226,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _bench_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from app.benchmark.serve import plot
+    from app.benchmark.serve import plot, read_results
 
-    results = [r for f in args.files for r in json.loads(Path(f).read_text())]
+    results = [r for f in args.files for r in read_results(Path(f))]
     plot(results, Path(args.output), args.title)
     return 0
 

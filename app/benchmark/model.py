@@ -33,8 +33,10 @@ class Result:
 
 class Bench:
     def __init__(self, source: ModelSource, dtype: str, block_size: int = 16, capacity: int = 1024,
-                 quantized: str = "keep", activations: str = "int16", kv_dtype: str | None = None):
+                 quantized: str = "keep", activations: str = "int16", kv_dtype: str | None = None,
+                 native_stack: bool = True):
         self.loaded = load_model(source, dtype, tokenizer=False, quantized=quantized, activations=activations)
+        self.loaded.model.native_stack = native_stack  # False: the Python layers, even where the native stack runs
         self.quantized = f"keep/{activations}" if quantized == "keep" else quantized
         self.model, self.dtype, self.block_size, self.capacity = self.loaded.model, dtype, block_size, capacity
         self.kv_dtype = getattr(torch, kv_dtype) if kv_dtype else None
@@ -83,7 +85,7 @@ class Bench:
 
 def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int,
         chunk: int | None = None, quantized: list[str] = ("keep",), activations: list[str] = ("int16",),
-        kv_dtype: str | None = None) -> list[Result]:
+        kv_dtype: str | None = None, native_stack: bool = True) -> list[Result]:
     cpus = sorted(os.sched_getaffinity(0))
     print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
     results = []
@@ -91,7 +93,7 @@ def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int
     for dtype in dtypes:
         for weights, act in variants:
             bench = Bench(source, dtype, capacity=max(context + steps + 16, prompt + 16), quantized=weights,
-                          activations=act, kv_dtype=kv_dtype)
+                          activations=act, kv_dtype=kv_dtype, native_stack=native_stack)
             for result in [bench.prefill(prompt, repeats=3, chunk=chunk)] + [bench.decode(b, context, steps)
                                                                              for b in batches]:
                 print(f"{result.what:12} {result.dtype:9} {result.quantized:11} batch {result.batch:3} context "

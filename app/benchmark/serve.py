@@ -208,6 +208,19 @@ def _line(r: dict) -> str:
 
 # --- the picture ---
 
+def read_results(path: Path) -> list[dict]:
+    """Results from a `bench serve --json` file (a list), or from one `vllm bench serve --save-result` file (an
+    object: labelled by its file name up to the last "-", as ../shared/anchors/serve_bench.py names them)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        return data
+    if "output_throughput" not in data or "median_ttft_ms" not in data:
+        raise ValueError(f"{path}: neither a bench serve result list nor a vllm bench serve result")
+    rate = data.get("request_rate", "inf")
+    return [{**data, "label": path.stem.rsplit("-", 1)[0], "concurrency": data.get("max_concurrency") or 0,
+             "request_rate": float(rate) if rate not in (None, "inf") else float("inf")}]
+
+
 def plot(results: list[dict], path: Path, title: str = "") -> None:
     """Median TPOT and TTFT against output throughput, one line per server (label), one point per
     concurrency level: down and to the right is better."""

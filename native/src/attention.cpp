@@ -198,7 +198,10 @@ void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scra
   const C* kc = static_cast<const C*>(a.key_cache);
   const C* vc = static_cast<const C*>(a.value_cache);
   auto block_base = [&](int64_t p) { return (table[p / B] * a.kv_heads + it.kv_head) * B * D; };
-  for (int64_t j = 0; j < nk; ++j) st.vrow[j] = vc + block_base(k0 + j) + (k0 + j) % B * D;
+  for (int64_t j = 0, p = k0; j < nk;) {  // block by block: one division a block, not one a key
+    const C* rows = vc + block_base(p);
+    for (int64_t o = p % B; o < B && j < nk; ++o, ++j, ++p) st.vrow[j] = rows + o * D;
+  }
   for (int64_t v = 0; v * N < nk; ++v) {
     const int64_t first = k0 + v * N, offset = first % B;
     if (v * N + N <= nk && offset + N <= B) {  // inside one block and the context: read in place
@@ -219,17 +222,17 @@ void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scra
   }
 }
 
-// Ask for the blocks of keys k0 .. k0 + nk ahead of use: a sequence's blocks lie anywhere in the pool, so
-// the hardware prefetchers cannot see the next one coming, and a decode step streams the whole cache.
+// Ask for the K (or V) blocks of keys k0 .. k0 + nk ahead of use: a sequence's blocks lie anywhere in
+// the pool, so the hardware prefetchers cannot see the next one coming, and a decode step streams the
+// whole cache. A tile asks for its own values before its scores (they are used after them) and for
+// the next tile's keys.
 template <typename C>
-void prefetch_keys(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk) {
+void prefetch_blocks(const AttentionArgs& a, const Item& it, const void* cache, int64_t k0, int64_t nk) {
   const int64_t B = a.block_size, bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
   const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
   for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B) {
-    const int64_t offset = (table[p / B] * a.kv_heads + it.kv_head) * bytes;
-    const char* k = static_cast<const char*>(a.key_cache) + offset;
-    const char* v = static_cast<const char*>(a.value_cache) + offset;
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(k + line, 0, 1), __builtin_prefetch(v + line, 0, 1);  // to L2
+    const char* block = static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + it.kv_head) * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + line, 0, 3);
   }
 }
 
@@ -280,7 +283,8 @@ void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st, Partials& 
     const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, N);
     const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;  // rows before see no key here
     gather(a, it, k0, nk, st);
-    if (k0 + key_tile <= last) prefetch_keys<C>(a, it, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
+    prefetch_blocks<C>(a, it, a.value_cache, k0, nk);
+    if (k0 + key_tile <= last) prefetch_blocks<C>(a, it, a.key_cache, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
     scores(&st.q[row0 * D], rows - row0, D, st.vectors.data(), np, &st.p[row0 * np]);
     for (int64_t r = row0; r < rows; ++r) {
       const int64_t visible = std::min(nk, st.pos[r] - k0 + 1), slide = st.padded - visible;

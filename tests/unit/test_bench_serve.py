@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from app.benchmark.serve import Trace, Workload, level_prompts, percentiles, random_prompts, summarize
+from app.benchmark.serve import Trace, Workload, level_prompts, percentiles, random_prompts, read_results, summarize
 
 
 def _trace(start: float, tokens: list[float], prompt: int = 10, output: int | None = None) -> Trace:
@@ -60,3 +60,21 @@ def test_each_level_sends_new_prompts_the_same_on_every_server(tmp_path):
     lines.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(25)))
     from_file = [level_prompts(w, level, lines) for level in range(2)]
     assert from_file[0] == [f"p{i}" for i in range(10)] and from_file[1] == [f"p{i}" for i in range(10, 20)]
+
+
+def test_plot_reads_our_results_and_vllm_bench_serve_results(tmp_path):
+    import json
+
+    ours = [{"label": "appliance", "concurrency": 8, "request_rate": math.inf, "output_throughput": 300.0,
+             "median_ttft_ms": 100.0, "median_tpot_ms": 20.0}]
+    (tmp_path / "ours.json").write_text(json.dumps(ours))
+    vllm = {"max_concurrency": 32, "request_rate": "inf", "output_throughput": 221.5, "median_ttft_ms": 4391.0,
+            "median_tpot_ms": 120.7, "completed": 96}
+    (tmp_path / "vllm-bf16-c32.json").write_text(json.dumps(vllm))
+    assert read_results(tmp_path / "ours.json") == ours
+    [got] = read_results(tmp_path / "vllm-bf16-c32.json")
+    assert (got["label"], got["concurrency"], got["request_rate"], got["output_throughput"]) == \
+        ("vllm-bf16", 32, math.inf, 221.5)
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="neither"):
+        read_results(tmp_path / "other.json")

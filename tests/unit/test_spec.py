@@ -21,11 +21,13 @@ def test_empty_spec_is_every_default():
     assert (spec.parallel.tp, spec.parallel.dp, spec.cores.ranks, spec.runtime.allocator) == (1, 1, "auto", "jemalloc")
 
 
-def test_default_yaml_is_the_defaults_plus_a_served_name_and_float32():
+def test_default_yaml_is_the_defaults_plus_a_served_name_float32_and_a_bfloat16_kv_cache():
     spec = load_spec(CONFIG / "default.yaml")
     assert spec.model.name == "SmolLM2-135M-Instruct" and spec.model.dtype == "float32"
+    assert spec.kv_cache.dtype == "bfloat16"
     model = spec.model.model_copy(update={"name": None, "dtype": "auto"})
-    assert spec.model_copy(update={"model": model}) == Spec()
+    kv_cache = spec.kv_cache.model_copy(update={"dtype": "auto"})
+    assert spec.model_copy(update={"model": model, "kv_cache": kv_cache}) == Spec()
 
 
 @pytest.mark.parametrize(("ranks", "expected"), [

@@ -26,7 +26,7 @@ def test_launch_records_follow_the_plan(tmp_path):
         assert launch.kv.num_blocks == min(replica_blocks) and launch.kv.block_size == plan.block_size
         assert launch.scheduler.max_num_seqs == 32 and launch.scheduler.step_time_budget == 0.25
         assert launch.scheduler.max_model_len == plan.max_model_len
-        assert launch.model.dtype == "float32" and launch.model.model_id.endswith(".gguf:float32:keep")
+        assert launch.model.dtype == "float32" and launch.model.model_id.endswith(".gguf:float32:keep:int16")
     assert [l.address for l in launches] == ["ipc:///run/x/engine-0.ipc", "", "ipc:///run/x/engine-1.ipc", ""]
     assert [l.name for l in launches] == ["engine-0.0", "engine-0.1", "engine-1.0", "engine-1.1"]
 
