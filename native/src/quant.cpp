@@ -236,6 +236,16 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
     }
 }
 
+// Block b of panel `panel`, and its 16 rows' scales d and mins m (zero unless the type has them).
+const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
+  return t.weight + panel * t.panel_bytes + b * t.layout.block_bytes;
+}
+void block_scales(const PackedLayout& L, const uint8_t* blk, F32x16& d, F32x16& m) {
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
+  d = F32x16::load_half(scales);
+  m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
+}
+
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
@@ -249,7 +259,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
     for (auto& a : row) a = F32x16::zero();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    for (int j = 0; j < NP; ++j) blk[j] = t.weight + (p0 + j) * t.panel_bytes + b * L.block_bytes;
+    for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     I32x16 hi[MR][NP], lo[MR][NP];
@@ -288,11 +298,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
         }
     }
     F32x16 d[NP], m[NP];
-    for (int j = 0; j < NP; ++j) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk[j] + L.quant_bytes);
-      d[j] = F32x16::load_half(scales);
-      m[j] = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
-    }
+    for (int j = 0; j < NP; ++j) block_scales(L, blk[j], d[j], m[j]);
     for (int r = 0; r < MR; ++r) {
       const int64_t cell = (r0 + r) * t.blocks + b;
       const F32x16 scale = F32x16::set1(x.scale[cell]), sum = F32x16::set1(x.fsum[cell]);
@@ -321,7 +327,7 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
     for (auto& a : row) a = F32x16::zero();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    for (int j = 0; j < NP; ++j) blk[j] = t.weight + (p0 + j) * t.panel_bytes + b * L.block_bytes;
+    for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
     const float* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.fx.data() + (r0 + r) * k + b * kQuantBlock;
     F32x16 part[MR][NP];
@@ -349,9 +355,8 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g), 4 * g);
     }
     for (int j = 0; j < NP; ++j) {
-      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk[j] + L.quant_bytes);
-      const F32x16 d = F32x16::load_half(scales);
-      const F32x16 m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
+      F32x16 d, m;
+      block_scales(L, blk[j], d, m);
       for (int r = 0; r < MR; ++r) {
         acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]);
         if (L.has_min) acc[r][j] = F32x16::fmadd(m, F32x16::set1(x.fsum[(r0 + r) * t.blocks + b]), acc[r][j]);
