@@ -17,7 +17,7 @@ import struct
 
 import app._native as native
 
-F32, BF16, I32, I64 = 0, 1, 2, 3
+F32, BF16, I32, I64, U8 = 0, 1, 2, 3, 4
 T, K, HQ, HK, D, BLOCK, BLOCKS, I, V = 5, 72, 4, 2, 64, 16, 6, 40, 24  # odd sizes: vector tails run too
 
 
@@ -30,7 +30,7 @@ class Buffer:
         if code == BF16:
             self.data = array.array("H", [_to_bf16(v) for v in values] if values else [0] * n)
         else:
-            self.data = array.array({F32: "f", I32: "i", I64: "q"}[code], values if values else [0] * n)
+            self.data = array.array({F32: "f", I32: "i", I64: "q", U8: "B"}[code], values if values else [0] * n)
 
     @property
     def ref(self):
@@ -77,7 +77,8 @@ def run_all(code: int) -> dict[str, list[float]]:
     native.silu_and_mul(act.ref, gate_up.ref)
     out["silu_and_mul"] = act.floats()
 
-    key_cache, value_cache = Buffer(code, [BLOCKS, HK, BLOCK, D]), Buffer(code, [BLOCKS, HK, BLOCK, D])
+    # keys are transposed within a block ([blocks, kv_heads, head_dim, block_size]); values are not
+    key_cache, value_cache = Buffer(code, [BLOCKS, HK, D, BLOCK]), Buffer(code, [BLOCKS, HK, BLOCK, D])
     context = 2 * BLOCK + 3  # two sequences: 35 tokens (3 blocks) and T new tokens after 30 cached
     for start, count in ((0, context), (3 * BLOCK, 30 + T)):
         keys = Buffer(code, [count, HK, D], _random(rng, count * HK * D))
@@ -97,6 +98,22 @@ def run_all(code: int) -> dict[str, list[float]]:
     weight, logits, rows = Buffer(code, [V, K], _random(rng, V * K)), Buffer(F32, [T, V]), Buffer(code, [T, K], _random(rng, T * K))
     native.linear_f32_out(logits.ref, rows.ref, weight.ref)
     out["linear_f32_out"] = logits.floats()
+
+    # kept-quantized weights (GGUF Q4_1 and Q8_0 rows of 32-weight blocks), repacked, under each activation mode
+    QK = 96  # three blocks a row; V = 24 rows: one full 16-row panel and a tail
+    for qtype, block in ((3, lambda: struct.pack("<ee", rng.uniform(0.01, 0.1), rng.uniform(-0.5, 0.5)) +
+                          bytes(rng.randrange(256) for _ in range(16))),
+                         (8, lambda: struct.pack("<e", rng.uniform(0.001, 0.02)) +
+                          bytes(rng.randrange(256) for _ in range(32)))):
+        raw = b"".join(block() for _ in range(V * QK // 32))
+        gguf = Buffer(U8, [V, len(raw) // V], list(raw))
+        packed = Buffer(U8, [native.packed_bytes(qtype, V, QK)])
+        native.pack_quant(packed.ref, gguf.ref, qtype, QK)
+        rows = Buffer(code, [T, QK], _random(rng, T * QK))
+        for activations in (0, 1, 2):
+            result = Buffer(code, [T, V])
+            native.packed_linear(result.ref, rows.ref, packed.ref, qtype, QK, V, activations)
+            out[f"packed_linear/{qtype}/{activations}"] = result.floats()
     return {name: [sum(values), sum(abs(v) for v in values)] for name, values in out.items()}
 
 
