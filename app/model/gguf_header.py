@@ -1,8 +1,9 @@
 """A fast read of a GGUF file's header: scalar metadata and tensor shapes, skipping array bodies.
 
-The planner needs only a handful of numbers (layers, heads, parameter count). `gguf.GGUFReader`
-parses every tokenizer string into its own array (about 2 s for a 49k-token vocabulary, a minute
-in the emulated NUMA guest); this scan steps over them. The model loader uses `gguf` itself.
+The planner needs only a handful of numbers (layers, heads, parameter count), and the engine's loader
+the tensors' shapes, types and offsets. `gguf.GGUFReader` parses every tokenizer string into its own
+array (2-4 s for a 49k-token vocabulary, most of a cold start; a minute in the emulated NUMA guest);
+this scan steps over them. Dequantizing the types without a kernel is still `gguf`'s.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class GGUFHeader:
     metadata: dict[str, object]  # scalars and strings; arrays as their length only
     tensor_shapes: dict[str, tuple[int, ...]]
     tensor_types: dict[str, int]  # ggml type id per tensor
+    tensor_offsets: dict[str, int]  # where each tensor's data starts in the file (bytes, absolute)
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:
@@ -71,6 +73,10 @@ class _Scanner:
         kind, count = self.take("I"), self.take("Q")
         if kind in _SCALARS:
             self.pos += count * struct.calcsize(_SCALARS[kind])
+        elif kind == _STRING:  # a vocabulary: step over each string without decoding it
+            for _ in range(count):
+                length = self.take("Q")
+                self.pos += length
         else:
             for _ in range(count):
                 self.value(kind)
@@ -87,10 +93,14 @@ class _Scanner:
         for _ in range(kv_count):
             key = self.string()
             metadata[key] = self.value(self.take("I"))
-        shapes, types = {}, {}
+        shapes, types, offsets = {}, {}, {}
         for _ in range(tensor_count):
             name = self.string()
             dims = tuple(self.take("Q") for _ in range(self.take("I")))
-            types[name], _offset = self.take("I"), self.take("Q")
+            types[name], offsets[name] = self.take("I"), self.take("Q")
             shapes[name] = dims
-        return GGUFHeader(version, metadata, shapes, types)
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise GGUFFormatError(f"general.alignment is {alignment!r}, not a positive integer")
+        data_start = (self.pos + alignment - 1) // alignment * alignment
+        return GGUFHeader(version, metadata, shapes, types, {name: data_start + o for name, o in offsets.items()})

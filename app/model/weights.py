@@ -31,56 +31,68 @@ class GGUFCheckpoint:
     """A GGUF file: its config, its tensors (by HF name, dequantized), its chat template."""
 
     def __init__(self, path: Path):
-        import gguf
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from app.model.gguf_header import read_gguf_header
 
         self.path = path
-        self.reader = gguf.GGUFReader(str(path))
-        self.meta = {key: _field_value(field) for key, field in self.reader.fields.items()
-                     if not key.startswith("tokenizer.ggml.")}
-        names = {t.name for t in self.reader.tensors}
-        vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in self.reader.fields \
-            else int(self.meta.get(f"{self.meta['general.architecture']}.vocab_size", 0))
-        self.config = config_from_gguf(self.meta, vocab, "output.weight" in names)
+        header = read_gguf_header(path)  # not gguf.GGUFReader: it parses the whole vocabulary (seconds)
+        self.meta = header.metadata  # scalars and strings; an array as its length
+        self.config = config_from_gguf(self.meta, _vocab_size(self.meta), "output.weight" in header.tensor_shapes)
         self.chat_template = self.meta.get("tokenizer.chat_template")
-        unsupported = sorted({t.tensor_type.name for t in self.reader.tensors} - set(GGUF_TYPES))
+        known = {t.value: t.name for t in GGMLQuantizationType}
+        unsupported = sorted({known.get(t, f"type {t}") for t in header.tensor_types.values()} - set(GGUF_TYPES))
         if unsupported:
             raise UnsupportedModel(f"GGUF tensor type(s) {', '.join(unsupported)} are not supported; "
                                    f"supported: {', '.join(GGUF_TYPES)}")
+        self.header = header
+        self._types = {name: GGMLQuantizationType(t) for name, t in header.tensor_types.items()}
+        self._sizes = GGML_QUANT_SIZES
 
     def __len__(self) -> int:
-        return len(self.reader.tensors)
+        return len(self.header.tensor_shapes)
+
+    def _raw(self, data: np.ndarray, name: str) -> np.ndarray:
+        """A tensor's bytes in the file, [..., bytes of one innermost row] (outer dimensions first)."""
+        dims = self.header.tensor_shapes[name]  # innermost first
+        block, size = self._sizes[self._types[name]]
+        row_bytes = dims[0] // block * size
+        start = self.header.tensor_offsets[name]
+        count = row_bytes * int(np.prod(dims[1:], dtype=np.int64))
+        if start + count > data.size:
+            raise UnsupportedModel(f"GGUF tensor {name!r} ends past the end of {self.path} (a truncated file?)")
+        return data[start:start + count].reshape(*reversed(dims[1:]), row_bytes)
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Every tensor by HF name; with `keep_quantized`, 2-D weights of a kept type as QuantizedTensor."""
         import gguf
 
         arch = self.meta["general.architecture"]
-        for tensor in self.reader.tensors:
-            name = _hf_name(tensor.name)
-            if keep_quantized and tensor.tensor_type.value in KEPT_TYPES and len(tensor.shape) == 2:
-                rows, features = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dimensions innermost first
-                blocks = torch.from_numpy(np.array(tensor.data)).view(torch.uint8).reshape(rows, -1)  # a copy
-                weight = QuantizedTensor(blocks, tensor.tensor_type.value, features)
+        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        for gguf_name, dims in self.header.tensor_shapes.items():
+            name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
+            if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
+                blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
+                weight = QuantizedTensor(blocks, qtype.value, int(dims[0]))
             else:
-                data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-                weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is mapped read-only
+                values = gguf.quants.dequantize(raw, qtype)
+                weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only
             if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 heads = self.config.num_heads if ".q_proj" in name else self.config.num_kv_heads
                 weight = _unpermute(weight, heads)
             yield name, weight
+        del data
 
     def types(self) -> dict[str, int]:
         """How many tensors of each GGUF type the file holds."""
         from collections import Counter
 
-        return dict(Counter(t.tensor_type.name for t in self.reader.tensors))
+        return dict(Counter(t.name for t in self._types.values()))
 
 
-def _field_value(field) -> object:
-    try:
-        return field.contents()
-    except Exception:  # a field type gguf cannot render as Python; not one a model needs
-        return None
+def _vocab_size(meta: dict) -> int:
+    tokens = meta.get("tokenizer.ggml.tokens")  # the vocabulary array, read as its length
+    return int(tokens) if tokens is not None else int(meta.get(f"{meta['general.architecture']}.vocab_size", 0))
 
 
 def _hf_name(name: str) -> str:

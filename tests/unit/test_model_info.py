@@ -41,6 +41,7 @@ def test_header_scan_agrees_with_gguf_reader(smollm2_path):
     for tensor in reference.tensors:
         assert ours.tensor_shapes[tensor.name] == tuple(int(d) for d in tensor.shape)
         assert ours.tensor_types[tensor.name] == int(tensor.tensor_type)
+        assert ours.tensor_offsets[tensor.name] == tensor.data_offset  # the loader reads the bytes from here
 
 
 def test_smollm2_footprint(smollm2_path):
@@ -79,3 +80,16 @@ def test_hugging_face_directory_footprint(tmp_path):
     footprint = read_footprint(source)
     assert (footprint.num_params, footprint.num_layers, footprint.num_kv_heads, footprint.head_dim) == (25622, 3, 2, 32)
     assert footprint.architecture == "Qwen2ForCausalLM" and footprint.context_length == 4096
+
+
+def test_a_truncated_gguf_file_fails_to_load_with_a_clear_error(tmp_path, smollm2_path):
+    from app.model.config import UnsupportedModel
+    from app.model.weights import GGUFCheckpoint
+
+    data = open(smollm2_path, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) * 2 // 3])  # the header whole, the last tensors missing
+    checkpoint = GGUFCheckpoint(cut)
+    with pytest.raises(UnsupportedModel, match="ends past the end of .*truncated"):
+        for _ in checkpoint.tensors(keep_quantized=True):
+            pass
