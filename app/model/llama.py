@@ -85,7 +85,7 @@ class LlamaForCausalLM:
 
     def _native_stack(self, caches: list[KVCache]):
         """The native layer stack for these caches (built on first use), or None where a layer needs the
-        Python path: dense float weights, float activations, per-head Q/K norms."""
+        Python path: float32 weights, quantized ones under float activations, per-head Q/K norms."""
         if self._stack is not None and self._stack[0] is caches:
             return self._stack[1]
         self._stack = (caches, self._build_stack(caches))
@@ -93,12 +93,13 @@ class LlamaForCausalLM:
 
     def _build_stack(self, caches: list[KVCache]):
         from app import kernels
-        from app.model.quant import ACTIVATIONS
+        from app.model.quant import ACTIVATIONS, BF16
 
         linears = [(lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down) for lay in self.layers]
         weights = [lin.weight for group in linears for lin in group]
-        if (self.cfg.qk_norm or self.activations not in ("int8", "int16")
-                or not all(isinstance(w, PackedWeight) for w in weights)
+        # quantized weights under "float" activations take torch's GEMM for prompts: the Python layers
+        if (self.cfg.qk_norm or not all(isinstance(w, PackedWeight) for w in weights)
+                or self.activations not in ("int8", "int16") and any(w.qtype != BF16 for w in weights)
                 or self.group.size > 1 and getattr(self.group, "native", None) is None):
             return None
         native_group = self.group.native if self.group.size > 1 else None

@@ -11,6 +11,10 @@ products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS
   - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
     torch's GEMM): the reference's arithmetic, slowest.
 Other GGUF types are dequantized at load (the loader says which).
+
+Dense bfloat16 weights (a bfloat16 model's, from a BF16 GGUF or safetensors) are packed the same way
+(type `BF16`, no scales): the same kernels then run them, vdpbf16ps on AVX512-BF16, and the whole layer
+stack in one native call; torch's bfloat16 GEMV reached about a third of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id
 BLOCK = 32
 GEMM_ROWS = 64  # "float": more activation rows than this expand the weight for torch's GEMM (compute-bound)
 ACTIVATIONS = {"float": 0, "int8": 1, "int16": 2}  # the native kernels' codes
+BF16 = 30  # GGML's type id for bfloat16: dense weights in the packed layout (activations do not apply)
 
 
 @dataclass(frozen=True)
@@ -102,12 +107,12 @@ class PackedWeight:
 
     @property
     def type_name(self) -> str:
-        return KEPT_TYPES[self.qtype][0]
+        return "BF16" if self.qtype == BF16 else KEPT_TYPES[self.qtype][0]
 
     def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's)."""
         rows = x.numel() // self.in_features
-        if self.activations == "float" and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
+        if self.activations == "float" and self.qtype != BF16 and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
             return torch.nn.functional.linear(x, self.dequantize(x.dtype))
         return kernels.packed_linear(x, self.data, self.qtype, self.in_features, self.rows,
                                      ACTIVATIONS[self.activations], out_dtype)
@@ -124,8 +129,14 @@ Weight = torch.Tensor | QuantizedTensor | PackedWeight
 
 
 def pack(weight: Weight, activations: str) -> Weight:
-    """A file's quantized weight in the kernels' layout; float weights as they are."""
-    return weight.pack(activations) if isinstance(weight, QuantizedTensor) else weight
+    """A file's quantized weight, or a bfloat16 one, in the kernels' layout; float32 weights as they are."""
+    if isinstance(weight, QuantizedTensor):
+        return weight.pack(activations)
+    if weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % BLOCK == 0:
+        rows, features = weight.shape
+        packed = kernels.pack_quant(weight.contiguous().view(torch.uint8), BF16, features)
+        return PackedWeight(packed, BF16, rows, features, activations)
+    return weight
 
 
 def fuse_rows(parts: Sequence[Weight]) -> Weight:

@@ -84,9 +84,13 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // GGUF block types kept quantized (the values are GGML's type ids). Every block holds 32 weights along
 // a row: Q8_0 = fp16 d + 32 int8 (w = d q); Q4_0 = fp16 d + 16 bytes of nibbles (w = d (q - 8));
 // Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles (w = d q + m). Low nibbles are weights 0..15, high 16..31.
-enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8 };
+// BF16 (GGML's 30) is the dense case: rows of bfloat16 weights, 64 bytes per 32, no scales; packed the
+// same way so that the same tiles, threads and layer stack run them (the model packs bfloat16 weights).
+enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30 };
 constexpr int64_t kQuantBlock = 32;
-inline int64_t quant_block_bytes(QType t) { return t == QType::q8_0 ? 34 : t == QType::q4_1 ? 20 : 18; }
+inline int64_t quant_block_bytes(QType t) {
+  return t == QType::bf16 ? 64 : t == QType::q8_0 ? 34 : t == QType::q4_1 ? 20 : 18;
+}
 
 // Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
 // in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
@@ -98,11 +102,13 @@ inline int64_t quant_block_bytes(QType t) { return t == QType::q8_0 ? 34 : t == 
 //           unsigned u = q + 128.
 //   scales  16 fp16 d, then (Q4_1 only) 16 fp16 m.
 // Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 0 for Q4_1 (whose m is stored).
+//   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
+//           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
 struct PackedLayout {
-  int bits;              // 4 or 8
+  int bits;              // 4, 8 or 16 (bfloat16)
   int zero;              // subtracted from every u
   bool has_min;          // 16 fp16 m follow the 16 fp16 d
   int64_t quant_bytes;   // per panel and block
@@ -110,6 +116,7 @@ struct PackedLayout {
 };
 
 inline PackedLayout packed_layout(QType t) {
+  if (t == QType::bf16) return {16, 0, false, 1024, 1024};
   if (t == QType::q8_0) return {8, 128, false, 512, 512 + 32};
   if (t == QType::q4_0) return {4, 8, false, 256, 256 + 32};
   return {4, 0, true, 256, 256 + 64};

@@ -300,6 +300,9 @@ struct I32x16 {
   friend I32x16 operator+(I32x16 a, I32x16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
   friend I32x16 operator-(I32x16 a, I32x16 b) { return {_mm512_sub_epi32(a.v, b.v)}; }
   F32x16 to_float() const { return {_mm512_cvtepi32_ps(v)}; }
+  // each lane's two bfloat16 (a packed BF16 weight pair) as floats: the low half, the high half (exact)
+  F32x16 bf16_low() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}; }
+  F32x16 bf16_high() const { return {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))))}; }
   // kSmall: every byte of w is below 16 (4-bit weights), which the emulation below can use
   template <bool kSmall>
   static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
@@ -350,6 +353,11 @@ struct I32x16 {
   friend I32x16 operator+(I32x16 x, I32x16 y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
   friend I32x16 operator-(I32x16 x, I32x16 y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
   F32x16 to_float() const { return {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)}; }
+  F32x16 bf16_low() const { return {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))}; }
+  F32x16 bf16_high() const {
+    const __m256i m = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    return {_mm256_castsi256_ps(_mm256_and_si256(a, m)), _mm256_castsi256_ps(_mm256_and_si256(b, m))};
+  }
   template <bool kSmall>
   static __m256i dot4_half(__m256i acc, __m256i w, __m256i x) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -394,6 +402,13 @@ struct I32x16 {
   friend I32x16 operator-(I32x16 a, I32x16 b) { APPLIANCE_LANES(a.v[i] - b.v[i]) }
 #undef APPLIANCE_LANES
   F32x16 to_float() const { F32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(v[i]); return r; }
+  F32x16 bf16_low() const { return bits(0); }
+  F32x16 bf16_high() const { return bits(16); }
+  F32x16 bits(int shift) const {  // the bfloat16 at bit `shift` of each lane, as float
+    F32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_float(static_cast<bf16>(static_cast<uint32_t>(v[i]) >> shift));
+    return r;
+  }
   template <bool kSmall>
   static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
     for (int i = 0; i < 16; ++i) {

@@ -192,8 +192,8 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
 
 QType quant_type(int code) {
   require(code == static_cast<int>(QType::q4_0) || code == static_cast<int>(QType::q4_1) ||
-              code == static_cast<int>(QType::q8_0),
-          "qtype: " + std::to_string(code) + " is not a kept-quantized GGUF type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+              code == static_cast<int>(QType::q8_0) || code == static_cast<int>(QType::bf16),
+          "qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30)");
   return static_cast<QType>(code);
 }
 
@@ -252,6 +252,7 @@ void packed_rows(const Ref& out_r, const Ref& w_r, const Ref& ids_r, int qtype, 
 void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
   T out = tensor(out_r, "out", 2), w = tensor(w_r, "weight", 2);
   const QType q = quant_type(qtype);
+  require(q != QType::bf16, "dequantize: BF16 rows are not quantized (view them as bfloat16)");
   quant_weight(w, q, k);
   require(out.dim(0) == w.dim(0) && out.dim(1) == k, "dequantize: out must be [R, K] for weight [R, K]");
   kernels().dequantize({q, float_type(out), out.ptr, static_cast<const uint8_t*>(w.ptr), w.dim(0), k, out.st(0)});

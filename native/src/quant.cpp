@@ -1,4 +1,5 @@
-// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0).
+// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0), and on
+// bfloat16 weights packed the same way (BF16: vdpbf16ps with AVX512-BF16, float32 FMAs elsewhere).
 //
 // A decode step reads every weight once: a Q4_1 weight is 5 bits, a float32 one 32. pack_quant repacks
 // the file's rows once, at load, into panels of 16 rows whose bytes sit in the int32 lanes that VNNI's
@@ -202,10 +203,13 @@ struct Tiles {  // what every tile of one call shares
   const uint8_t* weight;
   PackedLayout layout;
   int64_t blocks, panel_bytes, out_features;
-  const Activations* x;
+  const Activations* x;  // as prepared (quantized types)
   void* out;
   DType out_dtype;
   int64_t out_stride;
+  const void* x_rows;    // x as given (BF16 weights read it directly)
+  DType x_dtype;
+  int64_t x_stride;
 };
 
 inline int32_t load4(const int8_t* p) {
@@ -366,10 +370,54 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
+// One pair of bfloat16 weights in each of the 16 lanes times the pair x[0], x[1]: vdpbf16ps where the CPU
+// has it (float32 products of bfloat16 x, exact, summed in float32), else two FMAs on the widened pair;
+// float32 x always takes the FMAs, so x is never rounded.
+inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const float* x) {
+  return F32x16::fmadd(w.bf16_high(), F32x16::set1(x[1]), F32x16::fmadd(w.bf16_low(), F32x16::set1(x[0]), acc));
+}
+inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const bf16* x) {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<const __m512bh&>(w.v), reinterpret_cast<const __m512bh&>(
+                                                                                 static_cast<const __m512i&>(_mm512_set1_epi32(pair))))};
+#else
+  return F32x16::fmadd(w.bf16_high(), F32x16::set1(bf16_to_float(x[1])),
+                       F32x16::fmadd(w.bf16_low(), F32x16::set1(bf16_to_float(x[0])), acc));
+#endif
+}
+
+// BF16 tile: no scales, so one accumulator per (row, panel) runs over the whole row.
+template <int MR, int NP, typename X>
+void bf16_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  F32x16 acc[MR][NP];
+  for (auto& row : acc)
+    for (auto& a : row) a = F32x16::zero();
+  const X* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = static_cast<const X*>(t.x_rows) + (r0 + r) * t.x_stride;
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* blk[NP];
+    for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
+    for (int g = 0; g < kQuantBlock / 2; ++g)
+      for (int j = 0; j < NP; ++j) {
+        const I32x16 w = I32x16::load(blk[j] + 64 * g);
+        for (int r = 0; r < MR; ++r) acc[r][j] = pair_dot(acc[r][j], w, xr[r] + b * kQuantBlock + 2 * g);
+      }
+  }
+  store_tile<MR, NP>(t, r0, p0, acc);
+}
+
 template <int MR, int NP, int BITS, int PLANES>
 void tile(const Tiles& t, int64_t r0, int64_t p0) {
-  if constexpr (PLANES == 0) float_tile<MR, NP, BITS>(t, r0, p0);
-  else int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
+  if constexpr (BITS == 16) {
+    if (t.x_dtype == DType::f32) bf16_tile<MR, NP, float>(t, r0, p0);
+    else bf16_tile<MR, NP, bf16>(t, r0, p0);
+  } else if constexpr (PLANES == 0) {
+    float_tile<MR, NP, BITS>(t, r0, p0);
+  } else {
+    int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
+  }
 }
 
 template <int NP, int BITS, int PLANES>
@@ -415,6 +463,11 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + b * L.block_bytes;
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
     const float d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
+    if (L.bits == 16) {  // weight i of row j: vector i / 2, lane j, half i % 2
+      const bf16* v = reinterpret_cast<const bf16*>(blk);
+      for (int i = 0; i < kQuantBlock; ++i) out[i] = from_float<T>(bf16_to_float(v[32 * (i / 2) + 2 * j + i % 2]));
+      continue;
+    }
     for (int i = 0; i < kQuantBlock; ++i) {
       int u;
       if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
@@ -437,6 +490,10 @@ void pack_quant(const PackArgs& a) {
       std::memset(dst, 0, L.block_bytes);  // rows past the end: d = m = 0
       for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j) {
         const uint8_t* src = a.gguf + (p * kPanelRows + j) * row_bytes + b * gguf_block;
+        if (L.bits == 16) {  // pairs of weights (4 bytes) to vector g, lane j
+          for (int g = 0; g < kQuantBlock / 2; ++g) std::memcpy(dst + 64 * g + 4 * j, src + 4 * g, 4);
+          continue;
+        }
         std::memcpy(dst + L.quant_bytes + 2 * j, src, 2);  // d
         if (L.has_min) std::memcpy(dst + L.quant_bytes + 2 * (kPanelRows + j), src + 2, 2);
         if (L.bits == 4) {
@@ -453,11 +510,13 @@ void pack_quant(const PackArgs& a) {
 
 void packed_linear(const PackedLinearArgs& a) {
   thread_local Activations x;  // kept between calls: no allocation per call
-  prepare(a, x);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock;
-  const Tiles t{a.weight, L, blocks, blocks * L.block_bytes, a.out_features, &x, a.out, a.out_dtype, a.out_stride};
+  const Tiles t{a.weight, L, blocks, blocks * L.block_bytes, a.out_features, &x, a.out, a.out_dtype, a.out_stride,
+                a.x, a.x_dtype, a.x_stride};
   const int bits = L.bits;
+  if (bits == 16) return run<16, 0>(t, a.rows);  // BF16 weights take x as it is (act does not apply)
+  prepare(a, x);
   if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a.rows) : run<8, 2>(t, a.rows);
   else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a.rows) : run<8, 1>(t, a.rows);
   else bits == 4 ? run<4, 0>(t, a.rows) : run<8, 0>(t, a.rows);

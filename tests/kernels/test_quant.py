@@ -1,4 +1,4 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0): the native kernels against gguf's own numpy
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
 The blocks come from gguf.quants.quantize (the gguf package's reference implementation), so the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app import kernels
-from app.model.quant import PackedWeight, QuantizedTensor, fuse_rows, linear
+from app.model.quant import BF16, PackedWeight, QuantizedTensor, fuse_rows, linear, pack
 from app.model.weights import _unpermute
 
 ISAS = kernels.supported_isas()
@@ -76,6 +76,31 @@ def test_linear_matches_dequantize_then_matmul(isa, qtype, activations, m, n, k)
     torch.testing.assert_close(packed.linear(xb, torch.float32), expected_b, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(packed.linear(xb).float(), expected_b.to(torch.bfloat16).float(), atol=2e-2,
                                rtol=1.6e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 32), (1, 130, 576), (3, 7, 96), (4, 31, 128), (17, 67, 160), (131, 65, 64)])
+def test_bfloat16_weights_packed_match_torch(isa, m, n, k):
+    """Dense bfloat16 weights in the packed layout (BF16): float32 x is never rounded, bfloat16 x meets them
+    in vdpbf16ps (exact products) or FMAs; both against the float64 product of the same values."""
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.1).to(torch.bfloat16)
+    packed = pack(w, "int16")
+    assert isinstance(packed, PackedWeight) and packed.qtype == BF16 and packed.type_name == "BF16"
+    x = torch.randn(m, k)
+    torch.testing.assert_close(packed.linear(x), (x.double() @ w.double().T).float(), atol=2e-5, rtol=2e-5)
+    xb = x.to(torch.bfloat16)
+    expected = (xb.double() @ w.double().T).float()
+    torch.testing.assert_close(packed.linear(xb, torch.float32), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(packed.linear(xb).float(), expected.to(torch.bfloat16).float(), atol=2e-2, rtol=1.6e-2)
+    ids = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(packed.embedding(ids, torch.bfloat16), w[ids])  # the rows come back bit for bit
+    assert torch.equal(packed.dequantize(torch.float32), w.float())
+
+
+def test_float32_weights_stay_torch_tensors():
+    w = torch.randn(8, 64)
+    assert pack(w, "int16") is w
+    odd = torch.randn(8, 40).to(torch.bfloat16)  # not a multiple of 32 features: torch's GEMM
+    assert pack(odd, "int16") is odd
 
 
 @pytest.mark.parametrize("activations", ["int16", "int8"])
@@ -162,7 +187,7 @@ def test_packed_rows_dequantize_exactly(isa, qtype):
 def test_bad_arguments_are_errors_not_crashes():
     q, _ = quantized(4, 64, gguf.GGMLQuantizationType.Q4_0)
     packed = q.pack("int16")
-    with pytest.raises(ValueError, match="not a kept-quantized GGUF type"):
+    with pytest.raises(ValueError, match="not a packed weight type"):
         kernels.pack_quant(q.data, 12, 64)  # Q4_K
     with pytest.raises(ValueError, match="rows must be 36 bytes"):
         kernels.pack_quant(q.data[:, :20].contiguous(), 2, 64)

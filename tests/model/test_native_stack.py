@@ -2,7 +2,8 @@
 
 Both run the same kernels in the same order, so they must agree to float32 rounding: prompts of several
 sequences in one step (chunked, on shuffled cache blocks), then decode steps; on the default model in
-float32 and bfloat16, int16 and int8 activations, and on a Qwen2-style file whose Q/K/V have biases.
+float32 and bfloat16, int16 and int8 activations, with bfloat16 weights (packed dense), and on a
+Qwen2-style file whose Q/K/V have biases.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def test_default_model_native_stack_matches_python_layers(dtype, activations):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (37, 5, 70)]
     _compare(loaded.model, prompts, steps=4, tol=1e-5 if dtype == "float32" else 1e-2)
+
+
+def test_bfloat16_weights_native_stack_matches_python_layers():
+    # every weight expanded to bfloat16 at load: packed dense (BF16), vdpbf16ps where the CPU has it
+    loaded = load_model(resolve_source(ModelSpec()), "bfloat16", tokenizer=False, quantized="dequantize")
+    assert {w.type_name for w in (loaded.model.layers[0].attention.qkv.weight, loaded.model.lm_head)} == {"BF16"}
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (21, 40)]
+    _compare(loaded.model, prompts, steps=4, tol=1e-2)
 
 
 def test_float_activations_keep_the_python_layers():

@@ -99,12 +99,14 @@ def run_all(code: int) -> dict[str, list[float]]:
     native.linear_f32_out(logits.ref, rows.ref, weight.ref)
     out["linear_f32_out"] = logits.floats()
 
-    # kept-quantized weights (GGUF Q4_1 and Q8_0 rows of 32-weight blocks), repacked, under each activation mode
+    # kept-quantized weights (GGUF Q4_1 and Q8_0 rows of 32-weight blocks) and bfloat16 ones, repacked, under
+    # each activation mode (BF16 weights ignore it)
     QK = 96  # three blocks a row; V = 24 rows: one full 16-row panel and a tail
     for qtype, block in ((3, lambda: struct.pack("<ee", rng.uniform(0.01, 0.1), rng.uniform(-0.5, 0.5)) +
                           bytes(rng.randrange(256) for _ in range(16))),
                          (8, lambda: struct.pack("<e", rng.uniform(0.001, 0.02)) +
-                          bytes(rng.randrange(256) for _ in range(32)))):
+                          bytes(rng.randrange(256) for _ in range(32))),
+                         (30, lambda: struct.pack("<32H", *(_to_bf16(rng.uniform(-0.1, 0.1)) for _ in range(32))))):
         raw = b"".join(block() for _ in range(V * QK // 32))
         gguf = Buffer(U8, [V, len(raw) // V], list(raw))
         packed = Buffer(U8, [native.packed_bytes(qtype, V, QK)])
