@@ -37,4 +37,4 @@ def test_neon_kernels_match_portable_ones(tmp_path):
                     *objects, "-o", str(harness)], check=True)
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(harness)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "NEON matches portable" in run.stdout and run.stdout.count(" ok") == 10
+    assert "NEON matches portable" in run.stdout and run.stdout.count(" ok") == 13

@@ -78,6 +78,21 @@ int main() {
     portable::packed_linear({QType::q4_1, act, DType::f32, DType::f32, qo2.data(), qx.data(), packed.data(), QM, QK, QN, QK, QN});
     check(act == ActQuant::int16 ? "packed_linear q4_1 int16" : "packed_linear q4_1 float", maxdiff(qo1, qo2), 1e-4);
   }
+  // bfloat16 weights packed (BF16): rows of random bf16 values; x float32, then bfloat16
+  std::vector<uint16_t> bw(QN * QK);
+  for (auto& v : bw) { const float f = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) * 1e-4f; uint32_t u; std::memcpy(&u, &f, 4); v = static_cast<uint16_t>(u >> 16); }
+  std::vector<uint8_t> bpacked(packed_bytes(QType::bf16, QN, QK)), bpacked2(bpacked.size());
+  neon::pack_quant({QType::bf16, reinterpret_cast<const uint8_t*>(bw.data()), bpacked.data(), QN, QK});
+  portable::pack_quant({QType::bf16, reinterpret_cast<const uint8_t*>(bw.data()), bpacked2.data(), QN, QK});
+  check("pack_quant bf16", bpacked == bpacked2 ? 0.f : 1.f, 0.f);
+  neon::packed_linear({QType::bf16, ActQuant::int16, DType::f32, DType::f32, qo1.data(), qx.data(), bpacked.data(), QM, QK, QN, QK, QN});
+  portable::packed_linear({QType::bf16, ActQuant::int16, DType::f32, DType::f32, qo2.data(), qx.data(), bpacked.data(), QM, QK, QN, QK, QN});
+  check("packed_linear bf16 f32 x", maxdiff(qo1, qo2), 1e-4);
+  std::vector<uint16_t> bx(QM * QK);
+  for (size_t i = 0; i < bx.size(); ++i) { uint32_t u; std::memcpy(&u, &qx[i], 4); bx[i] = static_cast<uint16_t>(u >> 16); }
+  neon::packed_linear({QType::bf16, ActQuant::int16, DType::bf16, DType::f32, qo1.data(), bx.data(), bpacked.data(), QM, QK, QN, QK, QN});
+  portable::packed_linear({QType::bf16, ActQuant::int16, DType::bf16, DType::f32, qo2.data(), bx.data(), bpacked.data(), QM, QK, QN, QK, QN});
+  check("packed_linear bf16 bf16 x", maxdiff(qo1, qo2), 1e-4);
   printf("%s\n", fails ? "NEON DIFFERS" : "NEON matches portable");
   return fails;
 }
