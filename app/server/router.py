@@ -21,6 +21,10 @@ SLACK = 4  # a prefix's replica keeps it while it has at most this many requests
 class EngineRouter:
     def __init__(self, addresses: list[str]):
         self.replicas = [EngineClient(address, index) for index, address in enumerate(addresses)]
+        # times this worker picked each replica: breaks ties in load. A burst of requests can all be picked
+        # before the first one's engine queue exists (it is registered when its task first runs), so their
+        # loads tie; without this every one of them went to replica 0 (a flaky DP test saw 16 of 16)
+        self.picks = [0] * len(self.replicas)
 
     async def start(self) -> None:
         for replica in self.replicas:
@@ -60,12 +64,14 @@ class EngineRouter:
             raise EngineUnavailable(f"the engine is {self.state()}")
         if len(self.replicas) == 1:
             return ready[0]
-        least = min(ready, key=_load)
-        if len(prompt_ids) < AFFINITY_TOKENS:
-            return least
-        head = ",".join(map(str, prompt_ids[:AFFINITY_TOKENS])).encode()
-        preferred = max(ready, key=lambda r: _score(head, r.replica))
-        return preferred if _load(preferred) <= _load(least) + SLACK else least
+        least = min(ready, key=lambda r: (_load(r), self.picks[r.replica]))
+        chosen = least
+        if len(prompt_ids) >= AFFINITY_TOKENS:
+            head = ",".join(map(str, prompt_ids[:AFFINITY_TOKENS])).encode()
+            preferred = max(ready, key=lambda r: _score(head, r.replica))
+            chosen = preferred if _load(preferred) <= _load(least) + SLACK else least
+        self.picks[chosen.replica] += 1
+        return chosen
 
 
 def _load(replica: EngineClient) -> int:

@@ -1,0 +1,37 @@
+"""Replica choice (app/server/router.py) on clients whose heartbeats the test sets, no engine behind them."""
+
+from __future__ import annotations
+
+import time
+
+from app.engine.ipc import Heartbeat
+from app.server.router import AFFINITY_TOKENS, EngineRouter
+
+
+def _router(n: int, **stats) -> EngineRouter:
+    router = EngineRouter([f"ipc:///nonexistent-{i}" for i in range(n)])
+    for replica in router.replicas:
+        replica.stats, replica.last_beat = Heartbeat(ready=True, **stats), time.monotonic()
+    return router
+
+
+def test_a_burst_picked_before_any_request_is_queued_spreads_over_the_replicas():
+    # every pick sees the same load (no engine queue registered yet): ties alternate, not all on replica 0
+    router = _router(2)
+    picked = [router.pick([1, 2, 3]).replica for _ in range(16)]
+    assert picked.count(0) == picked.count(1) == 8
+
+
+def test_the_least_loaded_replica_still_wins_over_the_tie_break():
+    router = _router(3)
+    router.replicas[0].stats = Heartbeat(ready=True, running=5)
+    router.replicas[2].stats = Heartbeat(ready=True, running=1)
+    assert {router.pick([7]).replica for _ in range(4)} == {1}  # 0 and 1 running: replica 1, every time
+    router.replicas[1].stats = Heartbeat(ready=True, running=9)
+    assert router.pick([7]).replica == 2
+
+
+def test_a_long_shared_prefix_keeps_its_replica():
+    router = _router(2)
+    prompt = list(range(AFFINITY_TOKENS + 10))
+    assert len({router.pick(prompt + [i]).replica for i in range(6)}) == 1
