@@ -36,7 +36,8 @@ class ModelSpec(Section):
     name: str | None = Field(default=None, pattern=r"^\S{1,128}$")
     """Model name served by the API; default: the file or directory name without extension."""
     dtype: Dtype = "auto"
-    """Compute dtype: "auto" picks bfloat16 where the CPU has native BF16, else float32."""
+    """Compute dtype: "auto" picks bfloat16 where the CPU has native BF16, else float32. Under bfloat16,
+    dense weights run on native bfloat16 kernels (AVX512-BF16 where present); float32 weights on torch."""
     quantized: Literal["keep", "dequantize"] = "keep"
     """GGUF quantized weights: "keep" runs Q4_0, Q4_1 and Q8_0 weights on native kernels as they are stored
     (4-6x fewer bytes per decode step than bfloat16/float32; other types are dequantized at load, logged);
