@@ -250,6 +250,17 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, F32x16& d, F32x16& 
   m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
 }
 
+// Every tile starts its accumulators at zero and reads block b of its NP panels.
+template <int MR, int NP>
+void zero_all(F32x16 (&acc)[MR][NP]) {
+  for (auto& row : acc)
+    for (auto& a : row) a = F32x16::zero();
+}
+template <int NP>
+void panel_blocks(const Tiles& t, int64_t p0, int64_t b, const uint8_t* (&blk)[NP]) {
+  for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
+}
+
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
@@ -259,11 +270,10 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
-  for (auto& row : acc)
-    for (auto& a : row) a = F32x16::zero();
+  zero_all(acc);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
+    panel_blocks(t, p0, b, blk);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     I32x16 hi[MR][NP], lo[MR][NP];
@@ -327,16 +337,14 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const int64_t k = t.blocks * kQuantBlock;
   const I32x16 zero = I32x16::set1(L.zero);
   F32x16 acc[MR][NP];
-  for (auto& row : acc)
-    for (auto& a : row) a = F32x16::zero();
+  zero_all(acc);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
+    panel_blocks(t, p0, b, blk);
     const float* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.fx.data() + (r0 + r) * k + b * kQuantBlock;
     F32x16 part[MR][NP];
-    for (auto& row : part)
-      for (auto& a : row) a = F32x16::zero();
+    zero_all(part);
     auto group = [&](int j, const I32x16& w, int k0) {  // weights k0..k0+3 of the panel's rows
       const F32x16 w0 = (w.byte<0>() - zero).to_float(), w1 = (w.byte<1>() - zero).to_float();
       const F32x16 w2 = (w.byte<2>() - zero).to_float(), w3 = (w.byte<3>() - zero).to_float();
@@ -392,13 +400,12 @@ inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const bf16* x) {
 template <int MR, int NP, typename X>
 void bf16_tile(const Tiles& t, int64_t r0, int64_t p0) {
   F32x16 acc[MR][NP];
-  for (auto& row : acc)
-    for (auto& a : row) a = F32x16::zero();
+  zero_all(acc);
   const X* xr[MR];
   for (int r = 0; r < MR; ++r) xr[r] = static_cast<const X*>(t.x_rows) + (r0 + r) * t.x_stride;
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
+    panel_blocks(t, p0, b, blk);
     for (int g = 0; g < kQuantBlock / 2; ++g)
       for (int j = 0; j < NP; ++j) {
         const I32x16 w = I32x16::load(blk[j] + 64 * g);
