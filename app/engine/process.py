@@ -7,6 +7,7 @@ already in its environment so that they are read when torch loads.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -38,6 +39,9 @@ def run_engine(launches: list[RankLaunch]) -> None:
     drain = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # before loading: a reload may come at any time
     core, _ = build_core(launches)
+    # What exists now lives as long as the process (modules, the model): the collector stops walking it.
+    # Full collections over torch's objects were ~3% of a loaded step's samples (perf, offline engine).
+    gc.freeze()
     try:
         EngineServer(core, launch.address, launch.max_waiting_requests, drain).serve_forever()
     finally:

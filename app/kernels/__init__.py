@@ -7,6 +7,8 @@ from app.kernels.ops import (
     compiled_isas,
     dequantize,
     isa,
+    kv_cache_blocks,
+    kv_cache_from_blocks,
     linear_f32_out,
     paged_attention,
     pack_quant,
@@ -21,7 +23,7 @@ from app.kernels.ops import (
 )
 
 __all__ = [
-    "DecoderStack", "add_rms_norm", "bind_threads", "compiled_isas", "dequantize", "isa", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
+    "DecoderStack", "add_rms_norm", "bind_threads", "compiled_isas", "dequantize", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
     "paged_attention", "rms_norm", "rotary_embedding",
     "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
 ]

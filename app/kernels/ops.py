@@ -90,10 +90,35 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
+def kv_cache_from_blocks(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged cache holding keys and values: [blocks, Hk, block_size, D] each, in token order.
+
+    The cache's own order within a (block, KV head) is the one its kernels read without transposing
+    (native/src/cache.cpp): float32 keys [D, block_size], values [block_size, D]; bfloat16 the same with
+    neighbours paired, keys [D/2, block_size, 2], values [block_size/2, D, 2]. Shapes stay
+    [blocks, Hk, D, block_size] and [blocks, Hk, block_size, D]; index a cache only through these two helpers.
+    """
+    n, h, b, d = values.shape
+    keys, values = keys.to(dtype), values.to(dtype)
+    if dtype != torch.bfloat16:
+        return keys.transpose(2, 3).contiguous(), values.contiguous()
+    return (keys.reshape(n, h, b, d // 2, 2).permute(0, 1, 3, 2, 4).reshape(n, h, d, b).contiguous(),
+            values.reshape(n, h, b // 2, 2, d).permute(0, 1, 2, 4, 3).reshape(n, h, b, d).contiguous())
+
+
+def kv_cache_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of kv_cache_from_blocks: keys and values [blocks, Hk, block_size, D] in token order."""
+    n, h, b, d = value_cache.shape
+    if value_cache.dtype != torch.bfloat16:
+        return key_cache.transpose(2, 3), value_cache
+    return (key_cache.reshape(n, h, d // 2, b, 2).permute(0, 1, 3, 2, 4).reshape(n, h, b, d),
+            value_cache.reshape(n, h, b // 2, d, 2).permute(0, 1, 2, 4, 3).reshape(n, h, b, d))
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    # key, value: [T, Hk, D]; key_cache: [blocks, Hk, D, block_size] (transposed within a block); value_cache:
-    # [blocks, Hk, block_size, D]; slot_mapping: [T] int64 (-1: skip).
+    # key, value: [T, Hk, D]; key_cache: [blocks, Hk, D, block_size], value_cache: [blocks, Hk, block_size, D],
+    # each in the order kv_cache_from_blocks gives; slot_mapping: [T] int64 (-1: skip).
     # The caches may be bfloat16 for float32 keys and values (rounded as they are written).
     _same_dtype(key, value=value)
     _same_dtype(key_cache, value_cache=value_cache)

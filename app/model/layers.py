@@ -13,6 +13,7 @@ from app.model.config import ModelConfig
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key [blocks, kv_heads, head_dim, block_size], value [.., block_size, head_dim]
+# (bfloat16 ones pair neighbours within a block: kernels.kv_cache_from_blocks says how)
 
 
 class Attention:

@@ -127,7 +127,8 @@ class LlamaForCausalLM:
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         # per layer: keys [blocks, kv_heads, head_dim, block_size] (transposed within a block, so attention scores
-        # a vector of keys at a time), values [blocks, kv_heads, block_size, head_dim]
+        # a vector of keys at a time), values [blocks, kv_heads, block_size, head_dim]; bfloat16 ones pair
+        # neighbours within a block (kernels.kv_cache_from_blocks)
         heads, dim, dtype = self.shard.num_kv_heads, self.cfg.head_dim, dtype or self.dtype
         # empty, not zeros: attention reads no slot before a step has written it (tests/kernels pins that down
         # with a NaN-filled cache), and zeroing gigabytes took seconds of every start and made all of it resident

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -287,6 +288,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await ctx.engine.start()
+        gc.freeze()  # the modules and the tokenizer live as long as the process: the collector stops walking them
         yield
         await ctx.engine.close()
         ctx.text.close()

@@ -423,6 +423,24 @@ struct I32x16 {
 
 #endif
 
+// One pair of bfloat16 in each of the 16 lanes (packed BF16 weights, a bfloat16 KV cache) times the pair
+// x[0], x[1]: vdpbf16ps where the CPU has it (float32 products of bfloat16 x, exact, summed in float32),
+// else two FMAs on the widened pair; float32 x always takes the FMAs, so x is never rounded.
+inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const float* x) {
+  return F32x16::fmadd(w.bf16_high(), F32x16::set1(x[1]), F32x16::fmadd(w.bf16_low(), F32x16::set1(x[0]), acc));
+}
+inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const bf16* x) {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<const __m512bh&>(w.v), reinterpret_cast<const __m512bh&>(
+                                                                                 static_cast<const __m512i&>(_mm512_set1_epi32(pair))))};
+#else
+  return F32x16::fmadd(w.bf16_high(), F32x16::set1(bf16_to_float(x[1])),
+                       F32x16::fmadd(w.bf16_low(), F32x16::set1(bf16_to_float(x[0])), acc));
+#endif
+}
+
 // exp(x) to about 2 ulp: x = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial, times 2^n.
 inline VecF exp(VecF x) {
   x = VecF::min(VecF::max(x, VecF::set1(-87.3f)), VecF::set1(88.3f));

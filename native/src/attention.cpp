@@ -1,17 +1,24 @@
 // Attention over the paged KV cache, for decode and for prefill/extend alike.
 //
-// The key cache is transposed within each block, [blocks, Hk, D, B], so the B keys of a block lie
-// side by side for every feature d: a row's scores for VecF::N keys are D FMAs of a broadcast q
-// element with one vector loaded straight from the cache (SIMD across keys, no horizontal sum per key,
-// no transposition). Values stay [blocks, Hk, B, D]: P.V adds broadcast p[j] times value row j.
+// Cache layouts within one (block, KV head), chosen so that the inner products need no transposition:
+//   - float32: keys [D, B] (transposed), values [B, D]. A row's scores for VecF::N keys are D FMAs of a
+//     broadcast q element with one vector loaded straight from the cache (SIMD across keys); P.V adds
+//     broadcast p[j] times value row j.
+//   - bfloat16: the same, with neighbours paired in 32-bit lanes: keys [D/2, B, 2] (features d, d + 1 of
+//     a key side by side), values [B/2, D, 2] (keys j, j + 1 of a feature side by side). A 64-byte load
+//     is 16 lanes of pairs: vdpbf16ps's operand (q or p pair broadcast, two products a lane) where the
+//     CPU has AVX512-BF16, else widened to float32 by a shift and a mask, no conversion instructions.
+//     With vdpbf16ps q and p are rounded to bfloat16 first (the cache already is); elsewhere the
+//     arithmetic is float32 throughout.
 //
 // One work item is (sequence, KV head, tile of up to kQueryTile new queries, range of keys). Its rows
 // are the query heads that share the KV head (GQA), for each query of the tile: row r is query
 // r / group, head kv_head * group + r % group. The item walks its keys in key tiles of whole cache
 // blocks (about kKeyTile keys):
-//   - a vector of N keys is read from the cache where it lies inside one block and the context; one
-//     that straddles blocks (B not a multiple of N) or ends past the context is copied to a zero-padded
-//     scratch first, so no slot past the context is ever read;
+//   - a vector of keys (VecF::N of them, 16 for bfloat16) is read from the cache where it lies inside
+//     one block and the context; one that straddles blocks or ends past the context is copied to a
+//     zero-padded scratch first, so no slot past the context is ever read (nor the other half of a
+//     value pair whose first key is the context's last);
 //   - softmax is online in float32: per row and key tile one max, one exp per key (vector), one
 //     sum; keys past a row's causal limit get -inf, so probability exactly 0;
 //   - both inner products run on a few rows at once (kRows x kCols vectors of accumulators).
@@ -38,9 +45,15 @@ constexpr int64_t kSplitKeys = 128; // fewest keys a split-KV range gets
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Register blocking of both products: kRows rows x kCols vectors of accumulators. The portable VecF is
 // an array the compiler vectorises one operation at a time; 4 x 2 of them spill (2.5x slower there),
-// so it takes one row and one vector at a time.
+// so it takes one row and one vector at a time; so do NEON's 16-lane vectors (plain arrays too).
 constexpr bool kPortable = APPLIANCE_ISA_ID == APPLIANCE_ISA_portable;
+constexpr bool kAvx512 = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512;
 constexpr int kRows = kPortable ? 1 : 4, kCols = kPortable ? 1 : 2;
+constexpr int kPairRows = kAvx512 ? 4 : APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2 ? 3 : 1, kPairCols = kAvx512 ? 2 : 1;
+// What q and p are multiplied as against a bfloat16 cache: bfloat16 pairs for vdpbf16ps, else float32.
+using PairX = std::conditional_t<APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16, bf16, float>;
+
+template <typename C> constexpr int64_t kVectorKeys = std::is_same_v<C, bf16> ? 16 : N;  // keys in a vector
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -50,7 +63,8 @@ struct Item {
   int64_t partial;             // -1: writes the output; else its slot in the split-KV partials
 };
 
-// Where a vector of N keys' values for feature d lives: keys[d * stride .. + N)
+// Where a vector of keys lives. float32: feature d of key i at keys[d * stride + i]; bfloat16: the pair
+// of features 2p, 2p + 1 of key i at keys[2 (p * stride + i)] and the element after it.
 template <typename C>
 struct KeyVector {
   const C* keys;
@@ -61,23 +75,36 @@ struct KeyVector {
 template <typename C>
 struct Scratch {
   explicit Scratch(int64_t key_tile, int64_t D)
-      : key_tile(key_tile), padded(round_up(key_tile, N)), packed(padded * D), vectors(padded / N), vrow(key_tile), bias(2 * padded, 0.f),
-        ones(2 * padded, 1.f) {
+      : key_tile(key_tile), padded(round_up(key_tile, 16)), packed(padded * D), vectors(padded / kVectorKeys<C>),
+        vrow(key_tile), bias(2 * padded, 0.f), ones(2 * padded, 1.f) {
     std::fill(bias.begin() + padded, bias.end(), kNegInf);
     std::fill(ones.begin() + padded, ones.end(), 0.f);
   }
-  int64_t key_tile, padded;               // KT: keys a tile (whole blocks); KP: that rounded up to N
-  std::vector<C> packed;                  // [KP / N][D][N]: key vectors copied out of the cache, zero-padded
-  std::vector<KeyVector<C>> vectors;      // [KP / N]
-  std::vector<const C*> vrow;             // [KT] value rows in the cache
+  int64_t key_tile, padded;               // KT: keys a tile (whole blocks); KP: that rounded up to 16
+  std::vector<C> packed;                  // key vectors copied out of the cache, zero-padded, in the cache's layout
+  std::vector<KeyVector<C>> vectors;      // [KP / keys a vector]
+  std::vector<const C*> vrow;             // value rows in the cache: [KT] rows (float32), [KT / 2] row pairs (bfloat16)
   std::vector<float> bias, ones;          // [2 KP]: 0.. then -inf..; 1.. then 0..: slid by a row's visible keys
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
+  std::vector<PairX> q2, p2;                 // bfloat16 cache: q and p as PairX (unused when PairX is float)
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
 };
 
-// s[r, c N .. (c + 1) N) = q[r, :] . keys of vector c, for R rows and C vectors
-template <int R, int C, typename K>
-void score_block(const float* q, int64_t D, const KeyVector<K>* v, float* s, int64_t np) {
+// f(R, r) over the rows in blocks of kR, then the one block of fewer left (R a compile-time constant)
+template <int kR, typename F>
+void for_row_blocks(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + kR <= rows; r += kR) f(std::integral_constant<int, kR>{}, r);
+  switch (rows - r) {
+    case 3: if constexpr (kR > 3) f(std::integral_constant<int, 3>{}, r); break;
+    case 2: if constexpr (kR > 2) f(std::integral_constant<int, 2>{}, r); break;
+    case 1: if constexpr (kR > 1) f(std::integral_constant<int, 1>{}, r); break;
+  }
+}
+
+// s[r, c N .. (c + 1) N) = q[r, :] . keys of vector c, for R rows and C vectors (float32 cache)
+template <int R, int C>
+void score_block(const float* q, int64_t D, const KeyVector<float>* v, float* s, int64_t np) {
   VecF acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = VecF::zero();
@@ -93,24 +120,34 @@ void score_block(const float* q, int64_t D, const KeyVector<K>* v, float* s, int
     for (int c = 0; c < C; ++c) acc[r][c].store(s + r * np + c * N);
 }
 
-template <int R, typename K>
-void score_rows(const float* q, int64_t D, const KeyVector<K>* v, int64_t vectors, float* s, int64_t np) {
-  int64_t c = 0;
-  for (; c + kCols <= vectors; c += kCols) score_block<R, kCols>(q, D, v + c, s + c * N, np);
-  for (; c < vectors; ++c) score_block<R, 1>(q, D, v + c, s + c * N, np);
+// the same for a bfloat16 cache: 16 keys a vector, features two at a time; q: [R, D] as PairX
+template <int R, int C>
+void score_block(const PairX* q, int64_t D, const KeyVector<bf16>* v, float* s, int64_t np) {
+  F32x16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = F32x16::zero();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    I32x16 k[C];
+    for (int c = 0; c < C; ++c) k[c] = I32x16::load(reinterpret_cast<const uint8_t*>(v[c].keys + 2 * p * v[c].stride));
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = pair_dot(acc[r][c], k[c], q + r * D + 2 * p);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c].store(s + r * np + c * 16);
 }
 
 // s: [rows, np] scores of rows q: [rows, D] against the tile's key vectors
-template <typename K>
-void scores(const float* q, int64_t rows, int64_t D, const KeyVector<K>* v, int64_t np, float* s) {
-  const int64_t vectors = np / N;
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) score_rows<kRows>(q + r * D, D, v, vectors, s + r * np, np);
-  switch (rows - r) {  // fewer than kRows left
-    case 3: score_rows<3>(q + r * D, D, v, vectors, s + r * np, np); break;
-    case 2: score_rows<2>(q + r * D, D, v, vectors, s + r * np, np); break;
-    case 1: score_rows<1>(q + r * D, D, v, vectors, s + r * np, np); break;
-  }
+template <typename X, typename K>
+void scores(const X* q, int64_t rows, int64_t D, const KeyVector<K>* v, int64_t np, float* s) {
+  constexpr bool pairs = std::is_same_v<K, bf16>;
+  constexpr int RB = pairs ? kPairRows : kRows, CB = pairs ? kPairCols : kCols;
+  const int64_t vectors = np / kVectorKeys<K>;
+  for_row_blocks<RB>(rows, [&](auto rb, int64_t r) {
+    constexpr int R = decltype(rb)::value;
+    int64_t c = 0;
+    for (; c + CB <= vectors; c += CB) score_block<R, CB>(q + r * D, D, v + c, s + r * np + c * kVectorKeys<K>, np);
+    for (; c < vectors; ++c) score_block<R, 1>(q + r * D, D, v + c, s + r * np + c * kVectorKeys<K>, np);
+  });
 }
 
 // One row's scores s: [np] -> probabilities exp(s - m_new), exactly 0 from key `visible` on; updates
@@ -141,9 +178,9 @@ float softmax_row(float* s, int64_t np, bool masked, const float* bias, const fl
   return keep;
 }
 
-// acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows
-template <int R, int C, typename V>
-void pv_block(float* acc, const float* p, const float* keep, const V* const* vrow, int64_t n, int64_t D,
+// acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows (float32 cache)
+template <int R, int C>
+void pv_block(float* acc, const float* p, const float* keep, const float* const* vrow, int64_t n, int64_t D,
               int64_t np, int64_t d0) {
   VecF o[R][C];
   for (int r = 0; r < R; ++r) {
@@ -162,37 +199,71 @@ void pv_block(float* acc, const float* p, const float* keep, const V* const* vro
     for (int c = 0; c < C; ++c) o[r][c].store(acc + r * D + d0 + c * N);
 }
 
-// R rows whose last sees n keys (the others see fewer; their p is 0 beyond)
-template <int R, typename V>
-void pv_rows(float* acc, const float* p, const float* keep, const V* const* vrow, int64_t n, int64_t D, int64_t np) {
-  int64_t d0 = 0;
-  for (; d0 + kCols * N <= D; d0 += kCols * N) pv_block<R, kCols>(acc, p, keep, vrow, n, D, np, d0);
-  for (; d0 + N <= D; d0 += N) pv_block<R, 1>(acc, p, keep, vrow, n, D, np, d0);
-  for (; d0 < D; ++d0)  // head_dim not a multiple of N
+// the same for a bfloat16 cache, 16 features a vector and keys two at a time (vrow: [n / 2] pair rows,
+// p: [R, np] as PairX). An odd last key is taken alone: the other half of its pair may lie past the context.
+template <int R, int C>
+void pv_block(float* acc, const PairX* p, const float* keep, const bf16* const* vrow, int64_t n, int64_t D,
+              int64_t np, int64_t d0) {
+  F32x16 o[R][C];
+  for (int r = 0; r < R; ++r) {
+    const F32x16 k = F32x16::set1(keep[r]);
+    for (int c = 0; c < C; ++c) o[r][c] = F32x16::load(acc + r * D + d0 + c * 16) * k;
+  }
+  auto values = [&](I32x16* v, int64_t pair) {
+    for (int c = 0; c < C; ++c) v[c] = I32x16::load(reinterpret_cast<const uint8_t*>(vrow[pair] + 2 * (d0 + c * 16)));
+  };
+  for (int64_t j = 0; j + 1 < n; j += 2) {
+    I32x16 v[C];
+    values(v, j / 2);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) o[r][c] = pair_dot(o[r][c], v[c], p + r * np + j);
+  }
+  if (n % 2) {
+    I32x16 v[C];
+    values(v, n / 2);
     for (int r = 0; r < R; ++r) {
-      float o = acc[r * D + d0] * keep[r];
-      for (int64_t j = 0; j < n; ++j) o += p[r * np + j] * to_float(vrow[j][d0]);
-      acc[r * D + d0] = o;
+      const F32x16 pr = F32x16::set1(to_float(p[r * np + n - 1]));
+      for (int c = 0; c < C; ++c) o[r][c] = F32x16::fmadd(v[c].bf16_low(), pr, o[r][c]);
     }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c].store(acc + r * D + d0 + c * 16);
 }
 
-// acc: [rows, D] += p: [rows, np] . V, after scaling each row by keep
-template <typename V>
-void weighted_values(float* acc, int64_t rows, const float* p, const float* keep, const int64_t* visible,
+// value j's feature d: a row (float32 cache) or the half of a pair row (bfloat16)
+inline float value_at(const float* const* vrow, int64_t j, int64_t d) { return vrow[j][d]; }
+inline float value_at(const bf16* const* vrow, int64_t j, int64_t d) { return bf16_to_float(vrow[j / 2][2 * d + j % 2]); }
+
+// acc: [rows, D] += p: [rows, np] . V, after scaling each row by keep (R rows whose last sees n keys;
+// the others see fewer, their p is 0 beyond)
+template <typename X, typename V>
+void weighted_values(float* acc, int64_t rows, const X* p, const float* keep, const int64_t* visible,
                      const V* const* vrow, int64_t D, int64_t np) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows)
-    pv_rows<kRows>(acc + r * D, p + r * np, keep + r, vrow, visible[r + kRows - 1], D, np);
-  switch (rows - r) {  // fewer than kRows left
-    case 3: pv_rows<3>(acc + r * D, p + r * np, keep + r, vrow, visible[r + 2], D, np); break;
-    case 2: pv_rows<2>(acc + r * D, p + r * np, keep + r, vrow, visible[r + 1], D, np); break;
-    case 1: pv_rows<1>(acc + r * D, p + r * np, keep + r, vrow, visible[r], D, np); break;
-  }
+  constexpr bool pairs = std::is_same_v<V, bf16>;
+  constexpr int RB = pairs ? kPairRows : kRows, CB = pairs ? kPairCols : kCols, W = pairs ? 16 : N;
+  for_row_blocks<RB>(rows, [&](auto rb, int64_t r0) {
+    constexpr int R = decltype(rb)::value;
+    float* a = acc + r0 * D;
+    const X* pr = p + r0 * np;
+    const int64_t n = visible[r0 + R - 1];
+    int64_t d0 = 0;
+    for (; d0 + CB * W <= D; d0 += CB * W) pv_block<R, CB>(a, pr, keep + r0, vrow, n, D, np, d0);
+    for (; d0 + W <= D; d0 += W) pv_block<R, 1>(a, pr, keep + r0, vrow, n, D, np, d0);
+    for (; d0 < D; ++d0)  // head_dim not a multiple of the vector
+      for (int r = 0; r < R; ++r) {
+        float o = a[r * D + d0] * keep[r0 + r];
+        for (int64_t j = 0; j < n; ++j) o += to_float(pr[r * np + j]) * value_at(vrow, j, d0);
+        a[r * D + d0] = o;
+      }
+  });
 }
 
 // The tile's key vectors and value rows: keys k0 .. k0 + nk of the sequence, wherever their blocks are.
+// k0 starts a block and B is even (checked), so bfloat16 value pairs never straddle blocks.
 template <typename C>
 void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scratch<C>& st) {
+  constexpr bool pairs = std::is_same_v<C, bf16>;
+  constexpr int64_t VK = kVectorKeys<C>, lane = pairs ? 2 : 1;  // keys a vector; elements a lane (a pair)
   const int64_t D = a.head_dim, B = a.block_size;
   const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
   const C* kc = static_cast<const C*>(a.key_cache);
@@ -200,25 +271,23 @@ void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scra
   auto block_base = [&](int64_t p) { return (table[p / B] * a.kv_heads + it.kv_head) * B * D; };
   for (int64_t j = 0, p = k0; j < nk;) {  // block by block: one division a block, not one a key
     const C* rows = vc + block_base(p);
-    for (int64_t o = p % B; o < B && j < nk; ++o, ++j, ++p) st.vrow[j] = rows + o * D;
+    for (int64_t o = p % B; o < B && j < nk; o += lane, j += lane, p += lane) st.vrow[j / lane] = rows + o * D;
   }
-  for (int64_t v = 0; v * N < nk; ++v) {
-    const int64_t first = k0 + v * N, offset = first % B;
-    if (v * N + N <= nk && offset + N <= B) {  // inside one block and the context: read in place
-      st.vectors[v] = {kc + block_base(first) + offset, B};
+  for (int64_t v = 0; v * VK < nk; ++v) {
+    const int64_t first = k0 + v * VK, offset = first % B;
+    if (v * VK + VK <= nk && offset + VK <= B) {  // inside one block and the context: read in place
+      st.vectors[v] = {kc + block_base(first) + lane * offset, B};
       continue;
     }
-    C* dst = &st.packed[v * D * N];
-    for (int64_t i = 0; i < N; ++i) {
+    C* dst = &st.packed[v * D * VK];  // the cache's layout with VK keys to a block
+    for (int64_t i = 0; i < VK; ++i) {
       const int64_t p = first + i;
-      if (v * N + i < nk) {
-        const C* src = kc + block_base(p) + p % B;
-        for (int64_t d = 0; d < D; ++d) dst[d * N + i] = src[d * B];
-      } else {
-        for (int64_t d = 0; d < D; ++d) dst[d * N + i] = from_float<C>(0.f);
-      }
+      const C* src = kc + block_base(p) + lane * (p % B);
+      for (int64_t f = 0; f < D / lane; ++f)
+        for (int64_t h = 0; h < lane; ++h)
+          dst[(f * VK + i) * lane + h] = v * VK + i < nk ? src[f * B * lane + h] : from_float<C>(0.f);
     }
-    st.vectors[v] = {dst, N};
+    st.vectors[v] = {dst, VK};
   }
 }
 
@@ -250,6 +319,26 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
     for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = to_float(src[d]) * a.scale;
     st.pos[r] = tile_pos + r / group;
   }
+  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>) {
+    st.q2.resize(rows * D), st.p2.resize(rows * st.padded);
+    for (int64_t i = 0; i < rows * D; ++i) st.q2[i] = float_to_bf16(st.q[i]);
+  }
+}
+
+// q and p as the products against the cache take them: float32, or bfloat16 for vdpbf16ps
+template <typename C>
+const auto* query_rows(Scratch<C>& st) {
+  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>) return st.q2.data();
+  else return st.q.data();
+}
+template <typename C>
+const auto* probabilities(Scratch<C>& st, int64_t row0, int64_t rows, int64_t np) {
+  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>) {
+    for (int64_t i = row0 * np; i < rows * np; i += N) VecF::load(&st.p[i]).store(&st.p2[i]);
+    return st.p2.data();
+  } else {
+    return st.p.data();
+  }
 }
 
 template <typename T>
@@ -280,19 +369,19 @@ void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st, Partials& 
   const int64_t last = std::min(tile_pos + it.tile_len, it.key_end) - 1;  // no row sees past `last`
   start_item<T>(a, it, rows, tile_pos, st);
   for (int64_t k0 = it.key_begin; k0 <= last; k0 += key_tile) {
-    const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, N);
+    const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, kVectorKeys<C>);
     const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;  // rows before see no key here
     gather(a, it, k0, nk, st);
     prefetch_blocks<C>(a, it, a.value_cache, k0, nk);
     if (k0 + key_tile <= last) prefetch_blocks<C>(a, it, a.key_cache, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
-    scores(&st.q[row0 * D], rows - row0, D, st.vectors.data(), np, &st.p[row0 * np]);
+    scores(query_rows(st) + row0 * D, rows - row0, D, st.vectors.data(), np, &st.p[row0 * np]);
     for (int64_t r = row0; r < rows; ++r) {
       const int64_t visible = std::min(nk, st.pos[r] - k0 + 1), slide = st.padded - visible;
       st.visible[r] = visible;
       st.keep[r] = softmax_row(&st.p[r * np], np, visible < np, &st.bias[slide], &st.ones[slide], st.m[r], st.l[r]);
     }
-    weighted_values(&st.acc[row0 * D], rows - row0, &st.p[row0 * np], &st.keep[row0], &st.visible[row0],
-                    st.vrow.data(), D, np);
+    weighted_values(&st.acc[row0 * D], rows - row0, probabilities(st, row0, rows, np) + row0 * np, &st.keep[row0],
+                    &st.visible[row0], st.vrow.data(), D, np);
   }
   if (it.partial < 0) return write_rows<T>(a, it, rows, st.acc.data(), st.l.data());
   for (int64_t r = 0; r < rows; ++r) {

@@ -1,6 +1,8 @@
-// Writing new keys and values into the paged KV cache. Values: [blocks, kv_heads, block_size, head_dim],
-// one head's tokens of a block contiguous for P.V to stream through; keys: [blocks, kv_heads, head_dim,
-// block_size], transposed within the block, so that attention scores a vector of keys at a time.
+// Writing new keys and values into the paged KV cache. Within one (block, KV head), float32 caches hold
+// keys [head_dim, block_size] (transposed, so that attention scores a vector of keys at a time) and values
+// [block_size, head_dim] (one head's tokens contiguous for P.V to stream through); bfloat16 caches hold
+// the same with neighbours paired in 32-bit lanes, keys [head_dim / 2, block_size, 2] and values
+// [block_size / 2, head_dim, 2], the operand layout of vdpbf16ps (attention.cpp says why).
 #include <cstring>
 #include <type_traits>
 
@@ -35,10 +37,17 @@ void write_impl(const CacheWriteArgs& a) {
     const int64_t block = slot / a.block_size, offset = slot % a.block_size;
     for (int64_t h = 0; h < a.kv_heads; ++h) {
       const int64_t base = (block * a.kv_heads + h) * a.block_size * a.head_dim;
-      put(vc + base + offset * a.head_dim, value + t * a.value_stride + h * a.head_dim, a.head_dim);
       const T* k = key + t * a.key_stride + h * a.head_dim;
-      C* kt = kc + base + offset;
-      for (int64_t d = 0; d < a.head_dim; ++d) kt[d * a.block_size] = from_float<C>(to_float(k[d]));
+      const T* v = value + t * a.value_stride + h * a.head_dim;
+      if constexpr (std::is_same_v<C, float>) {
+        put(vc + base + offset * a.head_dim, v, a.head_dim);
+        for (int64_t d = 0; d < a.head_dim; ++d) kc[base + d * a.block_size + offset] = to_float(k[d]);
+      } else {  // feature d of key `offset`: pair d / 2, lane `offset`, half d % 2; of the value: pair offset / 2
+        C* kp = kc + base + 2 * offset;
+        for (int64_t d = 0; d < a.head_dim; ++d) kp[(d / 2) * 2 * a.block_size + d % 2] = from_float<C>(to_float(k[d]));
+        C* vp = vc + base + (offset / 2) * 2 * a.head_dim + offset % 2;
+        for (int64_t d = 0; d < a.head_dim; ++d) vp[2 * d] = from_float<C>(to_float(v[d]));
+      }
     }
   }
 }

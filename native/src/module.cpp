@@ -119,9 +119,13 @@ void silu_and_mul(const Ref& out_r, const Ref& x_r) {
   kernels().silu_and_mul({dt, out.ptr, x.ptr, x.dim(0), out.dim(1), x.st(0), out.st(0)});
 }
 
-// value_cache: [blocks, Hk, B, D]; key_cache: [blocks, Hk, D, B] (transposed within each block)
+// value_cache: [blocks, Hk, B, D]; key_cache: [blocks, Hk, D, B] (transposed within each block; a bfloat16
+// cache pairs neighbours within a block, see cache.cpp, so B and D must be even)
 void kv_caches(const T& kc, const T& vc) {
   contiguous(kc), contiguous(vc), float_type(vc), same_type(vc, kc);
+  require(float_type(vc) != DType::bf16 || (vc.dim(2) % 2 == 0 && vc.dim(3) % 2 == 0),
+          "value_cache: a bfloat16 cache needs an even block_size and head_dim, got [" + std::to_string(vc.dim(2)) +
+              ", " + std::to_string(vc.dim(3)) + "]");
   const std::vector<int64_t> expected{vc.dim(0), vc.dim(1), vc.dim(3), vc.dim(2)};
   require(kc.shape == expected, "key_cache: must be [blocks, kv_heads, head_dim, block_size] = [" +
                                     std::to_string(vc.dim(0)) + ", " + std::to_string(vc.dim(1)) + ", " +

@@ -378,24 +378,6 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// One pair of bfloat16 weights in each of the 16 lanes times the pair x[0], x[1]: vdpbf16ps where the CPU
-// has it (float32 products of bfloat16 x, exact, summed in float32), else two FMAs on the widened pair;
-// float32 x always takes the FMAs, so x is never rounded.
-inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const float* x) {
-  return F32x16::fmadd(w.bf16_high(), F32x16::set1(x[1]), F32x16::fmadd(w.bf16_low(), F32x16::set1(x[0]), acc));
-}
-inline F32x16 pair_dot(F32x16 acc, const I32x16& w, const bf16* x) {
-#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
-  int32_t pair;
-  std::memcpy(&pair, x, 4);
-  return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<const __m512bh&>(w.v), reinterpret_cast<const __m512bh&>(
-                                                                                 static_cast<const __m512i&>(_mm512_set1_epi32(pair))))};
-#else
-  return F32x16::fmadd(w.bf16_high(), F32x16::set1(bf16_to_float(x[1])),
-                       F32x16::fmadd(w.bf16_low(), F32x16::set1(bf16_to_float(x[0])), acc));
-#endif
-}
-
 // BF16 tile: no scales, so one accumulator per (row, panel) runs over the whole row.
 template <int MR, int NP, typename X>
 void bf16_tile(const Tiles& t, int64_t r0, int64_t p0) {

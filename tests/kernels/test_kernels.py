@@ -108,9 +108,21 @@ def test_silu_and_mul(isa, dtype, tokens, inter):
 
 
 def make_cache(blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
-    """Keys [blocks, Hk, D, B] (transposed within each block), values [blocks, Hk, B, D]."""
-    keys = torch.randn(blocks, kv_heads, block_size, head_dim).transpose(2, 3).contiguous()
-    return keys.to(dtype), torch.randn(blocks, kv_heads, block_size, head_dim).to(dtype)
+    """Random keys and values in the cache's own order within a block (kernels.kv_cache_from_blocks)."""
+    keys, values = torch.randn(blocks, kv_heads, block_size, head_dim), torch.randn(blocks, kv_heads, block_size, head_dim)
+    return kernels.kv_cache_from_blocks(keys, values, dtype)
+
+
+def test_cache_layout_helpers_invert_each_other():
+    keys, values = torch.randn(3, 2, 8, 6), torch.randn(3, 2, 8, 6)
+    for dtype in DTYPES:
+        kc, vc = kernels.kv_cache_from_blocks(keys, values, dtype)
+        assert kc.shape == (3, 2, 6, 8) and vc.shape == (3, 2, 8, 6)
+        k, v = kernels.kv_cache_blocks(kc, vc)
+        assert torch.equal(k, keys.to(dtype)) and torch.equal(v, values.to(dtype))
+    kc, vc = kernels.kv_cache_from_blocks(keys, values, torch.bfloat16)  # features paired in keys, keys in values
+    assert torch.equal(kc[1, 0].flatten()[:4], keys[1, 0, :2, :2].flatten().bfloat16())
+    assert torch.equal(vc[1, 0].flatten()[:4], values[1, 0, :2, :2].T.flatten().bfloat16())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,13 +133,14 @@ def test_write_kv_cache(isa, dtype):
     key, value = kv[:, 0], kv[:, 1]
     slots = torch.randperm(blocks * block_size)[:tokens].to(torch.int64)
     slots[4] = -1  # a padding token writes nothing
-    expected_k, expected_v = kc.clone(), vc.clone()
+    expected_k, expected_v = (t.clone() for t in kernels.kv_cache_blocks(kc, vc))
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
+            expected_k[slot // block_size, :, slot % block_size] = key[t]
             expected_v[slot // block_size, :, slot % block_size] = value[t]
     kernels.write_kv_cache(key, value, kc, vc, slots)
-    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
+    k, v = kernels.kv_cache_blocks(kc, vc)
+    assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
 
 
 def test_write_kv_cache_rounds_into_a_bfloat16_cache(isa):
@@ -136,29 +149,33 @@ def test_write_kv_cache_rounds_into_a_bfloat16_cache(isa):
     key, value = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
     slots = torch.randperm(blocks * block_size)[:tokens].to(torch.int64)
     kernels.write_kv_cache(key, value, kc, vc, slots)
+    k, v = kernels.kv_cache_blocks(kc, vc)
     for t, slot in enumerate(slots.tolist()):  # round to nearest even, as torch's .to(bfloat16)
-        assert torch.equal(kc[slot // block_size, :, :, slot % block_size], key[t].to(torch.bfloat16))
-        assert torch.equal(vc[slot // block_size, :, slot % block_size], value[t].to(torch.bfloat16))
+        assert torch.equal(k[slot // block_size, :, slot % block_size], key[t].to(torch.bfloat16))
+        assert torch.equal(v[slot // block_size, :, slot % block_size], value[t].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
 def test_attention_with_a_cache_of_another_dtype(isa, q_dtype, cache_dtype):
     context_lens, q_lens = [37, 100, 81, 250], [37, 29, 1, 1]  # prompt, extend, decodes
     q, kc, vc, tables, lens, starts = attention_case(q_dtype, 9, 3, 64, context_lens, q_lens, seed=3)
-    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+    kc, vc = kernels.kv_cache_from_blocks(*kernels.kv_cache_blocks(kc, vc), cache_dtype)
     out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
     assert out.dtype == q_dtype
-    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), q_dtype)
+    # against a bfloat16 cache, vdpbf16ps (AVX512-BF16) takes q and p rounded to bfloat16 too
+    rounded = cache_dtype == torch.bfloat16 and isa == "avx512bf16"
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), torch.bfloat16 if rounded else q_dtype)
 
 
 def attention_ref(q, kc, vc, tables, context_lens, q_lens, scale):
     """Gather each sequence's K/V from its blocks, then causal attention in float32."""
     outs, start = [], 0
     group = q.shape[1] // vc.shape[1]
+    keys, values = kernels.kv_cache_blocks(kc, vc)  # [blocks, Hk, B, D] each
     for s, (ctx, q_len) in enumerate(zip(context_lens.tolist(), q_lens, strict=True)):
         blocks = tables[s, : math.ceil(ctx / vc.shape[2])].long()
-        k = kc[blocks].float().permute(0, 3, 1, 2).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
-        v = vc[blocks].float().permute(0, 2, 1, 3).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
+        k = keys[blocks].float().transpose(1, 2).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
+        v = values[blocks].float().transpose(1, 2).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         qs = q[start: start + q_len].float()
         positions = torch.arange(ctx - q_len, ctx)[:, None]
@@ -223,19 +240,23 @@ def test_attention_across_block_sizes(isa, dtype, block_size, q_heads, kv_heads,
     assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 48])
-def test_attention_reads_no_cache_slot_past_the_context(isa, block_size):
+def test_attention_reads_no_cache_slot_past_the_context(isa, dtype, block_size):
+    # odd context lengths: a bfloat16 cache pairs the last key's value with the never-written slot after it
     context_lens, q_lens = [70, 13, 37], [70, 2, 1]
-    q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, context_lens, q_lens,
+    q, kc, vc, tables, lens, starts = attention_case(dtype, 9, 3, 64, context_lens, q_lens,
                                                      block_size=block_size, seed=3)
     used = torch.zeros(kc.shape[0], block_size, dtype=torch.bool)
     for s, ctx in enumerate(context_lens):
         for pos in range(ctx):
             used[tables[s, pos // block_size], pos % block_size] = True
-    kc[(~used)[:, None, None, :].expand_as(kc)] = float("nan")  # a NaN read anywhere would reach the output
-    vc[(~used)[:, None, :, None].expand_as(vc)] = float("nan")
+    keys, values = (t.clone() for t in kernels.kv_cache_blocks(kc, vc))
+    keys[(~used)[:, None, :, None].expand_as(keys)] = float("nan")  # a NaN read anywhere would reach the output
+    values[(~used)[:, None, :, None].expand_as(values)] = float("nan")
+    kc, vc = kernels.kv_cache_from_blocks(keys, values, dtype)
     out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
-    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), torch.float32)
+    assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
 
 
 def test_attention_with_strided_query_rows(isa):
