@@ -105,6 +105,8 @@ struct VecF {
     __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
   }
+  // lanes holding whole numbers in [-127, 127] -> N int8 at p
+  void store_int8(int8_t* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v))); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   // r[0..16) are the rows of a 16x16 matrix; afterwards they are its columns
@@ -164,6 +166,11 @@ struct VecF {
   static VecF pow2(VecF n) {
     __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+  }
+  void store_int8(int8_t* p) const {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
   }
   float reduce_add() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -225,6 +232,10 @@ struct VecF {
     int32x4_t e = vaddq_s32(vcvtq_s32_f32(n.v), vdupq_n_s32(127));
     return {vreinterpretq_f32_s32(vshlq_n_s32(e, 23))};
   }
+  void store_int8(int8_t* p) const {
+    const int8x8_t b = vqmovn_s16(vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(v)), vdup_n_s16(0)));
+    std::memcpy(p, &b, 4);
+  }
   float reduce_add() const { return vaddvq_f32(v); }
   float reduce_max() const { return vmaxvq_f32(v); }
   // r[0..4) are the rows of a 4x4 matrix; afterwards they are its columns
@@ -257,6 +268,7 @@ struct VecF {
   static VecF min(VecF a, VecF b) { APPLIANCE_LANEWISE(a.v[i] < b.v[i] ? a.v[i] : b.v[i]) }
   static VecF round(VecF a) { APPLIANCE_LANEWISE(std::nearbyint(a.v[i])) }
   static VecF pow2(VecF n) { APPLIANCE_LANEWISE(std::ldexp(1.f, static_cast<int>(n.v[i]))) }
+  void store_int8(int8_t* p) const { for (int i = 0; i < N; ++i) p[i] = static_cast<int8_t>(v[i]); }
 #undef APPLIANCE_LANEWISE
   float reduce_add() const { float s = 0.f; for (int i = 0; i < N; ++i) s += v[i]; return s; }
   float reduce_max() const { float m = v[0]; for (int i = 1; i < N; ++i) m = v[i] > m ? v[i] : m; return m; }

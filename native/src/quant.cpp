@@ -135,12 +135,12 @@ struct Activations {
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
 template <typename T>
 void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& isum) {
-  float v[kQuantBlock], h[kQuantBlock], l[kQuantBlock];
+  constexpr int V = kQuantBlock / VecF::N;
+  VecF v[V];  // in registers throughout: going through a float array on the stack stalled on store forwarding
   VecF peak = VecF::zero();
-  for (int c = 0; c < kQuantBlock; c += VecF::N) {
-    const VecF a = VecF::load(x + c);
-    a.store(v + c);
-    peak = VecF::max(peak, VecF::max(a, VecF::zero() - a));
+  for (int c = 0; c < V; ++c) {
+    v[c] = VecF::load(x + c * VecF::N);
+    peak = VecF::max(peak, VecF::max(v[c], VecF::zero() - v[c]));
   }
   const float amax = peak.reduce_max();
   if (!(amax > 0.f)) {
@@ -149,17 +149,20 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
     return;
   }
   const VecF inv = VecF::set1(127.f / amax);
-  for (int c = 0; c < kQuantBlock; c += VecF::N) {
-    const VecF y = VecF::load(v + c) * inv, r = VecF::round(y);
-    r.store(h + c);
-    if (planes == 2) VecF::min(VecF::max(VecF::round((y - r) * VecF::set1(256.f)), VecF::set1(-127.f)), VecF::set1(127.f)).store(l + c);
+  VecF sum = VecF::zero();  // of the combined integers, exact in float32 (|256 h + l| * 32 < 2^24)
+  for (int c = 0; c < V; ++c) {
+    const VecF y = v[c] * inv, h = VecF::round(y);
+    h.store_int8(q + c * VecF::N);
+    if (planes == 2) {
+      const VecF l = VecF::min(VecF::max(VecF::round((y - h) * VecF::set1(256.f)), VecF::set1(-127.f)), VecF::set1(127.f));
+      l.store_int8(q + kQuantBlock + c * VecF::N);
+      sum = sum + VecF::fmadd(h, VecF::set1(256.f), l);
+    } else {
+      sum = sum + h;
+    }
   }
-  int32_t sum_h = 0, sum_l = 0;
-  for (int i = 0; i < kQuantBlock; ++i) q[i] = static_cast<int8_t>(h[i]), sum_h += static_cast<int32_t>(h[i]);
-  if (planes == 2)
-    for (int i = 0; i < kQuantBlock; ++i) q[kQuantBlock + i] = static_cast<int8_t>(l[i]), sum_l += static_cast<int32_t>(l[i]);
   scale = planes == 2 ? amax / 127.f / 256.f : amax / 127.f;
-  isum = planes == 2 ? 256 * sum_h + sum_l : sum_h;
+  isum = static_cast<int32_t>(sum.reduce_add());  // one horizontal sum a block: they were the critical path
 }
 
 template <typename T>
@@ -430,14 +433,16 @@ constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations 
 template <int BITS, int PLANES>
 void run(const Tiles& t, int64_t rows) {
   const int64_t panels = packed_panels(t.out_features);
+  // Work is handed out dynamically, in small items: on a small machine the HTTP frontend shares the
+  // engine's cores, and a thread it preempts must not leave the others waiting at the region's end.
   if (rows == 1) {  // decode of one sequence: four panels a tile keep eight independent chains in flight
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t p = 0; p < panels; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p);
     return;
   }
-  // Work items: a chunk of rows x a run of panels; at least 4 items a thread for balance.
+  // Work items: a chunk of rows x a run of panels; at least 16 items a thread.
   const int64_t row_chunks = (rows + kRowChunk - 1) / kRowChunk;
-  const int64_t wanted = std::max<int64_t>(1, 4 * omp_get_max_threads() / row_chunks);
+  const int64_t wanted = std::max<int64_t>(1, 16 * omp_get_max_threads() / row_chunks);
   const int64_t per = std::max<int64_t>(kPanelGroup, (panels / std::min(wanted, panels / kPanelGroup)) / kPanelGroup * kPanelGroup);
   const int64_t panel_runs = (panels + per - 1) / per;
 #pragma omp parallel for schedule(dynamic, 1)
