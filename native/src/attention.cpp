@@ -178,15 +178,26 @@ float softmax_row(float* s, int64_t np, bool masked, const float* bias, const fl
   return keep;
 }
 
+// P.V accumulators, VecF or F32x16 of W lanes: o[r][c] = acc[r, d0 + c W ..] * keep[r], and back
+template <int W, typename Vec, int R, int C>
+void load_scaled(Vec (&o)[R][C], const float* acc, const float* keep, int64_t D, int64_t d0) {
+  for (int r = 0; r < R; ++r) {
+    const Vec k = Vec::set1(keep[r]);
+    for (int c = 0; c < C; ++c) o[r][c] = Vec::load(acc + r * D + d0 + c * W) * k;
+  }
+}
+template <int W, typename Vec, int R, int C>
+void store_rows(const Vec (&o)[R][C], float* acc, int64_t D, int64_t d0) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) o[r][c].store(acc + r * D + d0 + c * W);
+}
+
 // acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows (float32 cache)
 template <int R, int C>
 void pv_block(float* acc, const float* p, const float* keep, const float* const* vrow, int64_t n, int64_t D,
               int64_t np, int64_t d0) {
   VecF o[R][C];
-  for (int r = 0; r < R; ++r) {
-    const VecF k = VecF::set1(keep[r]);
-    for (int c = 0; c < C; ++c) o[r][c] = VecF::load(acc + r * D + d0 + c * N) * k;
-  }
+  load_scaled<N>(o, acc, keep, D, d0);
   for (int64_t j = 0; j < n; ++j) {
     VecF v[C];
     for (int c = 0; c < C; ++c) v[c] = VecF::load(vrow[j] + d0 + c * N);
@@ -195,8 +206,7 @@ void pv_block(float* acc, const float* p, const float* keep, const float* const*
       for (int c = 0; c < C; ++c) o[r][c] = VecF::fmadd(pr, v[c], o[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) o[r][c].store(acc + r * D + d0 + c * N);
+  store_rows<N>(o, acc, D, d0);
 }
 
 // the same for a bfloat16 cache, 16 features a vector and keys two at a time (vrow: [n / 2] pair rows,
@@ -205,10 +215,7 @@ template <int R, int C>
 void pv_block(float* acc, const PairX* p, const float* keep, const bf16* const* vrow, int64_t n, int64_t D,
               int64_t np, int64_t d0) {
   F32x16 o[R][C];
-  for (int r = 0; r < R; ++r) {
-    const F32x16 k = F32x16::set1(keep[r]);
-    for (int c = 0; c < C; ++c) o[r][c] = F32x16::load(acc + r * D + d0 + c * 16) * k;
-  }
+  load_scaled<16>(o, acc, keep, D, d0);
   auto values = [&](I32x16* v, int64_t pair) {
     for (int c = 0; c < C; ++c) v[c] = I32x16::load(reinterpret_cast<const uint8_t*>(vrow[pair] + 2 * (d0 + c * 16)));
   };
@@ -226,8 +233,7 @@ void pv_block(float* acc, const PairX* p, const float* keep, const bf16* const* 
       for (int c = 0; c < C; ++c) o[r][c] = F32x16::fmadd(v[c].bf16_low(), pr, o[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) o[r][c].store(acc + r * D + d0 + c * 16);
+  store_rows<16>(o, acc, D, d0);
 }
 
 // value j's feature d: a row (float32 cache) or the half of a pair row (bfloat16)
