@@ -54,6 +54,8 @@ constexpr int kPairRows = kAvx512 ? 4 : APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2 ?
 using PairX = std::conditional_t<APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16, bf16, float>;
 
 template <typename C> constexpr int64_t kVectorKeys = std::is_same_v<C, bf16> ? 16 : N;  // keys in a vector
+// q and p take a bfloat16 copy (Scratch::q2, p2) only against a bfloat16 cache, on a CPU with vdpbf16ps
+template <typename C> constexpr bool kRoundedQP = std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -86,7 +88,7 @@ struct Scratch {
   std::vector<const C*> vrow;             // value rows in the cache: [KT] rows (float32), [KT / 2] row pairs (bfloat16)
   std::vector<float> bias, ones;          // [2 KP]: 0.. then -inf..; 1.. then 0..: slid by a row's visible keys
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
-  std::vector<PairX> q2, p2;                 // bfloat16 cache: q and p as PairX (unused when PairX is float)
+  std::vector<PairX> q2, p2;                 // q and p rounded to bfloat16, used when kRoundedQP<C>
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
 };
 
@@ -325,7 +327,7 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
     for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = to_float(src[d]) * a.scale;
     st.pos[r] = tile_pos + r / group;
   }
-  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>) {
+  if constexpr (kRoundedQP<C>) {
     st.q2.resize(rows * D), st.p2.resize(rows * st.padded);
     for (int64_t i = 0; i < rows * D; ++i) st.q2[i] = float_to_bf16(st.q[i]);
   }
@@ -334,12 +336,12 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
 // q and p as the products against the cache take them: float32, or bfloat16 for vdpbf16ps
 template <typename C>
 const auto* query_rows(Scratch<C>& st) {
-  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>) return st.q2.data();
+  if constexpr (kRoundedQP<C>) return st.q2.data();
   else return st.q.data();
 }
 template <typename C>
 const auto* probabilities(Scratch<C>& st, int64_t row0, int64_t rows, int64_t np) {
-  if constexpr (std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>) {
+  if constexpr (kRoundedQP<C>) {
     for (int64_t i = row0 * np; i < rows * np; i += N) VecF::load(&st.p[i]).store(&st.p2[i]);
     return st.p2.data();
   } else {
