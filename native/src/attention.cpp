@@ -34,6 +34,7 @@
 
 #include "kernels.h"
 #include "vec.h"
+#include "work.h"
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
@@ -457,11 +458,11 @@ void attention_impl(const AttentionArgs& a) {
     items = std::move(whole);
   }
   const int64_t n = static_cast<int64_t>(items.size());
+  WorkQueue queue(n);
 #pragma omp parallel
   {
     Scratch<C> st(key_tile, a.head_dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<T, C>(a, items[i], st, partials);
+    for (int64_t i = queue.take(); i >= 0; i = queue.take()) run_item<T, C>(a, items[i], st, partials);
   }
   for (const auto& [first, splits] : merges) merge<T>(a, items[first], splits, partials);
 }

@@ -22,6 +22,7 @@
 
 #include "kernels.h"
 #include "vec.h"
+#include "work.h"
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
@@ -447,8 +448,9 @@ void run(const Tiles& t, int64_t rows) {
   const int64_t wanted = std::max<int64_t>(1, 16 * omp_get_max_threads() / row_chunks);
   const int64_t per = std::max<int64_t>(kPanelGroup, (panels / std::min(wanted, panels / kPanelGroup)) / kPanelGroup * kPanelGroup);
   const int64_t panel_runs = (panels + per - 1) / per;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < row_chunks * panel_runs; ++item) {
+  WorkQueue queue(row_chunks * panel_runs);
+#pragma omp parallel
+  for (int64_t item = queue.take(); item >= 0; item = queue.take()) {
     const int64_t rc = item / panel_runs, pr = item % panel_runs;
     const int64_t r_begin = rc * kRowChunk, r_end = std::min(rows, r_begin + kRowChunk);
     const int64_t p_end = std::min(panels, (pr + 1) * per);
