@@ -79,7 +79,9 @@ def _bench_parsers(commands) -> None:
                        help="Poisson arrivals at this many requests/s (default: inf, as fast as concurrency allows)")
     serve.add_argument("--warmup", type=int, default=1, help="requests sent first and not measured")
     serve.add_argument("--prompts-file", help="JSONL of {\"prompt\": text} lines instead of random ids")
-    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--seed", type=int, default=0,
+                       help="random prompts' seed (default: 0); a second run against the same server with the same "
+                            "seed finds its prompts in the prefix cache: give it a new seed")
     serve.add_argument("--json", dest="json_out", metavar="FILE", help="append the results to this JSON list")
     serve.add_argument("--plot", metavar="PNG", help="draw latency vs throughput of the results (and the JSON's)")
     serve.set_defaults(run=_bench_serve)
