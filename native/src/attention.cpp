@@ -305,9 +305,9 @@ void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scra
 // whole cache. A tile asks for its own values before its scores (they are used after them) and for
 // the next tile's keys. Into L2 (prefetcht1): into L1 (prefetcht0) measured the same as no prefetch.
 // The empty volatile asm is what keeps the prefetches at all: to GCC a prefetch has no side effect, so
-// a function of prefetches alone is `const` and its calls were deleted as dead code (-O2 and up; there
+// a function of prefetches alone is pure and its calls were deleted as dead code (-O2 and up; there
 // was not one prefetch instruction in the library). Decode attention out of DRAM, 32 sequences x 320
-// keys x 30 layers, 20-25 -> 15-17 ms with them (Zen 4, alternated runs; locality 1 the same as 2).
+// keys x 30 layers, ~20-28 -> ~15-17 ms with them (Zen 4, alternated runs; locality 1 the same as 2).
 template <typename C>
 void prefetch_blocks(const AttentionArgs& a, const Item& it, const void* cache, int64_t k0, int64_t nk) {
   const int64_t B = a.block_size, bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
