@@ -155,14 +155,15 @@ void check_sequences(const T& tables, const T& lens, const T& starts, int64_t tq
   const int32_t* cl = static_cast<const int32_t*>(lens.ptr);
   const int64_t* qs = static_cast<const int64_t*>(starts.ptr);
   require(qs[0] == 0 && qs[S] == tq, "q_starts: must start at 0 and end at the number of query tokens");
+  // the messages are built only on failure: this walks every block of every sequence on each call
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qs[s + 1] - qs[s];
-    require(q_len >= 0 && q_len <= cl[s], "sequence " + std::to_string(s) + ": more new tokens than context");
-    require(cl[s] <= M * B, "sequence " + std::to_string(s) + ": context is longer than its block table");
+    if (q_len < 0 || q_len > cl[s]) require(false, "sequence " + std::to_string(s) + ": more new tokens than context");
+    if (cl[s] > M * B) require(false, "sequence " + std::to_string(s) + ": context is longer than its block table");
     for (int64_t b = 0; b * B < cl[s]; ++b)
-      require(bt[s * M + b] >= 0 && bt[s * M + b] < blocks,
-              "block_tables: sequence " + std::to_string(s) + " uses block " + std::to_string(bt[s * M + b]) +
-                  " outside the cache's " + std::to_string(blocks));
+      if (bt[s * M + b] < 0 || bt[s * M + b] >= blocks)
+        require(false, "block_tables: sequence " + std::to_string(s) + " uses block " + std::to_string(bt[s * M + b]) +
+                           " outside the cache's " + std::to_string(blocks));
   }
 }
 

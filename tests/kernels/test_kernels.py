@@ -268,6 +268,19 @@ def test_attention_with_strided_query_rows(isa):
     assert_close(out, attention_ref(q, kc, vc, tables, lens, [5, 9], 0.125), torch.float32)
 
 
+def test_attention_refuses_sequences_that_do_not_fit_their_block_tables():
+    q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, [40, 9], [5, 9])
+    bad = tables.clone()
+    bad[1, 0] = kc.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match=f"sequence 1 uses block {kc.shape[0]} outside the cache's {kc.shape[0]}"):
+        kernels.paged_attention(q, kc, vc, bad, lens, starts, 0.125)
+    with pytest.raises(ValueError, match="sequence 0: context is longer than its block table"):
+        kernels.paged_attention(q, kc, vc, tables, torch.tensor([tables.shape[1] * 16 + 1, 9], dtype=torch.int32),
+                                starts, 0.125)
+    with pytest.raises(ValueError, match="sequence 1: more new tokens than context"):
+        kernels.paged_attention(q, kc, vc, tables, torch.tensor([40, 8], dtype=torch.int32), starts, 0.125)
+
+
 # --- every ISA agrees with the best one -------------------------------------------------------------
 
 
