@@ -36,8 +36,10 @@ struct T {
   int64_t st(int i) const { return stride[i < 0 ? stride.size() + i : i]; }
 };
 
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
 void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
+  if (!ok) fail(message);
 }
 
 T tensor(const Ref& ref, const char* name, size_t dims) {
@@ -158,12 +160,12 @@ void check_sequences(const T& tables, const T& lens, const T& starts, int64_t tq
   // the messages are built only on failure: this walks every block of every sequence on each call
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = qs[s + 1] - qs[s];
-    if (q_len < 0 || q_len > cl[s]) require(false, "sequence " + std::to_string(s) + ": more new tokens than context");
-    if (cl[s] > M * B) require(false, "sequence " + std::to_string(s) + ": context is longer than its block table");
+    if (q_len < 0 || q_len > cl[s]) fail("sequence " + std::to_string(s) + ": more new tokens than context");
+    if (cl[s] > M * B) fail("sequence " + std::to_string(s) + ": context is longer than its block table");
     for (int64_t b = 0; b * B < cl[s]; ++b)
       if (bt[s * M + b] < 0 || bt[s * M + b] >= blocks)
-        require(false, "block_tables: sequence " + std::to_string(s) + " uses block " + std::to_string(bt[s * M + b]) +
-                           " outside the cache's " + std::to_string(blocks));
+        fail("block_tables: sequence " + std::to_string(s) + " uses block " + std::to_string(bt[s * M + b]) +
+             " outside the cache's " + std::to_string(blocks));
   }
 }
 

@@ -432,16 +432,16 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
 
 constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations (K x 2 bytes each) stay in L2
 
-// x is prepared into `prepared` first (unless args is null: BF16 weights read x as it is), in the same parallel region as
-// the tiles when there are several rows: each thread quantizes a share of them, and no thread waits
-// through a serial quantization (it was one below 16 rows) or a region of its own.
+// x is quantized into `prepared` first (unless it is null: BF16 weights read x as it is), in the same
+// parallel region as the tiles when there are several rows: each thread quantizes a share of them, and
+// no thread waits through a serial quantization (it was one below 16 rows) or a region of its own.
 template <int BITS, int PLANES>
-void run(const Tiles& t, int64_t rows, const PackedLinearArgs* args, Activations* prepared) {
-  const int64_t panels = packed_panels(t.out_features);
+void run(const Tiles& t, const PackedLinearArgs& a, Activations* prepared) {
+  const int64_t panels = packed_panels(t.out_features), rows = a.rows;
   // Decode of one sequence: four panels a tile keep eight independent chains in flight. Static: handed
   // out dynamically, single-stream TPOT under the server went from 6.5 to 10.5 ms (A/B, Zen 4).
   if (rows == 1) {
-    if (args) prepare(*args, *prepared, 0);
+    if (prepared) prepare(a, *prepared, 0);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p);
     return;
@@ -456,14 +456,14 @@ void run(const Tiles& t, int64_t rows, const PackedLinearArgs* args, Activations
   WorkQueue queue(row_chunks * panel_runs);
 #pragma omp parallel
   {
-    if (args) {
+    if (prepared) {
 #pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) prepare(*args, *prepared, r);
+      for (int64_t r = 0; r < rows; ++r) prepare(a, *prepared, r);
     }  // (the loop's barrier: every row is ready before any tile reads it)
     for (int64_t item = queue.take(); item >= 0; item = queue.take()) {
-    const int64_t rc = item / panel_runs, pr = item % panel_runs;
-    const int64_t r_begin = rc * kRowChunk, r_end = std::min(rows, r_begin + kRowChunk);
-    const int64_t p_end = std::min(panels, (pr + 1) * per);
+      const int64_t rc = item / panel_runs, pr = item % panel_runs;
+      const int64_t r_begin = rc * kRowChunk, r_end = std::min(rows, r_begin + kRowChunk);
+      const int64_t p_end = std::min(panels, (pr + 1) * per);
       for (int64_t p = pr * per; p < p_end; p += 2) row_tiles<2, BITS, PLANES>(t, r_begin, r_end, p);
     }
   }
@@ -528,11 +528,11 @@ void packed_linear(const PackedLinearArgs& a) {
   const Tiles t{a.weight, L, blocks, blocks * L.block_bytes, a.out_features, &x, a.out, a.out_dtype, a.out_stride,
                 a.x, a.x_dtype, a.x_stride};
   const int bits = L.bits;
-  if (bits == 16) return run<16, 0>(t, a.rows, nullptr, nullptr);  // BF16 weights take x as it is (act does not apply)
+  if (bits == 16) return run<16, 0>(t, a, nullptr);  // BF16 weights take x as it is (act does not apply)
   size_for(a, x);
-  if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a.rows, &a, &x) : run<8, 2>(t, a.rows, &a, &x);
-  else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a.rows, &a, &x) : run<8, 1>(t, a.rows, &a, &x);
-  else bits == 4 ? run<4, 0>(t, a.rows, &a, &x) : run<8, 0>(t, a.rows, &a, &x);
+  if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : run<8, 2>(t, a, &x);
+  else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : run<8, 1>(t, a, &x);
+  else bits == 4 ? run<4, 0>(t, a, &x) : run<8, 0>(t, a, &x);
 }
 
 void packed_rows(const PackedRowsArgs& a) {
