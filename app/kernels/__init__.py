@@ -5,6 +5,7 @@ from app.kernels.ops import (
     add_rms_norm,
     bind_threads,
     compiled_isas,
+    convert_quant,
     dequantize,
     isa,
     kv_cache_blocks,
@@ -23,7 +24,7 @@ from app.kernels.ops import (
 )
 
 __all__ = [
-    "DecoderStack", "add_rms_norm", "bind_threads", "compiled_isas", "dequantize", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
+    "DecoderStack", "add_rms_norm", "bind_threads", "compiled_isas", "convert_quant", "dequantize", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
     "paged_attention", "rms_norm", "rotary_embedding",
     "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
 ]

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.model.gguf_header import KEPT_QUANT_TYPES, read_gguf_header
+from app.model.gguf_header import KEPT_QUANT_TYPES, PACKED_QUANT_TYPES, read_gguf_header
 from app.model.source import ModelSource
 from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
@@ -114,7 +114,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
     params = ParamCounts.of(header.tensor_shapes)
     kept = {name: shape for name, shape in header.tensor_shapes.items()
             if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2}
-    kept_bytes = {name: (_product(shape) // 32 * KEPT_QUANT_TYPES[header.tensor_types[name]][1],)
+    kept_bytes = {name: (_product(shape) // 32 * PACKED_QUANT_TYPES[KEPT_QUANT_TYPES[header.tensor_types[name]][1]][1],)
                   for name, shape in kept.items()}
     return ModelFootprint(
         architecture=arch,

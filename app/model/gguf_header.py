@@ -18,9 +18,15 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
-# The GGUF block types our kernels run as stored (app/model/quant.py), by ggml type id: (name, bytes per
-# block of 32 weights). Here, torch-free, so that placement can size them without importing torch.
-KEPT_QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+# The quantized block types our kernels run (app/model/quant.py, native/include/kernels.h), by id: (name,
+# bytes per block of 32 weights). GGML's ids for the types run as the file stores them; 100-102 for the
+# exact blocks of 32 that the other kept types are converted into at load.
+PACKED_QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34),
+                      100: ("Q4_M32", 24), 101: ("Q8_M32", 40), 102: ("Q8_H32", 40)}
+# The GGUF types kept quantized, by GGML id: (name, the packed type above they run as). Here, torch-free,
+# so that placement can size them without importing torch.
+KEPT_QUANT_TYPES = {2: ("Q4_0", 2), 3: ("Q4_1", 3), 8: ("Q8_0", 8), 6: ("Q5_0", 8), 7: ("Q5_1", 101),
+                    12: ("Q4_K", 100), 13: ("Q5_K", 101), 14: ("Q6_K", 102)}
 
 
 class GGUFFormatError(ValueError):

@@ -1,8 +1,12 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
 Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
-(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. At load they are `QuantizedTensor`s, the
-file's blocks, which TP sharding cuts and fused projections stack; the model then packs each into a
+(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 stay quantized
+too, converted at load (`kernels.convert_quant`) into blocks of 32 that keep every weight's value:
+Q4_K as 4-bit quants with float32 scale and min per 32 (6 bits a weight), Q5_K and Q5_1 as bytes with
+float32 scale and min (10 bits), Q6_K as bytes with a float32 scale per 16 (10 bits), Q5_0 as Q8_0
+(8.5 bits). At load they are `QuantizedTensor`s, blocks of 32, which TP sharding cuts and fused
+projections stack; the model then packs each into a
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot
 products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS`):
   - "int16": each block of 32 activations quantized to about 16 bits (two int8 planes) and multiplied
@@ -10,7 +14,7 @@ products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS
   - "int8": one plane, as llama.cpp does: fastest, and answers can differ from float32 ones;
   - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
     torch's GEMM): the reference's arithmetic, slowest.
-Other GGUF types are dequantized at load (the loader says which).
+Other GGUF types (Q2_K, Q3_K) are dequantized at load (the loader says which).
 
 Dense bfloat16 weights (a bfloat16 model's, from a BF16 GGUF or safetensors) are packed the same way
 (type `BF16`, no scales): the same kernels then run them, vdpbf16ps on AVX512-BF16, and the whole layer
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from app import kernels
-from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, bytes a block)
+from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, packed type id)
+from app.model.gguf_header import PACKED_QUANT_TYPES as PACKED_TYPES  # packed type id: (name, bytes a block)
 
 BLOCK = 32
 GEMM_ROWS = 64  # "float": more activation rows than this expand the weight for torch's GEMM (compute-bound)
@@ -35,14 +40,15 @@ BF16 = 30  # GGML's type id for bfloat16: dense weights in the packed layout (ac
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A [rows, in_features] weight as GGUF blocks: `data` is uint8 [rows, in_features / 32 * block bytes]."""
+    """A [rows, in_features] weight as blocks of 32 of a packed type (`qtype`, a key of PACKED_TYPES): `data`
+    is uint8 [rows, in_features / 32 * block bytes]."""
 
     data: torch.Tensor
     qtype: int
     in_features: int
 
     def __post_init__(self):
-        name, size = KEPT_TYPES[self.qtype]
+        name, size = PACKED_TYPES[self.qtype]
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % BLOCK \
                 or self.data.shape[1] != self.in_features // BLOCK * size:
             raise ValueError(f"{name} data of shape {tuple(self.data.shape)} does not hold rows of "
@@ -54,7 +60,7 @@ class QuantizedTensor:
 
     @property
     def type_name(self) -> str:
-        return KEPT_TYPES[self.qtype][0]
+        return PACKED_TYPES[self.qtype][0]
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +75,7 @@ class QuantizedTensor:
         """A copy of the input features `columns`, or None when they do not fall on block boundaries."""
         if columns.start % BLOCK or columns.stop % BLOCK:
             return None
-        size = KEPT_TYPES[self.qtype][1]
+        size = PACKED_TYPES[self.qtype][1]
         part = self.data[:, columns.start // BLOCK * size:columns.stop // BLOCK * size]
         return QuantizedTensor(part.contiguous().clone(), self.qtype, len(columns))
 
@@ -107,7 +113,7 @@ class PackedWeight:
 
     @property
     def type_name(self) -> str:
-        return "BF16" if self.qtype == BF16 else KEPT_TYPES[self.qtype][0]
+        return "BF16" if self.qtype == BF16 else PACKED_TYPES[self.qtype][0]
 
     def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's)."""

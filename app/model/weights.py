@@ -73,7 +73,12 @@ class GGUFCheckpoint:
             name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
             if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
                 blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
-                weight = QuantizedTensor(blocks, qtype.value, int(dims[0]))
+                packed_type = KEPT_TYPES[qtype.value][1]
+                if packed_type != qtype.value:  # K-quants, Q5: the same values as blocks of 32 the kernels run
+                    from app import kernels
+
+                    blocks, packed_type = kernels.convert_quant(blocks, qtype.value, int(dims[0]))
+                weight = QuantizedTensor(blocks, packed_type, int(dims[0]))
             else:
                 values = gguf.quants.dequantize(raw, qtype)
                 weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only

@@ -86,11 +86,41 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles (w = d q + m). Low nibbles are weights 0..15, high 16..31.
 // BF16 (GGML's 30) is the dense case: rows of bfloat16 weights, 64 bytes per 32, no scales; packed the
 // same way so that the same tiles, threads and layer stack run them (the model packs bfloat16 weights).
-enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30 };
+//
+// The other common GGUF types are converted once at load (convert_quant) into one of three blocks of 32
+// of our own, exactly: every weight keeps its value, because a K-quant's sub-block scale d * sc and
+// min dmin * m (fp16 times a 6-bit integer) are exact in float32. Ids past GGML's:
+//   Q4_M32 (from Q4_K)       = f32 d, f32 m + 16 bytes of nibbles as Q4_1 (w = d q + m);
+//   Q8_M32 (from Q5_K, Q5_1) = f32 d, f32 m + 32 bytes u (w = d u + m);
+//   Q8_H32 (from Q6_K)       = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1 for
+//                              16..31: Q6_K scales every 16 weights).
+// Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte).
+enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102 };
 constexpr int64_t kQuantBlock = 32;
 inline int64_t quant_block_bytes(QType t) {
-  return t == QType::bf16 ? 64 : t == QType::q8_0 ? 34 : t == QType::q4_1 ? 20 : 18;
+  switch (t) {
+    case QType::bf16: return 64;
+    case QType::q8_0: return 34;
+    case QType::q4_1: return 20;
+    case QType::q4_0: return 18;
+    case QType::q4_m32: return 24;
+    default: return 40;  // q8_m32, q8_h32
+  }
 }
+
+// GGUF types convert_quant turns into the blocks above (GGML's ids).
+enum class FileType : int { q5_0 = 6, q5_1 = 7, q4_k = 12, q5_k = 13, q6_k = 14 };
+QType converted_type(FileType t);
+int64_t file_block_weights(FileType t);  // 32 or 256 (K-quants)
+int64_t file_block_bytes(FileType t);
+
+struct ConvertArgs {  // out = rows [R, K / 32 * quant_block_bytes(converted_type(from))] of file rows
+  FileType from;
+  const uint8_t* gguf;  // [R, K / file_block_weights * file_block_bytes] contiguous
+  uint8_t* out;
+  int64_t rows, in_features;
+};
+void convert_quant(const ConvertArgs&);  // plain C++, once at load: not per ISA
 
 // Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
 // in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
@@ -99,9 +129,10 @@ inline int64_t quant_block_bytes(QType t) {
 //           4t..4t+3 in their low nibbles and 16+4t..19+4t in their high ones (a GGUF Q4 block's own byte
 //           order, the 16 rows interleaved 4 bytes at a time, as vpdpbusd wants them).
 //           8-bit types: 8 vectors of 64 bytes; in vector g, bytes 4j..4j+3 hold weights 4g..4g+3, as
-//           unsigned u = q + 128.
-//   scales  16 fp16 d, then (Q4_1 only) 16 fp16 m.
-// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 0 for Q4_1 (whose m is stored).
+//           unsigned u (Q8_0: u = q + 128).
+//   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1: fp16 for GGML's types, f32 for ours.
+// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32, else 0 (m is
+// stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
 constexpr int64_t kPanelRows = 16;
@@ -110,16 +141,23 @@ constexpr int64_t kPanelGroup = 4;
 struct PackedLayout {
   int bits;              // 4, 8 or 16 (bfloat16)
   int zero;              // subtracted from every u
-  bool has_min;          // 16 fp16 m follow the 16 fp16 d
+  bool has_min;          // 16 m follow the 16 d
+  bool halves;           // 16 d1 follow the 16 d: d scales weights 0..15 of a block, d1 16..31
+  int scale_bytes;       // 2 (fp16) or 4 (f32)
   int64_t quant_bytes;   // per panel and block
   int64_t block_bytes;   // quants and scales, per panel and block
 };
 
 inline PackedLayout packed_layout(QType t) {
-  if (t == QType::bf16) return {16, 0, false, 1024, 1024};
-  if (t == QType::q8_0) return {8, 128, false, 512, 512 + 32};
-  if (t == QType::q4_0) return {4, 8, false, 256, 256 + 32};
-  return {4, 0, true, 256, 256 + 64};
+  switch (t) {
+    case QType::bf16: return {16, 0, false, false, 0, 1024, 1024};
+    case QType::q8_0: return {8, 128, false, false, 2, 512, 512 + 32};
+    case QType::q4_0: return {4, 8, false, false, 2, 256, 256 + 32};
+    case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
+    case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
+    case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
+    default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
+  }
 }
 inline int64_t packed_panels(int64_t rows) {
   const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;

@@ -198,10 +198,32 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
 }
 
 QType quant_type(int code) {
-  require(code == static_cast<int>(QType::q4_0) || code == static_cast<int>(QType::q4_1) ||
-              code == static_cast<int>(QType::q8_0) || code == static_cast<int>(QType::bf16),
-          "qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30)");
-  return static_cast<QType>(code);
+  for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::bf16, QType::q4_m32, QType::q8_m32, QType::q8_h32})
+    if (code == static_cast<int>(q)) return q;
+  fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30, "
+       "Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102)");
+}
+
+FileType file_type(int code) {
+  for (FileType f : {FileType::q5_0, FileType::q5_1, FileType::q4_k, FileType::q5_k, FileType::q6_k})
+    if (code == static_cast<int>(f)) return f;
+  fail("from: GGML type " + std::to_string(code) + " is not converted (Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+}
+
+// out: uint8 [R, K / 32 * the converted block's bytes] from file rows [R, K / block * file block bytes]
+void convert_rows(const Ref& out_r, const Ref& w_r, int from, int64_t k) {
+  T out = tensor(out_r, "out", 2), w = tensor(w_r, "weight", 2);
+  const FileType f = file_type(from);
+  const int64_t per = file_block_weights(f);
+  require(w.code == U8 && out.code == U8, "convert_quant: weight and out must be uint8");
+  contiguous(w), contiguous(out);
+  require(k > 0 && k % per == 0, "in_features: must be a positive multiple of " + std::to_string(per) + ", got " + std::to_string(k));
+  require(w.dim(1) == k / per * file_block_bytes(f), "weight: rows must be " + std::to_string(k / per * file_block_bytes(f)) +
+                                                         " bytes for " + std::to_string(k) + " features, got " + std::to_string(w.dim(1)));
+  const QType q = converted_type(f);
+  require(out.dim(0) == w.dim(0) && out.dim(1) == k / kQuantBlock * quant_block_bytes(q),
+          "convert_quant: out must be [R, " + std::to_string(k / kQuantBlock * quant_block_bytes(q)) + "]");
+  convert_quant(ConvertArgs{f, static_cast<const uint8_t*>(w.ptr), static_cast<uint8_t*>(out.ptr), w.dim(0), k});
 }
 
 // weight: [V, K / 32 * block bytes] uint8, contiguous; K a multiple of 32
@@ -415,6 +437,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("packed_rows", &packed_rows, py::call_guard<py::gil_scoped_release>());
   m.def("packed_bytes", [](int qtype, int64_t n, int64_t k) { return packed_bytes(quant_type(qtype), n, k); });
   m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
+  m.def("convert_quant", &convert_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("block_bytes", [](int qtype) { return quant_block_bytes(quant_type(qtype)); });
+  m.def("converted_type", [](int from) { return static_cast<int>(converted_type(file_type(from))); });
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
   m.def("best_isa", [] { return std::string(best_isa()); });

@@ -1,5 +1,6 @@
-// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0), and on
-// bfloat16 weights packed the same way (BF16: vdpbf16ps with AVX512-BF16, float32 FMAs elsewhere).
+// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, and the K-quants
+// and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32), and on bfloat16 weights
+// packed the same way (BF16: vdpbf16ps with AVX512-BF16, float32 FMAs elsewhere).
 //
 // A decode step reads every weight once: a Q4_1 weight is 5 bits, a float32 one 32. pack_quant repacks
 // the file's rows once, at load, into panels of 16 rows whose bytes sit in the int32 lanes that VNNI's
@@ -111,10 +112,27 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {  // plain loo
 }
 #endif
 
+// Our own blocks (Q4_M32, Q8_M32, Q8_H32: f32 d and m or d1, then the quants; see kernels.h), plainly:
+// they are expanded only where a fused weight mixes types or a shard does not fall on blocks.
+void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* out) {
+  const int64_t bytes = quant_block_bytes(q);
+  for (int64_t b = 0; b < blocks; ++b, row += bytes, out += kQuantBlock) {
+    float d, second;
+    std::memcpy(&d, row, 4);
+    std::memcpy(&second, row + 4, 4);
+    for (int i = 0; i < kQuantBlock; ++i) {
+      if (q == QType::q4_m32) out[i] = d * static_cast<float>((row[8 + i % 16] >> (i < 16 ? 0 : 4)) & 15) + second;
+      else if (q == QType::q8_m32) out[i] = d * static_cast<float>(row[8 + i]) + second;
+      else out[i] = (i < 16 ? d : second) * static_cast<float>(static_cast<int>(row[8 + i]) - 32);
+    }
+  }
+}
+
 void dequant_rows(QType q, const uint8_t* w, int64_t rows, int64_t k, float* out) {
   const int64_t blocks = k / kQuantBlock, bytes = blocks * quant_block_bytes(q);
   for (int64_t r = 0; r < rows; ++r) {
-    if (q == QType::q8_0) dequant_row<QType::q8_0>(w + r * bytes, blocks, out + r * k);
+    if (packed_layout(q).scale_bytes == 4) dequant_row_f32_scaled(q, w + r * bytes, blocks, out + r * k);
+    else if (q == QType::q8_0) dequant_row<QType::q8_0>(w + r * bytes, blocks, out + r * k);
     else if (q == QType::q4_0) dequant_row<QType::q4_0>(w + r * bytes, blocks, out + r * k);
     else dequant_row<QType::q4_1>(w + r * bytes, blocks, out + r * k);
   }
@@ -128,14 +146,16 @@ struct Activations {
   std::vector<int8_t> q;      // [rows][blocks][planes][32]
   std::vector<float> scale;   // [rows][blocks]
   std::vector<int32_t> isum;  // [rows][blocks]: the sum of the block's combined integers
+  bool halves = false;        // weights with a scale per 16 (Q8_H32): isum_first is wanted too
+  std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
 };
 
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
-template <typename T>
-void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& isum) {
+template <typename T, bool kHalves>
+void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& isum, int32_t* isum_first) {
   constexpr int V = kQuantBlock / VecF::N;
   VecF v[V];  // in registers throughout: going through a float array on the stack stalled on store forwarding
   VecF peak = VecF::zero();
@@ -147,11 +167,13 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
   if (!(amax > 0.f)) {
     std::memset(q, 0, planes * kQuantBlock);
     scale = 0.f, isum = 0;
+    if (kHalves) *isum_first = 0;
     return;
   }
   const VecF inv = VecF::set1(127.f / amax);
-  VecF sum = VecF::zero();  // of the combined integers, exact in float32 (|256 h + l| * 32 < 2^24)
+  VecF sum = VecF::zero(), first = VecF::zero();  // of the combined integers, exact in float32 (|256 h + l| * 32 < 2^24)
   for (int c = 0; c < V; ++c) {
+    if (kHalves && c == V / 2) first = sum;
     const VecF y = v[c] * inv, h = VecF::round(y);
     h.store_int8(q + c * VecF::N);
     if (planes == 2) {
@@ -164,6 +186,7 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
   }
   scale = planes == 2 ? amax / 127.f / 256.f : amax / 127.f;
   isum = static_cast<int32_t>(sum.reduce_add());  // one horizontal sum a block: they were the critical path
+  if (kHalves) *isum_first = static_cast<int32_t>(first.reduce_add());
 }
 
 template <typename T>
@@ -180,7 +203,9 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
     return;
   }
   for (int64_t b = 0; b < a.blocks; ++b) {
-    quantize_block(x + b * kQuantBlock, a.planes, a.q.data() + (at + b) * a.planes * kQuantBlock, a.scale[at + b], a.isum[at + b]);
+    int8_t* q = a.q.data() + (at + b) * a.planes * kQuantBlock;
+    if (a.halves) quantize_block<T, true>(x + b * kQuantBlock, a.planes, q, a.scale[at + b], a.isum[at + b], &a.isum_first[at + b]);
+    else quantize_block<T, false>(x + b * kQuantBlock, a.planes, q, a.scale[at + b], a.isum[at + b], nullptr);
     a.fsum[at + b] = a.scale[at + b] * static_cast<float>(a.isum[at + b]);
   }
 }
@@ -188,12 +213,14 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
 // Room for x's blocks, sized before any thread writes them.
 void size_for(const PackedLinearArgs& p, Activations& a) {
   a.planes = static_cast<int>(p.act), a.rows = p.rows, a.blocks = p.in_features / kQuantBlock;
+  a.halves = packed_layout(p.qtype).halves;
   const size_t cells = static_cast<size_t>(a.rows * a.blocks);
   a.fsum.resize(cells);
   if (a.planes == 0) {
     a.fx.resize(cells * kQuantBlock);
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
+    if (a.halves) a.isum_first.resize(cells);
   }
 }
 
@@ -245,11 +272,18 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
     }
 }
 
-// Block b of panel `panel`, and its 16 rows' scales d and mins m (zero unless the type has them).
+// Block b of panel `panel`, and its 16 rows' scales d and mins m (zero unless the type has them; with
+// halves, m is d1, the second 16 weights' scale).
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
   return t.weight + panel * t.panel_bytes + b * t.layout.block_bytes;
 }
 void block_scales(const PackedLayout& L, const uint8_t* blk, F32x16& d, F32x16& m) {
+  if (L.scale_bytes == 4) {
+    const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
+    d = F32x16::load(scales);
+    m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
+    return;
+  }
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
   d = F32x16::load_half(scales);
   m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
@@ -333,6 +367,55 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
+// Integer tile for 8-bit weights with a scale per 16 (Q8_H32): as int_tile, each half of a block folded
+// into the float accumulators under its own scale, with its own share of the zero correction (u < 64, so
+// the 16-bit pairs of the emulated dot4 cannot saturate: kSmall).
+template <int MR, int NP, int PLANES>
+void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  const PackedLayout& L = t.layout;
+  const Activations& x = *t.x;
+  F32x16 acc[MR][NP];
+  zero_all(acc);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* blk[NP];
+    panel_blocks(t, p0, b, blk);
+    const int8_t* xb[MR];
+    for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
+    F32x16 d[2][NP];
+    for (int j = 0; j < NP; ++j) block_scales(L, blk[j], d[0][j], d[1][j]);
+    for (int h = 0; h < 2; ++h) {
+      I32x16 hi[MR][NP], lo[MR][NP];
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
+      for (int g = 4 * h; g < 4 * h + 4; ++g)
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 w = I32x16::load(blk[j] + 64 * g);
+          for (int r = 0; r < MR; ++r) {
+            if constexpr (PLANES == 2) {
+              hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 4 * g));
+              lo[r][j] = I32x16::dot4<true>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
+            } else if (g % 2 == 0) {
+              hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 4 * g));
+            } else {
+              lo[r][j] = I32x16::dot4<true>(lo[r][j], w, load4(xb[r] + 4 * g));
+            }
+          }
+        }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t cell = (r0 + r) * t.blocks + b;
+        const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;
+        const F32x16 scale = F32x16::set1(x.scale[cell]);
+        const I32x16 correction = I32x16::set1(L.zero * part);
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 total = (PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j]) - correction;
+          acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
+        }
+      }
+    }
+  }
+  store_tile<MR, NP>(t, r0, p0, acc);
+}
+
 // Float tile (ActQuant none): the quants widened exactly to float32 (u - zero), four weights of each of
 // the 16 rows at a time, FMAs with broadcast x; per block acc += part * d (+ m * sum(x)).
 template <int MR, int NP, int BITS>
@@ -368,13 +451,25 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
           group(j, v.high_nibbles(), 16 + 4 * g);
         }
     } else {
-      for (int g = 0; g < 8; ++g)
+      for (int g = 0; g < 8; ++g) {
         for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g), 4 * g);
+        if (L.halves && g == 3) {  // the first 16 weights under d, the rest under d1 below
+          for (int j = 0; j < NP; ++j) {
+            F32x16 d, d1;
+            block_scales(L, blk[j], d, d1);
+            for (int r = 0; r < MR; ++r) acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
+          }
+        }
+      }
     }
     for (int j = 0; j < NP; ++j) {
       F32x16 d, m;
       block_scales(L, blk[j], d, m);
       for (int r = 0; r < MR; ++r) {
+        if (L.halves) {
+          acc[r][j] = F32x16::fmadd(part[r][j], m, acc[r][j]);  // m is d1
+          continue;
+        }
         acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]);
         if (L.has_min) acc[r][j] = F32x16::fmadd(m, F32x16::set1(x.fsum[(r0 + r) * t.blocks + b]), acc[r][j]);
       }
@@ -409,6 +504,9 @@ void tile(const Tiles& t, int64_t r0, int64_t p0) {
     else bf16_tile<MR, NP, bf16>(t, r0, p0);
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
+  } else if constexpr (BITS == 8) {
+    if (t.layout.halves) halves_tile<MR, NP, PLANES>(t, r0, p0);
+    else int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
   } else {
     int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
   }
@@ -474,8 +572,14 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
   const int64_t j = id % kPanelRows;
   for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + b * L.block_bytes;
-    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
-    const float d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
+    float d = 0.f, m = 0.f;  // with halves, m is d1
+    if (L.scale_bytes == 4) {
+      std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
+      if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
+    } else if (L.scale_bytes == 2) {
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
+      d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
+    }
     if (L.bits == 16) {  // weight i of row j: vector i / 2, lane j, half i % 2
       const bf16* v = reinterpret_cast<const bf16*>(blk);
       for (int i = 0; i < kQuantBlock; ++i) out[i] = from_float<T>(bf16_to_float(v[32 * (i / 2) + 2 * j + i % 2]));
@@ -485,7 +589,8 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
       int u;
       if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
       else u = blk[64 * (i / 4) + 4 * j + i % 4];
-      out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
+      if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero));
+      else out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
     }
   }
 }
@@ -507,14 +612,17 @@ void pack_quant(const PackArgs& a) {
           for (int g = 0; g < kQuantBlock / 2; ++g) std::memcpy(dst + 64 * g + 4 * j, src + 4 * g, 4);
           continue;
         }
-        std::memcpy(dst + L.quant_bytes + 2 * j, src, 2);  // d
-        if (L.has_min) std::memcpy(dst + L.quant_bytes + 2 * (kPanelRows + j), src + 2, 2);
+        const int sb = L.scale_bytes, scalars = L.has_min || L.halves ? 2 : 1;
+        std::memcpy(dst + L.quant_bytes + sb * j, src, sb);  // d
+        if (scalars == 2) std::memcpy(dst + L.quant_bytes + sb * (kPanelRows + j), src + sb, sb);  // m or d1
+        const uint8_t* qs = src + scalars * sb;
         if (L.bits == 4) {
-          const uint8_t* qs = src + (L.has_min ? 4 : 2);
           for (int g = 0; g < 4; ++g) std::memcpy(dst + 64 * g + 4 * j, qs + 4 * g, 4);
-        } else {
+        } else if (a.qtype == QType::q8_0) {
           for (int g = 0; g < 8; ++g)
-            for (int i = 0; i < 4; ++i) dst[64 * g + 4 * j + i] = src[2 + 4 * g + i] ^ 0x80;  // q + 128
+            for (int i = 0; i < 4; ++i) dst[64 * g + 4 * j + i] = qs[4 * g + i] ^ 0x80;  // q + 128
+        } else {
+          for (int g = 0; g < 8; ++g) std::memcpy(dst + 64 * g + 4 * j, qs + 4 * g, 4);  // u as stored
         }
       }
     }

@@ -1,8 +1,10 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0 as stored; Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 converted into
+exact blocks of 32), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
 The blocks come from gguf.quants.quantize (the gguf package's reference implementation), so the
-layout our kernels read is the one llama.cpp's files hold.
+layout our kernels read is the one llama.cpp's files hold; gguf cannot quantize K-quants, so theirs
+are random bytes with small float16 scales, dequantized by gguf all the same.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from app.model.quant import BF16, PackedWeight, QuantizedTensor, fuse_rows, line
 from app.model.weights import _unpermute
 
 ISAS = kernels.supported_isas()
-TYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+GT = gguf.GGMLQuantizationType
+TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
+CONVERTED = [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
+# where a K block's float16 d (and dmin) sit, and their range: weights then within about +-0.3, as real ones
+K_SCALES = {GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5)}
 
 
 @pytest.fixture(params=ISAS)
@@ -26,17 +32,34 @@ def isa(request):
         yield request.param
 
 
+def file_blocks(rows: int, features: int, qtype, seed: int = 0) -> np.ndarray:
+    """Random weights as a GGUF file's blocks of `qtype`, [rows, bytes]."""
+    rng = np.random.default_rng(seed)
+    if qtype in K_SCALES:
+        per, size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, size=(rows, features // per, size), dtype=np.uint8)
+        offsets, top = K_SCALES[qtype]
+        for offset in offsets:
+            scales = rng.uniform(top / 3, top, size=blocks.shape[:2]).astype(np.float16)
+            blocks[..., offset:offset + 2] = scales[..., None].view(np.uint8)
+        return blocks.reshape(rows, -1)
+    return gguf.quants.quantize(rng.standard_normal((rows, features)).astype(np.float32) * 0.1, qtype)
+
+
 def quantized(rows: int, features: int, qtype, seed: int = 0) -> tuple[QuantizedTensor, torch.Tensor]:
-    """Random weights as GGUF blocks, and gguf's own dequantization of them (float32)."""
-    w = np.random.default_rng(seed).standard_normal((rows, features)).astype(np.float32) * 0.1
-    blocks = gguf.quants.quantize(w, qtype)
+    """Random weights as kept blocks (converted, for the types that are), and gguf's own dequantization of
+    the file's blocks (float32)."""
+    blocks = file_blocks(rows, features, qtype, seed)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), dtype=np.float32))
-    return QuantizedTensor(torch.from_numpy(blocks.copy()), qtype.value, features), reference
+    data, packed_type = torch.from_numpy(blocks.copy()), qtype.value
+    if qtype in CONVERTED:
+        data, packed_type = kernels.convert_quant(data, qtype.value, features)
+    return QuantizedTensor(data, packed_type, features), reference
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES + CONVERTED, ids=lambda t: t.name)
 def test_dequantize_is_exact(isa, qtype):
-    q, reference = quantized(37, 96, qtype)
+    q, reference = quantized(37, 96 if qtype in TYPES else 512, qtype)
     assert torch.equal(q.dequantize(), reference)
     assert torch.equal(q.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
 
@@ -101,6 +124,41 @@ def test_float32_weights_stay_torch_tensors():
     assert pack(w, "int16") is w
     odd = torch.randn(8, 40).to(torch.bfloat16)  # not a multiple of 32 features: torch's GEMM
     assert pack(odd, "int16") is odd
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+@pytest.mark.parametrize("qtype", CONVERTED, ids=lambda t: t.name)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 256), (1, 130, 512), (3, 7, 256), (4, 33, 768), (17, 67, 256),
+                                           (65, 64, 256), (131, 17, 256)])
+def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m, n, k):
+    """K-quants and Q5 types, converted: the same check as above (Q6_K's scale per 16 weights takes its own
+    tile, which sums each half of a block apart)."""
+    q, w = quantized(n, k, qtype, seed=m + n + k)
+    assert q.qtype == kernels.ops._native.converted_type(qtype.value)
+    packed = q.pack(activations)
+    x = torch.randn(m, k)
+    x[0, :32] = 0  # an all-zero block
+    x[-1, 48:64] = 0  # and an all-zero half block
+    expected = (quantize_activations(x, activations).double() @ w.double().T).float()
+    torch.testing.assert_close(packed.linear(x), expected, atol=2e-5, rtol=2e-5)
+    xb = x.to(torch.bfloat16)
+    expected_b = (quantize_activations(xb, activations).double() @ w.double().T).float()
+    torch.testing.assert_close(packed.linear(xb, torch.float32), expected_b, atol=2e-5, rtol=2e-5)
+    ids = torch.tensor([n - 1, 0])
+    assert torch.equal(packed.embedding(ids, torch.float32), w[ids])
+
+
+def test_converted_types_keep_their_size_and_refuse_bad_input():
+    for qtype, bits in ((GT.Q4_K, 6), (GT.Q5_K, 10), (GT.Q6_K, 10), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
+        q, _ = quantized(3, 512, qtype)
+        assert q.nbytes * 8 == bits * 3 * 512, qtype.name
+    raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
+    with pytest.raises(ValueError, match="is not converted"):
+        kernels.convert_quant(raw, GT.Q2_K.value, 256)
+    with pytest.raises(ValueError, match="rows must be 144 bytes for 256 features"):
+        kernels.convert_quant(raw[:, :100].contiguous(), GT.Q4_K.value, 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kernels.convert_quant(raw, GT.Q4_K.value, 160)
 
 
 @pytest.mark.parametrize("activations", ["int16", "int8"])

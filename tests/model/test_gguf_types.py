@@ -20,6 +20,10 @@ LAYER_TYPES = [  # (q, k, v, o, gate, up, down) for each layer
     ("Q4_K", "Q5_K", "Q8_0", "Q4_0", "F16", "BF16", "Q6_K"),
     ("Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1", "F32", "Q8_0"),
 ]
+K_MIX_TYPES = [  # as llama.cpp's Q4_K_M and Q5_K_M files mix them (Q6_K for ffn_down in some layers)
+    ("Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"),
+    ("Q5_K", "Q5_K", "Q5_K", "Q5_K", "Q5_K", "Q5_K", "Q5_0"),
+]
 
 
 def _tensor(rng: np.random.Generator, rows: int, cols: int, kind: str):
@@ -40,7 +44,7 @@ def _tensor(rng: np.random.Generator, rows: int, cols: int, kind: str):
     return gguf.quants.quantize(values, qtype), qtype
 
 
-def write_tiny_llama(path) -> None:
+def write_tiny_llama(path, layer_types=LAYER_TYPES, embedding: str = "Q6_K", head: str = "Q4_K") -> None:
     rng = np.random.default_rng(0)
     w = new_gguf(path, "llama", layers=LAYERS, hidden=HIDDEN, inter=INTER, heads=HEADS, kv_heads=KV_HEADS,
                  vocab=VOCAB)
@@ -49,11 +53,11 @@ def write_tiny_llama(path) -> None:
         data, qtype = _tensor(rng, rows, cols, kind)
         w.add_tensor(name, data, raw_dtype=qtype) if qtype is not None else w.add_tensor(name, data)
 
-    add("token_embd.weight", VOCAB, HIDDEN, "Q6_K")
-    add("output.weight", VOCAB, HIDDEN, "Q4_K")  # untied head
+    add("token_embd.weight", VOCAB, HIDDEN, embedding)
+    add("output.weight", VOCAB, HIDDEN, head)  # untied head
     add("output_norm.weight", 1, HIDDEN, "NORM")
     d = HIDDEN // HEADS
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(layer_types):
         shapes = [(HEADS * d, HIDDEN), (KV_HEADS * d, HIDDEN), (KV_HEADS * d, HIDDEN), (HIDDEN, HEADS * d),
                   (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
         names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
@@ -79,6 +83,40 @@ def test_every_tensor_type_loads_like_transformers(tiny):
         quantization_config=GgufConfig(gguf_file=tiny.name, dequantize=True)).eval()
     ours = load_model(ModelSource(tiny, "gguf", "tiny"), "float32", tokenizer=False)
     assert not ours.config.tie_word_embeddings and ours.config.num_kv_heads == KV_HEADS
+    ids = [[5, 17, 300, 2, 511, 64, 9]]
+    with torch.inference_mode():
+        expected = reference(torch.tensor(ids)).logits[0, -1]
+    got = Session(ours.model, 1).step(ids)[0]
+    assert (got - expected).abs().max().item() < 1e-3 * max(1.0, expected.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def k_mix(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-k-mix.gguf"
+    write_tiny_llama(path, K_MIX_TYPES, embedding="Q4_K", head="Q6_K")
+    return path
+
+
+def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
+    """A Q4_K_M-like file: every linear kept in its blocks (the layer stack runs them natively), logits as
+    transformers' from the dequantized file."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    from app.model.quant import PackedWeight
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(k_mix.parent), gguf_file=k_mix.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=k_mix.name, dequantize=True)).eval()
+    with caplog.at_level("INFO", logger="app.model.loader"):
+        ours = load_model(ModelSource(k_mix, "gguf", "tiny"), "float32", tokenizer=False)
+    assert "kept quantized: Q4_K, Q5_0, Q5_K, Q6_K" in caplog.text and "dequantized" not in caplog.text
+    layers = ours.model.layers
+    kinds = [(lay.attention.qkv.weight, lay.attention.o.weight, lay.mlp.gate_up.weight, lay.mlp.down.weight)
+             for lay in layers]
+    assert all(isinstance(w, PackedWeight) for group in kinds for w in group)
+    assert [w.type_name for w in kinds[0]] == ["Q4_M32", "Q4_M32", "Q4_M32", "Q8_H32"]
+    assert [w.type_name for w in kinds[1]] == ["Q8_M32", "Q8_M32", "Q8_M32", "Q8_0"]
+    assert ours.model.lm_head.type_name == "Q8_H32" and ours.model.embed.type_name == "Q4_M32"
     ids = [[5, 17, 300, 2, 511, 64, 9]]
     with torch.inference_mode():
         expected = reference(torch.tensor(ids)).logits[0, -1]

@@ -3,6 +3,7 @@
 // themselves checked against torch on x86). Exit code: number of mismatches.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 #include "kernels.h"
@@ -93,6 +94,25 @@ int main() {
   neon::packed_linear({QType::bf16, ActQuant::int16, DType::bf16, DType::f32, qo1.data(), bx.data(), bpacked.data(), QM, QK, QN, QK, QN});
   portable::packed_linear({QType::bf16, ActQuant::int16, DType::bf16, DType::f32, qo2.data(), bx.data(), bpacked.data(), QM, QK, QN, QK, QN});
   check("packed_linear bf16 bf16 x", maxdiff(qo1, qo2), 1e-4);
+  // Q8_H32 (a converted Q6_K: a byte a weight, u - 32, float32 d per 16 weights): its own tile, x's
+  // quantization keeping each half block's sum; 7 x 96 @ (37 x 96)^T at int16 and int8
+  std::vector<uint8_t> hw(QN * QK / 32 * 40);
+  for (size_t b = 0; b < hw.size(); b += 40) {
+    const float d0 = 0.002f * (1 + rng() % 7), d1 = -0.003f * (1 + rng() % 5);
+    std::memcpy(&hw[b], &d0, 4), std::memcpy(&hw[b + 4], &d1, 4);
+    for (int i = 8; i < 40; ++i) hw[b + i] = rng() % 64;
+  }
+  std::vector<uint8_t> hpacked(packed_bytes(QType::q8_h32, QN, QK)), hpacked2(hpacked.size());
+  neon::pack_quant({QType::q8_h32, hw.data(), hpacked.data(), QN, QK});
+  portable::pack_quant({QType::q8_h32, hw.data(), hpacked2.data(), QN, QK});
+  check("pack_quant q8_h32", hpacked == hpacked2 ? 0.f : 1.f, 0.f);
+  const int64_t HM = 7;
+  auto hx = rnd(HM * QK); std::vector<float> ho1(HM * QN), ho2(HM * QN);
+  for (ActQuant act : {ActQuant::int16, ActQuant::int8}) {
+    neon::packed_linear({QType::q8_h32, act, DType::f32, DType::f32, ho1.data(), hx.data(), hpacked.data(), HM, QK, QN, QK, QN});
+    portable::packed_linear({QType::q8_h32, act, DType::f32, DType::f32, ho2.data(), hx.data(), hpacked.data(), HM, QK, QN, QK, QN});
+    check(act == ActQuant::int16 ? "packed_linear q8_h32 int16" : "packed_linear q8_h32 int8", maxdiff(ho1, ho2), 1e-4);
+  }
   printf("%s\n", fails ? "NEON DIFFERS" : "NEON matches portable");
   return fails;
 }

@@ -1,0 +1,148 @@
+// GGUF types without a packed layout of their own, converted once at load into blocks of 32 the kernels
+// run (kernels.h): every weight keeps its exact value. Plain C++ (load time, not per ISA); the block
+// formats are GGML's (ggml-common.h), decoded here the way its reference dequantizers read them.
+#include <cstring>
+
+#include "kernels.h"
+#define APPLIANCE_ISA portable  // for fp16_to_float; nothing here is vectorised by hand
+#include "vec.h"
+
+namespace appliance {
+namespace {
+
+inline float half(const uint8_t* p) { return fp16_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+inline void put_f32(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
+
+// A Q4_1-ordered 16 bytes of nibbles (low nibbles weights 0..15, high 16..31) from 32 values below 16.
+void put_nibbles(uint8_t* out, const uint8_t* u) {
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>(u[i] | (u[i + 16] << 4));
+}
+
+// Q4_K and Q5_K: the 6-bit scale and min of sub-block j (of 8) from the 12 packed bytes.
+void scale_min(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K (144 bytes a 256): fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles; 32-weight sub-block
+// 2c + h is the low (h = 0) or high nibbles of bytes 32c..32c+31; w = d sc q - dmin m.
+void q4_k(const uint8_t* b, uint8_t* out) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t* qs = b + 16;
+  for (int s = 0; s < 8; ++s, out += 24) {
+    int sc, m;
+    scale_min(s, b + 4, sc, m);
+    uint8_t u[32];
+    for (int i = 0; i < 32; ++i) u[i] = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15;
+    put_f32(out, d * static_cast<float>(sc));
+    put_f32(out + 4, -(dmin * static_cast<float>(m)));
+    put_nibbles(out + 8, u);
+  }
+}
+
+// Q5_K (176 bytes a 256): as Q4_K, then 32 bytes of fifth bits (bit s of byte i: weight i of sub-block s)
+// before the nibbles.
+void q5_k(const uint8_t* b, uint8_t* out) {
+  const float d = half(b), dmin = half(b + 2);
+  const uint8_t *qh = b + 16, *qs = b + 48;
+  for (int s = 0; s < 8; ++s, out += 40) {
+    int sc, m;
+    scale_min(s, b + 4, sc, m);
+    put_f32(out, d * static_cast<float>(sc));
+    put_f32(out + 4, -(dmin * static_cast<float>(m)));
+    for (int i = 0; i < 32; ++i)
+      out[8 + i] = static_cast<uint8_t>(((qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15) | (((qh[i] >> s) & 1) << 4));
+  }
+}
+
+// Q6_K (210 bytes a 256): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16
+// weights), fp16 d; w = d sc (q - 32). Within each half of 128: weight l + 32 t (t < 4) is nibble t / 2 of
+// ql[l + 32 (t % 2)] with bits 2t..2t+1 of qh[l] above it.
+void q6_k(const uint8_t* b, uint8_t* out) {
+  const float d = half(b + 208);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  uint8_t u[256];
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+    for (int l = 0; l < 32; ++l)
+      for (int t = 0; t < 4; ++t)
+        u[128 * n + l + 32 * t] = static_cast<uint8_t>(((ql[l + 32 * (t % 2)] >> (4 * (t / 2))) & 15) |
+                                                       (((qh[l] >> (2 * t)) & 3) << 4));
+  }
+  for (int s = 0; s < 8; ++s, out += 40) {
+    put_f32(out, d * static_cast<float>(scales[2 * s]));
+    put_f32(out + 4, d * static_cast<float>(scales[2 * s + 1]));
+    std::memcpy(out + 8, u + 32 * s, 32);
+  }
+}
+
+// Q5_0 (22 bytes a 32): fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d (q - 16) -> Q8_0.
+// Q5_1 (24 bytes): fp16 d, fp16 m, then as Q5_0; w = d q + m -> Q8_M32.
+template <bool kMin>
+void q5(const uint8_t* b, uint8_t* out) {
+  uint32_t qh;
+  std::memcpy(&qh, b + (kMin ? 4 : 2), 4);
+  const uint8_t* qs = b + (kMin ? 8 : 6);
+  uint8_t u[32];
+  for (int i = 0; i < 16; ++i) {
+    u[i] = static_cast<uint8_t>((qs[i] & 15) | (((qh >> i) & 1) << 4));
+    u[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+  }
+  if constexpr (kMin) {
+    put_f32(out, half(b));
+    put_f32(out + 4, half(b + 2));
+    std::memcpy(out + 8, u, 32);
+  } else {
+    std::memcpy(out, b, 2);  // d stays fp16
+    for (int i = 0; i < 32; ++i) out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(u[i] - 16));
+  }
+}
+
+}  // namespace
+
+QType converted_type(FileType t) {
+  switch (t) {
+    case FileType::q5_0: return QType::q8_0;
+    case FileType::q4_k: return QType::q4_m32;
+    case FileType::q6_k: return QType::q8_h32;
+    default: return QType::q8_m32;  // q5_1, q5_k
+  }
+}
+
+int64_t file_block_weights(FileType t) { return t == FileType::q5_0 || t == FileType::q5_1 ? 32 : 256; }
+
+int64_t file_block_bytes(FileType t) {
+  switch (t) {
+    case FileType::q5_0: return 22;
+    case FileType::q5_1: return 24;
+    case FileType::q4_k: return 144;
+    case FileType::q5_k: return 176;
+    default: return 210;  // q6_k
+  }
+}
+
+void convert_quant(const ConvertArgs& a) {
+  const int64_t per = file_block_weights(a.from), in_bytes = file_block_bytes(a.from);
+  const int64_t out_bytes = per / kQuantBlock * quant_block_bytes(converted_type(a.from));
+  const int64_t blocks = a.in_features / per;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* in = a.gguf + (r * blocks + b) * in_bytes;
+      uint8_t* out = a.out + (r * blocks + b) * out_bytes;
+      switch (a.from) {
+        case FileType::q4_k: q4_k(in, out); break;
+        case FileType::q5_k: q5_k(in, out); break;
+        case FileType::q6_k: q6_k(in, out); break;
+        case FileType::q5_0: q5<false>(in, out); break;
+        case FileType::q5_1: q5<true>(in, out); break;
+      }
+    }
+  }
+}
+
+}  // namespace appliance
