@@ -20,11 +20,12 @@ from app.kernels.ops import (
     silu_and_mul,
     supported_isas,
     use_isa,
+    widen_quant,
     write_kv_cache,
 )
 
 __all__ = [
     "DecoderStack", "add_rms_norm", "bind_threads", "compiled_isas", "convert_quant", "dequantize", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
     "paged_attention", "rms_norm", "rotary_embedding",
-    "silu_and_mul", "supported_isas", "use_isa", "write_kv_cache",
+    "silu_and_mul", "supported_isas", "use_isa", "widen_quant", "write_kv_cache",
 ]

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.model.gguf_header import KEPT_QUANT_TYPES, PACKED_QUANT_TYPES, read_gguf_header
+from app.model.gguf_header import KEPT_QUANT_TYPES, MIXED_QUANT_TYPE, PACKED_QUANT_TYPES, read_gguf_header
 from app.model.source import ModelSource
 from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
@@ -112,10 +112,9 @@ def _from_gguf(path: Path) -> ModelFootprint:
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
     params = ParamCounts.of(header.tensor_shapes)
-    kept = {name: shape for name, shape in header.tensor_shapes.items()
-            if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2}
-    kept_bytes = {name: (_product(shape) // 32 * PACKED_QUANT_TYPES[KEPT_QUANT_TYPES[header.tensor_types[name]][1]][1],)
-                  for name, shape in kept.items()}
+    kept_as = _kept_as(header)
+    kept = {name: shape for name, shape in header.tensor_shapes.items() if kept_as[name] is not None}
+    kept_bytes = {name: (_product(shape) // 32 * PACKED_QUANT_TYPES[kept_as[name]][1],) for name, shape in kept.items()}
     return ModelFootprint(
         architecture=arch,
         num_params=params.total,
@@ -129,6 +128,26 @@ def _from_gguf(path: Path) -> ModelFootprint:
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of(kept_bytes) if kept else None,
     )
+
+
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # projections the model stacks into one weight
+
+
+def _kept_as(header) -> dict[str, int | None]:
+    """The packed type each tensor runs as, None for one expanded to the compute dtype: as app/model/quant.py's
+    fuse_rows decides, a fused group with a float part is expanded and one of mixed quantized types widened."""
+    kept_as = {name: KEPT_QUANT_TYPES[header.tensor_types[name]][1]
+               if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2 else None
+               for name, shape in header.tensor_shapes.items()}
+    layers = {name.split(".")[1] for name in kept_as if name.startswith("blk.")}
+    for layer in layers:
+        for group in FUSED:
+            names = [f"blk.{layer}.{part}.weight" for part in group if f"blk.{layer}.{part}.weight" in kept_as]
+            types = {kept_as[name] for name in names}
+            if len(types) > 1:
+                for name in names:
+                    kept_as[name] = None if None in types else MIXED_QUANT_TYPE
+    return kept_as
 
 
 def _from_hf(path: Path) -> ModelFootprint:

@@ -20,9 +20,11 @@ _STRING, _ARRAY = 8, 9
 
 # The quantized block types our kernels run (app/model/quant.py, native/include/kernels.h), by id: (name,
 # bytes per block of 32 weights). GGML's ids for the types run as the file stores them; 100-102 for the
-# exact blocks of 32 that the other kept types are converted into at load.
+# exact blocks of 32 that the other kept types are converted into at load; 103 for a fused projection
+# whose parts differ in type (MIXED_QUANT_TYPE: every other type widens into it exactly).
 PACKED_QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34),
-                      100: ("Q4_M32", 24), 101: ("Q8_M32", 40), 102: ("Q8_H32", 40)}
+                      100: ("Q4_M32", 24), 101: ("Q8_M32", 40), 102: ("Q8_H32", 40), 103: ("Q8_HM32", 48)}
+MIXED_QUANT_TYPE = 103
 # The GGUF types kept quantized, by GGML id: (name, the packed type above they run as). Here, torch-free,
 # so that placement can size them without importing torch.
 KEPT_QUANT_TYPES = {2: ("Q4_0", 2), 3: ("Q4_1", 3), 8: ("Q8_0", 8), 6: ("Q5_0", 8), 7: ("Q5_1", 101),

@@ -5,7 +5,8 @@ Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decod
 too, converted at load (`kernels.convert_quant`) into blocks of 32 that keep every weight's value:
 Q4_K as 4-bit quants with float32 scale and min per 32 (6 bits a weight), Q5_K and Q5_1 as bytes with
 float32 scale and min (10 bits), Q6_K as bytes with a float32 scale per 16 (10 bits), Q5_0 as Q8_0
-(8.5 bits). At load they are `QuantizedTensor`s, blocks of 32, which TP sharding cuts and fused
+(8.5 bits); a fused projection whose parts differ in type as Q8_HM32 (12 bits: bytes with float32
+scale and min per 16, which holds any of the others exactly). At load they are `QuantizedTensor`s, blocks of 32, which TP sharding cuts and fused
 projections stack; the model then packs each into a
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot
 products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS`):
@@ -30,6 +31,7 @@ import torch
 
 from app import kernels
 from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, packed type id)
+from app.model.gguf_header import MIXED_QUANT_TYPE
 from app.model.gguf_header import PACKED_QUANT_TYPES as PACKED_TYPES  # packed type id: (name, bytes a block)
 
 BLOCK = 32
@@ -81,6 +83,13 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return kernels.dequantize(self.data, self.qtype, self.in_features, dtype)
+
+    def widen(self) -> QuantizedTensor:
+        """The same values as Q8_HM32 blocks (a byte a weight, float32 scale and min per 16)."""
+        if self.qtype == MIXED_QUANT_TYPE:
+            return self
+        return QuantizedTensor(kernels.widen_quant(self.data, self.qtype, self.in_features), MIXED_QUANT_TYPE,
+                               self.in_features)
 
     def pack(self, activations: str) -> PackedWeight:
         """The weight in the kernels' layout, multiplied with activations quantized as `activations` says."""
@@ -146,9 +155,13 @@ def pack(weight: Weight, activations: str) -> Weight:
 
 
 def fuse_rows(parts: Sequence[Weight]) -> Weight:
-    """Stack weights by rows; quantized ones stay quantized when they all share one type, else every
-    part is expanded to the compute dtype of the float parts (float32 if there are none)."""
-    if all(isinstance(p, QuantizedTensor) for p in parts) and len({(p.qtype, p.in_features) for p in parts}) == 1:
+    """Stack weights by rows; quantized ones stay quantized: as they are when they share one type, else
+    widened to Q8_HM32, which holds any of them exactly (Q4_K_M files store some layers' V projection as
+    Q6_K, their Q and K as Q4_K). With a float part among them, every part is expanded to the float
+    parts' dtype."""
+    if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.in_features for p in parts}) == 1:
+        if len({p.qtype for p in parts}) > 1:
+            parts = [p.widen() for p in parts]
         return QuantizedTensor.cat(parts)
     dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
     return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts])

@@ -94,8 +94,10 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 //   Q8_M32 (from Q5_K, Q5_1) = f32 d, f32 m + 32 bytes u (w = d u + m);
 //   Q8_H32 (from Q6_K)       = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1 for
 //                              16..31: Q6_K scales every 16 weights).
-// Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte).
-enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102 };
+// Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
+// type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) is widened (widen_quant) into
+//   Q8_HM32 (any of the above) = f32 d0, d1, m0, m1 + 32 bytes u (w = d u + m, d and m per 16 weights).
+enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, q8_hm32 = 103 };
 constexpr int64_t kQuantBlock = 32;
 inline int64_t quant_block_bytes(QType t) {
   switch (t) {
@@ -104,6 +106,7 @@ inline int64_t quant_block_bytes(QType t) {
     case QType::q4_1: return 20;
     case QType::q4_0: return 18;
     case QType::q4_m32: return 24;
+    case QType::q8_hm32: return 48;
     default: return 40;  // q8_m32, q8_h32
   }
 }
@@ -122,6 +125,14 @@ struct ConvertArgs {  // out = rows [R, K / 32 * quant_block_bytes(converted_typ
 };
 void convert_quant(const ConvertArgs&);  // plain C++, once at load: not per ISA
 
+struct WidenArgs {  // out = rows [R, K / 32 * 48] of Q8_HM32 holding the same values as rows of `from`
+  QType from;           // any quantized type above (not BF16)
+  const uint8_t* rows;  // [R, K / 32 * quant_block_bytes(from)] contiguous
+  uint8_t* out;
+  int64_t rows_count, in_features;
+};
+void widen_quant(const WidenArgs&);
+
 // Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
 // in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
 // 4 with zero rows. Per panel, per block of 32 weights along the rows, in this order:
@@ -130,7 +141,8 @@ void convert_quant(const ConvertArgs&);  // plain C++, once at load: not per ISA
 //           order, the 16 rows interleaved 4 bytes at a time, as vpdpbusd wants them).
 //           8-bit types: 8 vectors of 64 bytes; in vector g, bytes 4j..4j+3 hold weights 4g..4g+3, as
 //           unsigned u (Q8_0: u = q + 128).
-//   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1: fp16 for GGML's types, f32 for ours.
+//   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1, or (Q8_HM32) 16 each of d0, d1, m0, m1:
+//           fp16 for GGML's types, f32 for ours (in a row's block, the same scalars in the same order).
 // Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32, else 0 (m is
 // stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
@@ -141,7 +153,7 @@ constexpr int64_t kPanelGroup = 4;
 struct PackedLayout {
   int bits;              // 4, 8 or 16 (bfloat16)
   int zero;              // subtracted from every u
-  bool has_min;          // 16 m follow the 16 d
+  bool has_min;          // 16 m follow the 16 d (with halves: 16 m0, 16 m1 follow d0 and d1)
   bool halves;           // 16 d1 follow the 16 d: d scales weights 0..15 of a block, d1 16..31
   int scale_bytes;       // 2 (fp16) or 4 (f32)
   int64_t quant_bytes;   // per panel and block
@@ -156,6 +168,7 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
     case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
+    case QType::q8_hm32: return {8, 0, true, true, 4, 512, 512 + 256};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }
 }

@@ -112,18 +112,21 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {  // plain loo
 }
 #endif
 
-// Our own blocks (Q4_M32, Q8_M32, Q8_H32: f32 d and m or d1, then the quants; see kernels.h), plainly:
-// they are expanded only where a fused weight mixes types or a shard does not fall on blocks.
+// Our own blocks (Q4_M32, Q8_M32, Q8_H32, Q8_HM32: f32 scalars, then the quants; see kernels.h), plainly:
+// they are expanded only where a shard does not fall on blocks, or for a test.
 void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* out) {
   const int64_t bytes = quant_block_bytes(q);
+  const PackedLayout L = packed_layout(q);
+  const int scalars = (1 + L.has_min) * (1 + L.halves);
   for (int64_t b = 0; b < blocks; ++b, row += bytes, out += kQuantBlock) {
-    float d, second;
-    std::memcpy(&d, row, 4);
-    std::memcpy(&second, row + 4, 4);
+    float f[4];
+    std::memcpy(f, row, 4 * scalars);
+    const uint8_t* u = row + 4 * scalars;
     for (int i = 0; i < kQuantBlock; ++i) {
-      if (q == QType::q4_m32) out[i] = d * static_cast<float>((row[8 + i % 16] >> (i < 16 ? 0 : 4)) & 15) + second;
-      else if (q == QType::q8_m32) out[i] = d * static_cast<float>(row[8 + i]) + second;
-      else out[i] = (i < 16 ? d : second) * static_cast<float>(static_cast<int>(row[8 + i]) - 32);
+      const int h = L.halves && i >= 16;  // d, m = f[h], f[2 + h] (halves) or f[0], f[1]
+      const int v = L.bits == 4 ? (u[i % 16] >> (i < 16 ? 0 : 4)) & 15 : u[i];
+      const float m = !L.has_min ? 0.f : L.halves ? f[2 + h] : f[1];
+      out[i] = f[h] * static_cast<float>(v - L.zero) + m;
     }
   }
 }
@@ -148,6 +151,7 @@ struct Activations {
   std::vector<int32_t> isum;  // [rows][blocks]: the sum of the block's combined integers
   bool halves = false;        // weights with a scale per 16 (Q8_H32): isum_first is wanted too
   std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
+  std::vector<float> fsum_first;    // [rows][blocks]: and of x's (halves with mins: Q8_HM32)
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
 };
@@ -197,7 +201,10 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
     for (int64_t c = 0; c < k; ++c) f[c] = to_float(x[c]);
     for (int64_t b = 0; b < a.blocks; ++b) {
       float s = 0.f;
-      for (int i = 0; i < kQuantBlock; ++i) s += f[b * kQuantBlock + i];
+      for (int i = 0; i < kQuantBlock; ++i) {
+        if (a.halves && i == kQuantBlock / 2) a.fsum_first[at + b] = s;
+        s += f[b * kQuantBlock + i];
+      }
       a.fsum[at + b] = s;
     }
     return;
@@ -218,6 +225,7 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
   a.fsum.resize(cells);
   if (a.planes == 0) {
     a.fx.resize(cells * kQuantBlock);
+    if (a.halves) a.fsum_first.resize(cells);
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
@@ -273,7 +281,7 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
 }
 
 // Block b of panel `panel`, and its 16 rows' scales d and mins m (zero unless the type has them; with
-// halves, m is d1, the second 16 weights' scale).
+// halves, m is d1, the second 16 weights' scale, and block_mins gives m0, m1).
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
   return t.weight + panel * t.panel_bytes + b * t.layout.block_bytes;
 }
@@ -287,6 +295,9 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, F32x16& d, F32x16& 
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
   d = F32x16::load_half(scales);
   m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
+}
+F32x16 half_min(const PackedLayout& L, const uint8_t* blk, int h) {  // Q8_HM32's m0 (h = 0) or m1
+  return F32x16::load(reinterpret_cast<const float*>(blk + L.quant_bytes) + (2 + h) * kPanelRows);
 }
 
 // Every tile starts its accumulators at zero and reads block b of its NP panels.
@@ -367,10 +378,10 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// Integer tile for 8-bit weights with a scale per 16 (Q8_H32): as int_tile, each half of a block folded
-// into the float accumulators under its own scale, with its own share of the zero correction (u < 64, so
-// the 16-bit pairs of the emulated dot4 cannot saturate: kSmall).
-template <int MR, int NP, int PLANES>
+// Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q8_HM32): as int_tile, each half of a block
+// folded into the float accumulators under its own scale, with its own share of the zero correction or of
+// m * sum(x). kSmall: u < 64 (Q8_H32), so the 16-bit pairs of the emulated dot4 cannot saturate.
+template <int MR, int NP, int PLANES, bool kSmall>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
@@ -392,12 +403,12 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
           const I32x16 w = I32x16::load(blk[j] + 64 * g);
           for (int r = 0; r < MR; ++r) {
             if constexpr (PLANES == 2) {
-              hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 4 * g));
-              lo[r][j] = I32x16::dot4<true>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
             } else if (g % 2 == 0) {
-              hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 4 * g));
+              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
             } else {
-              lo[r][j] = I32x16::dot4<true>(lo[r][j], w, load4(xb[r] + 4 * g));
+              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 4 * g));
             }
           }
         }
@@ -406,9 +417,11 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
         const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;
         const F32x16 scale = F32x16::set1(x.scale[cell]);
         const I32x16 correction = I32x16::set1(L.zero * part);
+        const F32x16 sum = F32x16::set1(x.scale[cell] * static_cast<float>(part));
         for (int j = 0; j < NP; ++j) {
           const I32x16 total = (PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j]) - correction;
           acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
+          if (!kSmall) acc[r][j] = F32x16::fmadd(half_min(L, blk[j], h), sum, acc[r][j]);
         }
       }
     }
@@ -457,7 +470,11 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
           for (int j = 0; j < NP; ++j) {
             F32x16 d, d1;
             block_scales(L, blk[j], d, d1);
-            for (int r = 0; r < MR; ++r) acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
+            for (int r = 0; r < MR; ++r) {
+              acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
+              if (L.has_min)
+                acc[r][j] = F32x16::fmadd(half_min(L, blk[j], 0), F32x16::set1(x.fsum_first[(r0 + r) * t.blocks + b]), acc[r][j]);
+            }
           }
         }
       }
@@ -468,6 +485,10 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
       for (int r = 0; r < MR; ++r) {
         if (L.halves) {
           acc[r][j] = F32x16::fmadd(part[r][j], m, acc[r][j]);  // m is d1
+          if (L.has_min) {
+            const int64_t cell = (r0 + r) * t.blocks + b;
+            acc[r][j] = F32x16::fmadd(half_min(L, blk[j], 1), F32x16::set1(x.fsum[cell] - x.fsum_first[cell]), acc[r][j]);
+          }
           continue;
         }
         acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]);
@@ -505,7 +526,8 @@ void tile(const Tiles& t, int64_t r0, int64_t p0) {
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
   } else if constexpr (BITS == 8) {
-    if (t.layout.halves) halves_tile<MR, NP, PLANES>(t, r0, p0);
+    if (t.layout.halves && t.layout.has_min) halves_tile<MR, NP, PLANES, false>(t, r0, p0);
+    else if (t.layout.halves) halves_tile<MR, NP, PLANES, true>(t, r0, p0);
     else int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
   } else {
     int_tile<MR, NP, BITS, PLANES>(t, r0, p0);
@@ -572,10 +594,12 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
   const int64_t j = id % kPanelRows;
   for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + b * L.block_bytes;
-    float d = 0.f, m = 0.f;  // with halves, m is d1
+    float d = 0.f, m = 0.f, mins[2] = {0.f, 0.f};  // with halves, m is d1 (and mins m0, m1)
     if (L.scale_bytes == 4) {
       std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
       if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
+      if (L.has_min && L.halves)
+        for (int h = 0; h < 2; ++h) std::memcpy(&mins[h], blk + L.quant_bytes + 4 * ((2 + h) * kPanelRows + j), 4);
     } else if (L.scale_bytes == 2) {
       const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
       d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
@@ -589,7 +613,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
       int u;
       if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
       else u = blk[64 * (i / 4) + 4 * j + i % 4];
-      if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero));
+      if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero) + mins[i >= 16]);
       else out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
     }
   }
@@ -612,9 +636,8 @@ void pack_quant(const PackArgs& a) {
           for (int g = 0; g < kQuantBlock / 2; ++g) std::memcpy(dst + 64 * g + 4 * j, src + 4 * g, 4);
           continue;
         }
-        const int sb = L.scale_bytes, scalars = L.has_min || L.halves ? 2 : 1;
-        std::memcpy(dst + L.quant_bytes + sb * j, src, sb);  // d
-        if (scalars == 2) std::memcpy(dst + L.quant_bytes + sb * (kPanelRows + j), src + sb, sb);  // m or d1
+        const int sb = L.scale_bytes, scalars = (1 + L.has_min) * (1 + L.halves);  // d; m or d1; or d0, d1, m0, m1
+        for (int c = 0; c < scalars; ++c) std::memcpy(dst + L.quant_bytes + sb * (c * kPanelRows + j), src + c * sb, sb);
         const uint8_t* qs = src + scalars * sb;
         if (L.bits == 4) {
           for (int g = 0; g < 4; ++g) std::memcpy(dst + 64 * g + 4 * j, qs + 4 * g, 4);

@@ -148,6 +148,26 @@ def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m
     assert torch.equal(packed.embedding(ids, torch.float32), w[ids])
 
 
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_mixed_types_widen_exactly_and_fuse(isa, activations):
+    """A fused weight whose parts differ in type (Q4_K_M: V as Q6_K, Q and K as Q4_K) is widened to Q8_HM32
+    (a byte a weight, float32 scale and min per 16), which holds each part's values exactly."""
+    parts = [quantized(n, 256, qtype, seed=n) for n, qtype in
+             ((64, GT.Q4_K), (19, GT.Q6_K), (16, GT.Q8_0), (5, GT.Q4_0), (33, GT.Q4_1), (7, GT.Q5_K))]
+    for q, w in parts:
+        assert q.widen().type_name == "Q8_HM32" and torch.equal(q.widen().dequantize(), w)
+    fused = fuse_rows([q for q, _ in parts])
+    w = torch.cat([w for _, w in parts])
+    assert isinstance(fused, QuantizedTensor) and fused.type_name == "Q8_HM32" and torch.equal(fused.dequantize(), w)
+    packed = fused.pack(activations)
+    assert torch.equal(packed.dequantize(), w)
+    for m in (1, 3, 70):
+        x = torch.randn(m, 256)
+        x[0, 16:32] = 0  # an all-zero half block
+        expected = (quantize_activations(x, activations).double() @ w.double().T).float()
+        torch.testing.assert_close(packed.linear(x), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_converted_types_keep_their_size_and_refuse_bad_input():
     for qtype, bits in ((GT.Q4_K, 6), (GT.Q5_K, 10), (GT.Q6_K, 10), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
         q, _ = quantized(3, 512, qtype)

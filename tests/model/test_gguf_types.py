@@ -20,8 +20,8 @@ LAYER_TYPES = [  # (q, k, v, o, gate, up, down) for each layer
     ("Q4_K", "Q5_K", "Q8_0", "Q4_0", "F16", "BF16", "Q6_K"),
     ("Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1", "F32", "Q8_0"),
 ]
-K_MIX_TYPES = [  # as llama.cpp's Q4_K_M and Q5_K_M files mix them (Q6_K for ffn_down in some layers)
-    ("Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"),
+K_MIX_TYPES = [  # as llama.cpp's Q4_K_M and Q5_K_M files mix them (Q6_K for V and ffn_down in some layers)
+    ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"),
     ("Q5_K", "Q5_K", "Q5_K", "Q5_K", "Q5_K", "Q5_K", "Q5_0"),
 ]
 
@@ -114,7 +114,7 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
     kinds = [(lay.attention.qkv.weight, lay.attention.o.weight, lay.mlp.gate_up.weight, lay.mlp.down.weight)
              for lay in layers]
     assert all(isinstance(w, PackedWeight) for group in kinds for w in group)
-    assert [w.type_name for w in kinds[0]] == ["Q4_M32", "Q4_M32", "Q4_M32", "Q8_H32"]
+    assert [w.type_name for w in kinds[0]] == ["Q8_HM32", "Q4_M32", "Q4_M32", "Q8_H32"]  # QKV mixed: widened
     assert [w.type_name for w in kinds[1]] == ["Q8_M32", "Q8_M32", "Q8_M32", "Q8_0"]
     assert ours.model.lm_head.type_name == "Q8_H32" and ours.model.embed.type_name == "Q4_M32"
     ids = [[5, 17, 300, 2, 511, 64, 9]]
@@ -122,6 +122,11 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
         expected = reference(torch.tensor(ids)).logits[0, -1]
     got = Session(ours.model, 1).step(ids)[0]
     assert (got - expected).abs().max().item() < 1e-3 * max(1.0, expected.abs().max().item())
+    # the plan sizes the weights as they load (the widened QKV included)
+    from app.model.footprint import read_footprint
+
+    held = ours.model.resident_bytes() - ours.model.cos_sin.numel() * ours.model.cos_sin.element_size()
+    assert held == read_footprint(ModelSource(k_mix, "gguf", "tiny")).weight_bytes("float32")
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):

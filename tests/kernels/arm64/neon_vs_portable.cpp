@@ -113,6 +113,20 @@ int main() {
     portable::packed_linear({QType::q8_h32, act, DType::f32, DType::f32, ho2.data(), hx.data(), hpacked.data(), HM, QK, QN, QK, QN});
     check(act == ActQuant::int16 ? "packed_linear q8_h32 int16" : "packed_linear q8_h32 int8", maxdiff(ho1, ho2), 1e-4);
   }
+  // Q8_HM32 (mixed types widened: any byte u, float32 d and m per 16 weights), float and int16 activations
+  std::vector<uint8_t> mw(QN * QK / 32 * 48);
+  for (size_t b = 0; b < mw.size(); b += 48) {
+    const float f[4] = {0.001f * (1 + rng() % 7), 0.002f * (1 + rng() % 3), -0.1f * (rng() % 3), 0.05f * (rng() % 5)};
+    std::memcpy(&mw[b], f, 16);
+    for (int i = 16; i < 48; ++i) mw[b + i] = rng() & 0xff;
+  }
+  std::vector<uint8_t> mpacked(packed_bytes(QType::q8_hm32, QN, QK));
+  neon::pack_quant({QType::q8_hm32, mw.data(), mpacked.data(), QN, QK});
+  for (ActQuant act : {ActQuant::int16, ActQuant::none}) {
+    neon::packed_linear({QType::q8_hm32, act, DType::f32, DType::f32, ho1.data(), hx.data(), mpacked.data(), HM, QK, QN, QK, QN});
+    portable::packed_linear({QType::q8_hm32, act, DType::f32, DType::f32, ho2.data(), hx.data(), mpacked.data(), HM, QK, QN, QK, QN});
+    check(act == ActQuant::int16 ? "packed_linear q8_hm32 int16" : "packed_linear q8_hm32 float", maxdiff(ho1, ho2), 1e-4);
+  }
   printf("%s\n", fails ? "NEON DIFFERS" : "NEON matches portable");
   return fails;
 }
