@@ -71,3 +71,79 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
         add(f"blk.{i}.attn_norm.weight", hidden, offset=1.0)
         add(f"blk.{i}.ffn_norm.weight", hidden, offset=1.0)
     write_gguf(w)
+
+
+def quantize_k(values, kind: str):
+    """float32 [rows, cols] (cols a multiple of 256) as GGUF K-quant blocks of `kind` (Q4_K, Q5_K, Q6_K), uint8
+    [rows, bytes]: plain rounding against each sub-block's range, not llama.cpp's search for the best scales
+    (the gguf package cannot quantize K-quants). Its dequantization is the reference the tests compare with."""
+    import numpy as np
+
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 256)
+    n = x.shape[0]
+
+    def half(v):  # float16 bytes [n, 2], and the value they hold
+        h = v.astype(np.float16)
+        return h.reshape(n, 1).view(np.uint8), h.astype(np.float32)
+
+    def safe(v):
+        return np.where(v > 0, v, 1)
+
+    if kind == "Q6_K":  # w = d sc (q - 32): an int8 scale per 16 weights, q 6 bits
+        sub = x.reshape(n, 16, 16)
+        scale = np.abs(sub).max(-1) / 31
+        d_bytes, d = half(scale.max(-1) / 127)
+        sc = np.clip(np.round(scale / safe(d)[:, None]), 0, 127).astype(np.int8)
+        q = (np.clip(np.round(sub / safe(d[:, None] * sc)[..., None]), -32, 31) + 32).astype(np.uint8)
+        qt = q.reshape(n, 2, 4, 32)  # [block, half of 128, t, l]: weight 128 half + 32 t + l
+        ql = np.concatenate([(qt[:, :, 0] & 15) | ((qt[:, :, 2] & 15) << 4),
+                             (qt[:, :, 1] & 15) | ((qt[:, :, 3] & 15) << 4)], axis=-1).reshape(n, 128)
+        qh = ((qt[:, :, 0] >> 4) | ((qt[:, :, 1] >> 4) << 2) | ((qt[:, :, 2] >> 4) << 4)
+              | ((qt[:, :, 3] >> 4) << 6)).reshape(n, 64)
+        blocks = np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=-1)
+        return blocks.reshape(rows, -1)
+    top = {"Q4_K": 15, "Q5_K": 31}[kind]  # w = d sc q - dmin m: 6-bit scale and min per 32 weights
+    sub = x.reshape(n, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - low) / top
+    d_bytes, d = half(scale.max(-1) / 63)
+    dmin_bytes, dmin = half((-low).max(-1) / 63)
+    sc = np.clip(np.round(scale / safe(d)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / safe(dmin)[:, None]), 0, 63).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmin[:, None] * m)[..., None]) / safe(d[:, None] * sc)[..., None]), 0, top)
+    q = q.astype(np.uint8)
+    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=-1)
+    nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)  # chunk c: sub-block 2c low, 2c + 1 high
+    parts = [d_bytes, dmin_bytes, scales]
+    if kind == "Q5_K":
+        parts.append(sum(((q[:, s] >> 4) & 1) << s for s in range(8)).astype(np.uint8))  # bit s: sub-block s
+    parts.append(nibbles.reshape(n, 128))
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def requantize_gguf(source: Path, path: Path, kind_of) -> None:
+    """`source`'s model written to `path` with each 2-D tensor in the type `kind_of(name, columns)` says (a
+    K-quant, or a type gguf can quantize); 1-D tensors stay float32. Every metadata field is copied."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(source))
+    w = gguf.GGUFWriter(str(path), str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), value_type, sub_type)
+    for tensor in reader.tensors:
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if values.ndim == 1:
+            w.add_tensor(tensor.name, values)
+            continue
+        kind = kind_of(tensor.name, values.shape[1])
+        qtype = gguf.GGMLQuantizationType[kind]
+        blocks = quantize_k(values, kind) if kind.endswith("_K") else gguf.quants.quantize(values, qtype)
+        w.add_tensor(tensor.name, blocks, raw_dtype=qtype)
+    write_gguf(w)

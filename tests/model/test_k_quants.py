@@ -1,0 +1,101 @@
+"""SmolLM2-135M-Instruct requantized as llama.cpp's Q4_K_M files mix types, through our model against
+transformers loading the same file.
+
+The K-quants stay quantized (converted at load into exact blocks of 32, a fused QKV of mixed types
+widened), so float32 activations must give transformers' own greedy tokens, and the default int16
+activations stay as close to them as they do on the Q4_1 file (tests/model/test_parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.model.loader import load_model
+from app.model.quant import PackedWeight
+from app.model.source import ModelSource, resolve_source
+from app.spec.schema import ModelSpec
+from tests.gguf_files import requantize_gguf
+from tests.model.test_parity import PROMPTS, STEPS, Session, reference_greedy
+
+
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for rows not a multiple of 256
+
+
+def q4_k_m(name: str, columns: int) -> str:
+    """Q4_K, with more bits for V and ffn_down in some layers (Q6_K every third, Q5_K the next) and for the
+    (tied) embeddings, as llama.cpp's Q4_K_M gives them to the tensors that matter most; and as llama.cpp
+    does, K-quants fall back to Q5_0/Q5_1/Q8_0 where a row is not a multiple of 256 (SmolLM2's 576)."""
+    if name == "token_embd.weight":
+        kind = "Q6_K"
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+        kind = ("Q6_K", "Q5_K", "Q4_K")[int(name.split(".")[1]) % 3]
+    else:
+        kind = "Q4_K"
+    return kind if columns % 256 == 0 else FALLBACK[kind]
+
+
+@pytest.fixture(scope="module")
+def k_file(tmp_path_factory):
+    source = resolve_source(ModelSpec())
+    path = tmp_path_factory.mktemp("k-quants") / "SmolLM2-135M-Instruct.Q4_K_M-like.gguf"
+    requantize_gguf(source.path, path, q4_k_m)
+    return ModelSource(path, "gguf", "smollm2-k")
+
+
+@pytest.fixture(scope="module")
+def reference_runs(k_file):
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    path = k_file.path
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=path.name, dequantize=True)).eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    from app.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_source(ModelSpec()))
+    return [tokenizer(p).input_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def runs(reference_runs, prompt_ids):
+    return [reference_greedy(reference_runs, ids, STEPS) for ids in prompt_ids]
+
+
+def test_k_quants_are_kept(k_file, caplog):
+    with caplog.at_level("INFO", logger="app.model.loader"):
+        ours = load_model(k_file, "float32", tokenizer=False)
+    assert "kept quantized: Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0" in caplog.text and "dequantized" not in caplog.text
+    layers = ours.model.layers
+    assert all(isinstance(lin.weight, PackedWeight) for lay in layers
+               for lin in (lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down))
+    # 576 columns: Q5_0 (run as Q8_0) and Q5_1 (Q8_M32) beside Q8_0 -> widened; 1536 columns: K-quants
+    assert [lay.attention.qkv.weight.type_name for lay in layers[:3]] == ["Q8_0", "Q8_HM32", "Q8_0"]
+    assert [lay.mlp.down.weight.type_name for lay in layers[:3]] == ["Q8_H32", "Q8_M32", "Q4_M32"]
+    assert ours.model.embed.type_name == "Q8_0"
+    assert ours.model.resident_bytes() < 0.6 * 134_515_008 * 2  # well under bfloat16's
+
+
+def test_float_activations_give_transformers_greedy_tokens(k_file, prompt_ids, runs):
+    ours = load_model(k_file, "float32", tokenizer=False, activations="float")
+    logits = Session(ours.model, len(prompt_ids)).step(prompt_ids)
+    for row, (expected, _) in zip(logits, runs, strict=True):
+        assert (row - expected).abs().max().item() < 1e-3
+    generated = Session(ours.model, len(prompt_ids)).greedy(prompt_ids, STEPS)
+    for mine, (_, expected) in zip(generated, runs, strict=True):
+        assert mine == expected
+
+
+def test_int16_activations_stay_within_reach_of_transformers(k_file, prompt_ids, runs):
+    ours = load_model(k_file, "float32", tokenizer=False)
+    logits = Session(ours.model, len(prompt_ids)).step(prompt_ids)
+    for row, (expected, _) in zip(logits, runs, strict=True):
+        assert (row - expected).abs().max().item() < 2e-2
+    generated = Session(ours.model, len(prompt_ids)).greedy(prompt_ids, 16)
+    for mine, (_, expected) in zip(generated, runs, strict=True):
+        assert mine == expected[:16]
