@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from app.model.config import ModelConfig
+from app.model.gguf_header import MIXED_QUANT_TYPE
 from app.model.llama import LlamaForCausalLM
 from app.model.source import ModelSource
 from app.model.tokenizer import load_tokenizer
@@ -66,21 +67,29 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
            f"{len(shard.intermediate)} MLP features)" if size > 1 else ""
     log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident%s%s", source.served_name,
              checkpoint.config.architecture, checkpoint.config.num_layers, dtype, seconds,
-             format_size(model.resident_bytes()), part, _weight_types(checkpoint, keep, dtype, activations))
+             format_size(model.resident_bytes()), part, _weight_types(checkpoint, keep, dtype, activations, model))
     return LoadedModel(model, checkpoint.config, tok, template, seconds)
 
 
-def _weight_types(checkpoint, keep: bool, dtype: str, activations: str) -> str:
-    """What became of the file's weight types: kept quantized, or dequantized (and why)."""
+def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -> str:
+    """What became of the file's weight types: kept quantized (as stored, or converted into our blocks of
+    32), or dequantized (and why); and the fused projections of mixed types, widened."""
     if not isinstance(checkpoint, GGUFCheckpoint):
         return ""
-    from app.model.quant import KEPT_TYPES
+    from app.model.quant import KEPT_TYPES, PACKED_TYPES
 
-    kept_names = {name for name, _ in KEPT_TYPES.values()}
+    packed_as = dict(KEPT_TYPES.values())  # file type name -> the packed type id it runs as
     types = checkpoint.types()
-    kept = sorted(t for t in types if keep and t in kept_names)
+    kept = sorted(t for t in types if keep and t in packed_as)
     expanded = sorted(t for t in types if t not in kept and t not in ("F32", "F16", "BF16"))
+    converted = [f"{t} as {PACKED_TYPES[packed_as[t]][0]}" for t in kept if PACKED_TYPES[packed_as[t]][0] != t]
     said = f"; kept quantized: {', '.join(kept)} (activations: {activations})" if kept else ""
+    if converted:
+        said += f"; converted: {', '.join(converted)}"
+    fused = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.mlp.gate_up)]
+    widened = sum(getattr(w, "qtype", None) == MIXED_QUANT_TYPE for w in fused)
+    if widened:
+        said += f"; {widened} fused projection(s) of mixed types widened to Q8_HM32 (12 bits a weight)"
     if expanded:
         why = "no kernel for them yet" if keep else "model.quantized is dequantize"
         said += f"; dequantized to {dtype} at load: {', '.join(expanded)} ({why})"

@@ -315,12 +315,12 @@ struct I32x16 {
   // each lane's two bfloat16 (a packed BF16 weight pair) as floats: the low half, the high half (exact)
   F32x16 bf16_low() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}; }
   F32x16 bf16_high() const { return {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))))}; }
-  // kSmall: every byte of w is below 16 (4-bit weights), which the emulation below can use
+  // kSmall: every byte of w is below 128 (4-bit weights, Q8_M32, Q8_H32), which the emulation below can use
   template <bool kSmall>
   static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16  // this tier has AVX512-VNNI too (every BF16 CPU does)
     return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
-#else  // pairs of u8 x s8 into int16 (no saturation for bytes below 16), pairs of those into int32
+#else  // pairs of u8 x s8 into int16 (no saturation for bytes below 128: x is in [-127, 127]), pairs of those into int32
     const __m512i x = _mm512_set1_epi32(x4), ones = _mm512_set1_epi16(1);
     if (kSmall) return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, x), ones))};
     const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(w.low_nibbles().v, x), ones);

@@ -323,7 +323,7 @@ void panel_blocks(const Tiles& t, int64_t p0, int64_t b, const uint8_t* (&blk)[N
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
 template <int MR, int NP, int BITS, int PLANES, bool kF32>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
-  constexpr bool kSmall = BITS == 4;
+  constexpr bool kSmall = BITS == 4 || kF32;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -386,10 +386,12 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
 }
 
 // Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q8_HM32): as int_tile, each half of a block
-// folded into the float accumulators under its own scale, with its own share of the zero correction or of
-// m * sum(x). kSmall: u < 64 (Q8_H32), so the 16-bit pairs of the emulated dot4 cannot saturate.
-template <int MR, int NP, int PLANES, bool kSmall>
+// folded into the float accumulators under its own scale, with its own share of the zero correction or
+// (kMin: Q8_HM32) of m * sum(x). Q8_H32's u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate
+// (kSmall); Q8_HM32's u can be any byte (widened from Q8_0).
+template <int MR, int NP, int PLANES, bool kMin>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  constexpr bool kSmall = !kMin;
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -428,7 +430,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
         for (int j = 0; j < NP; ++j) {
           const I32x16 total = (PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j]) - correction;
           acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
-          if (!kSmall) acc[r][j] = F32x16::fmadd(half_min(L, blk[j], h), sum, acc[r][j]);
+          if (kMin) acc[r][j] = F32x16::fmadd(half_min(L, blk[j], h), sum, acc[r][j]);
         }
       }
     }
@@ -532,11 +534,9 @@ void tile(const Tiles& t, int64_t r0, int64_t p0) {
     else bf16_tile<MR, NP, bf16>(t, r0, p0);
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
-  } else if (t.layout.halves) {
-    if constexpr (BITS == 8) {
-      if (t.layout.has_min) halves_tile<MR, NP, PLANES, false>(t, r0, p0);
-      else halves_tile<MR, NP, PLANES, true>(t, r0, p0);
-    }
+  } else if (BITS == 8 && t.layout.halves) {  // (only 8-bit types have a scale per 16)
+    if (t.layout.has_min) halves_tile<MR, NP, PLANES, true>(t, r0, p0);
+    else halves_tile<MR, NP, PLANES, false>(t, r0, p0);
   } else if (t.layout.scale_bytes == 4) {
     int_tile<MR, NP, BITS, PLANES, true>(t, r0, p0);
   } else {
