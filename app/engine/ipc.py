@@ -62,6 +62,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     prefix_hits: int = 0
     preemptions: int = 0
     draining: bool = False  # finishing its requests before it exits (a spec reload restarts it): route elsewhere
+    incarnation: int = 0  # the engine process's pid: a new one means it was restarted, and what was in flight is lost
 
 
 ToEngine = AddRequest | Abort

@@ -8,6 +8,7 @@ already in its environment so that they are read when torch loads.
 from __future__ import annotations
 
 import gc
+import os
 import logging
 import signal
 import sys
@@ -222,7 +223,7 @@ class EngineServer:
         stats, kv = self.core.stats(), self.core.kv
         self.snapshot = Heartbeat(self.drain_started is None, stats.running, stats.waiting, stats.kv_usage,
                                   kv.num_blocks - kv.num_free_blocks(), kv.num_blocks, kv.queries, kv.hits,
-                                  self.core.scheduler.num_preemptions, self.drain_started is not None)
+                                  self.core.scheduler.num_preemptions, self.drain_started is not None, os.getpid())
 
     def _beat_forever(self) -> None:
         """Publish the latest snapshot twice a second, whatever the main loop is doing."""

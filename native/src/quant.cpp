@@ -318,6 +318,27 @@ void panel_blocks(const Tiles& t, int64_t p0, int64_t b, const uint8_t* (&blk)[N
   for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
 }
 
+// Byte weights' groups [g0, g1) of a block (4 weights each) against x's bytes: into hi and lo, the two
+// planes, or with one plane alternate groups, so that enough independent chains are in flight.
+template <int MR, int NP, int PLANES, bool kSmall>
+inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&xb)[MR], int g0, int g1,
+                        I32x16 (&hi)[MR][NP], I32x16 (&lo)[MR][NP]) {
+  for (int g = g0; g < g1; ++g)
+    for (int j = 0; j < NP; ++j) {
+      const I32x16 w = I32x16::load(blk[j] + 64 * g);
+      for (int r = 0; r < MR; ++r) {
+        if constexpr (PLANES == 2) {
+          hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
+          lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
+        } else if (g % 2 == 0) {
+          hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
+        } else {
+          lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 4 * g));
+        }
+      }
+    }
+}
+
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
@@ -353,20 +374,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
           }
         }
     } else {
-      for (int g = 0; g < 8; ++g)
-        for (int j = 0; j < NP; ++j) {
-          const I32x16 w = I32x16::load(blk[j] + 64 * g);
-          for (int r = 0; r < MR; ++r) {
-            if constexpr (PLANES == 2) {
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
-            } else if (g % 2 == 0) {
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
-            } else {
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 4 * g));
-            }
-          }
-        }
+      byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 0, 8, hi, lo);
     }
     F32x16 d[NP], m[NP];
     for (int j = 0; j < NP; ++j) block_scales<kF32>(L, blk[j], d[j], m[j]);
@@ -407,20 +415,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
-      for (int g = 4 * h; g < 4 * h + 4; ++g)
-        for (int j = 0; j < NP; ++j) {
-          const I32x16 w = I32x16::load(blk[j] + 64 * g);
-          for (int r = 0; r < MR; ++r) {
-            if constexpr (PLANES == 2) {
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 32 + 4 * g));
-            } else if (g % 2 == 0) {
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], w, load4(xb[r] + 4 * g));
-            } else {
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], w, load4(xb[r] + 4 * g));
-            }
-          }
-        }
+      byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
       for (int r = 0; r < MR; ++r) {
         const int64_t cell = (r0 + r) * t.blocks + b;
         const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;

@@ -1,0 +1,62 @@
+"""A frontend worker's view of one engine (app/server/engine_client.py) against a stand-in engine: two zmq
+sockets the test drives, so a process that dies and comes back within DEAD_AFTER can be staged exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from app.engine.ipc import Heartbeat, encoder, heartbeat_address
+from app.engine.params import SamplingParams
+from app.server.engine_client import DEAD_AFTER, EngineClient, EngineUnavailable
+
+
+async def _until(condition, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_an_engine_restarted_faster_than_dead_after_fails_its_requests_and_shows(tmp_path):
+    address = f"ipc://{tmp_path}/engine"
+
+    async def scenario():
+        context = zmq.asyncio.Context.instance()
+        engine = context.socket(zmq.ROUTER)
+        engine.bind(address)
+        beats = context.socket(zmq.PUB)
+        beats.bind(heartbeat_address(address))
+        client = EngineClient(address, replica=1)
+        await client.start()
+        try:
+            async def beat(incarnation: int) -> None:  # until the client has taken one (a SUB joins late)
+                seen = client.stats.incarnation == incarnation and client.ready()
+                while not seen:
+                    await beats.send(encoder.encode(Heartbeat(ready=True, incarnation=incarnation)))
+                    await asyncio.sleep(0.02)
+                    seen = client.stats.incarnation == incarnation and client.ready()
+
+            await asyncio.wait_for(beat(101), 5)
+            stream = client.generate("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
+            pending = asyncio.ensure_future(stream.__anext__())
+            await engine.recv_multipart()  # the request reached the engine, which then dies without answering
+            engine.close(0)
+            started = time.monotonic()
+            with pytest.raises(EngineUnavailable):
+                await asyncio.wait_for(pending, DEAD_AFTER)
+            assert time.monotonic() - started < 1.0 and client.state() == "unavailable"  # not DEAD_AFTER later
+            await beats.send(encoder.encode(Heartbeat(ready=True, incarnation=101)))  # sent before it died
+            await asyncio.sleep(0.1)
+            assert client.state() == "unavailable"
+            await asyncio.wait_for(beat(102), 5)  # the restarted process
+            assert client.state() == "ready"
+        finally:
+            await client.close()
+            beats.close(0)
+
+    asyncio.run(scenario())
