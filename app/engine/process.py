@@ -8,8 +8,8 @@ already in its environment so that they are read when torch loads.
 from __future__ import annotations
 
 import gc
-import os
 import logging
+import os
 import signal
 import sys
 import threading

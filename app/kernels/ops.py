@@ -191,16 +191,14 @@ def convert_quant(weight: torch.Tensor, file_type: int, in_features: int) -> tup
     return out, qtype
 
 
-MIXED = 103  # Q8_HM32: what widen_quant returns
-
-
-def widen_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    # weight: [R, K/32 blocks] uint8 of a quantized packed type -> the same values as Q8_HM32 blocks (MIXED),
-    # which every such type widens into exactly: for a fused weight whose parts differ in type
-    out = torch.empty(weight.shape[0], in_features // 32 * _native.block_bytes(MIXED), dtype=torch.uint8)
+def widen_quant(weight: torch.Tensor, qtype: int, in_features: int) -> tuple[torch.Tensor, int]:
+    # weight: [R, K/32 blocks] uint8 of a quantized packed type -> (the same values as Q8_HM32 blocks, which
+    # every such type widens into exactly: for a fused weight whose parts differ in type; Q8_HM32's id)
+    widened = _native.widened_type()
+    out = torch.empty(weight.shape[0], in_features // 32 * _native.block_bytes(widened), dtype=torch.uint8)
     _native.widen_quant(_ref(out, "out", (torch.uint8,), 2), _ref(weight, "weight", (torch.uint8,), 2), int(qtype),
                         int(in_features))
-    return out
+    return out, widened
 
 
 def dequantize(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -88,8 +88,7 @@ class QuantizedTensor:
         """The same values as Q8_HM32 blocks (a byte a weight, float32 scale and min per 16)."""
         if self.qtype == MIXED_QUANT_TYPE:
             return self
-        return QuantizedTensor(kernels.widen_quant(self.data, self.qtype, self.in_features), MIXED_QUANT_TYPE,
-                               self.in_features)
+        return QuantizedTensor(*kernels.widen_quant(self.data, self.qtype, self.in_features), self.in_features)
 
     def pack(self, activations: str) -> PackedWeight:
         """The weight in the kernels' layout, multiplied with activations quantized as `activations` says."""

@@ -68,16 +68,18 @@ class GGUFCheckpoint:
         import gguf
 
         arch = self.meta["general.architecture"]
-        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        data = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: converters read it without a copy
         for gguf_name, dims in self.header.tensor_shapes.items():
             name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
             if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
-                blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
                 packed_type = KEPT_TYPES[qtype.value][1]
                 if packed_type != qtype.value:  # K-quants, Q5: the same values as blocks of 32 the kernels run
                     from app import kernels
 
-                    blocks, packed_type = kernels.convert_quant(blocks, qtype.value, int(dims[0]))
+                    rows = torch.from_numpy(raw).reshape(int(dims[1]), -1)  # the mapped file: read once, converted
+                    blocks, packed_type = kernels.convert_quant(rows, qtype.value, int(dims[0]))
+                else:
+                    blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
                 weight = QuantizedTensor(blocks, packed_type, int(dims[0]))
             else:
                 values = gguf.quants.dequantize(raw, qtype)

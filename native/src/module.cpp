@@ -454,6 +454,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("widen_quant", &widen_rows, py::call_guard<py::gil_scoped_release>());
   m.def("block_bytes", [](int qtype) { return quant_block_bytes(quant_type(qtype)); });
   m.def("converted_type", [](int from) { return static_cast<int>(converted_type(file_type(from))); });
+  m.def("widened_type", [] { return static_cast<int>(QType::q8_hm32); });
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
   m.def("best_isa", [] { return std::string(best_isa()); });
