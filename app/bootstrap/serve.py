@@ -100,9 +100,9 @@ class Supervisor:
         try:
             for replica in range(len(self.replicas)):
                 self._start_engine(replica)
+            self._start_frontend()  # its workers boot while the tokenizer is exported, and wait for it
             if not self._export_tokenizer():
                 return 1
-            self._start_frontend()
             return self._supervise()
         finally:
             self._stop_all()
@@ -144,7 +144,8 @@ class Supervisor:
                  " ".join(f"{k}={v}" for k, v in openmp_env.items()))
 
     def _export_tokenizer(self) -> bool:
-        """The frontend's torch-free tokenizer, written by a short-lived process while the engine loads."""
+        """The frontend's torch-free tokenizer, written by a short-lived process while the engine loads and the
+        frontend's workers boot; it appears in `tokenizer_dir` in one rename, which the workers wait for."""
         cfg, cpus = self.frontend_cfg, self.frontend_cpus
         command = [sys.executable, "-m", "app.model.tokenizer", cfg.model_path, cfg.model_format, cfg.served_name,
                    cfg.tokenizer_dir]

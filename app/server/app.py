@@ -272,6 +272,7 @@ def _tokenizer(cfg: FrontendConfig):
     from app.model import tokenizer
 
     if cfg.tokenizer_dir is not None:
+        tokenizer.wait_for_export(cfg.tokenizer_dir)  # the worker boots while the bootstrap still exports it
         return tokenizer.load_exported(cfg.tokenizer_dir)
     from pathlib import Path
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
+
+import pytest
 
 from app.model import tokenizer
 from app.model.source import ModelSource, resolve_source
 from app.spec.schema import ModelSpec
+from tests.gguf_files import write_random_gguf
 
 
 def test_a_second_export_copies_the_cached_one(tmp_path, monkeypatch):
@@ -46,3 +50,53 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(blocker))
     tokenizer.export_tokenizer(resolve_source(ModelSpec()), tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_direct_class_exports_what_autotokenizer_does(arch, tmp_path):
+    """`load_tokenizer` skips AutoTokenizer's full metadata parse by calling the class it would pick;
+    the files written must be the same, byte for byte, as AutoTokenizer's own."""
+    from transformers import AutoTokenizer
+
+    default = resolve_source(ModelSpec()).path
+    if arch == "llama":
+        path = default
+    else:  # a tiny model of this architecture carrying the default model's tokenizer
+        path = tmp_path / arch / "m.gguf"
+        path.parent.mkdir()
+        write_random_gguf(path, arch, seed=0, layers=1, hidden=64, inter=128, heads=4, kv_heads=2, vocab=49152,
+                          qkv_bias=arch == "qwen2", tokenizer_of=default)
+    chosen = tokenizer.gguf_tokenizer_class(path)
+    assert chosen is not None
+    direct = chosen.from_pretrained(str(path.parent), gguf_file=path.name)
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(direct) is type(reference)
+    direct.save_pretrained(str(tmp_path / "direct"))
+    reference.save_pretrained(str(tmp_path / "reference"))
+    names = sorted(os.listdir(tmp_path / "reference"))
+    assert sorted(os.listdir(tmp_path / "direct")) == names and "tokenizer.json" in names
+    for name in names:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+    text = "Héllo wörld 123 <|im_start|>user\n  spaces\ttabs 😀"
+    assert direct(text).input_ids == reference(text).input_ids
+
+
+def test_a_tokenizer_config_beside_the_file_leaves_the_choice_to_autotokenizer(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    assert tokenizer.gguf_tokenizer_class(tmp_path / "m.gguf") is None
+
+
+def test_the_export_appears_whole_or_not_at_all(tmp_path):
+    """The frontend's workers wait for the export's directory and use it the moment it exists."""
+    out = tmp_path / "tokenizer"
+    with pytest.raises(Exception):
+        tokenizer.main([str(tmp_path / "missing.gguf"), "gguf", "m", str(out)])
+    assert not out.exists()
+
+    timer = threading.Timer(0.2, lambda: tokenizer.main([str(resolve_source(ModelSpec()).path), "gguf", "m", str(out)]))
+    timer.start()
+    tokenizer.wait_for_export(out, timeout=120)
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "tokenizer.partial").exists()
+    timer.join()
