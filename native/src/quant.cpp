@@ -318,6 +318,24 @@ void panel_blocks(const Tiles& t, int64_t p0, int64_t b, const uint8_t* (&blk)[N
   for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
 }
 
+constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations (K x 2 bytes each) stay in L2
+
+// A step reads each weight from DRAM once, in the first row tile of a work item (the next tiles find its
+// panels in L1/L2). A panel of the default model is ~6 KiB, so the hardware prefetchers, which restart at
+// every 4 KiB page, left that tile waiting on memory: it asks for its panels' blocks ~2 KiB ahead.
+// Decode step, default spec, context 300, A/B x 4 on Zen 5: batch 1 4.05 -> 3.45 ms, 8 10.55 -> 9.15, 32 28.2 -> 27.3.
+constexpr int64_t kPrefetchBytes = 2048;
+inline int64_t blocks_ahead(const Tiles& t, int64_t r0) {
+  return r0 % kRowChunk == 0 ? std::max<int64_t>(1, kPrefetchBytes / t.layout.block_bytes) : 0;
+}
+template <int NP>
+inline void prefetch_blocks(const Tiles& t, const uint8_t* const (&blk)[NP], int64_t b, int64_t ahead) {
+  if (ahead == 0 || b + ahead >= t.blocks) return;
+  for (int j = 0; j < NP; ++j)
+    for (int64_t line = 0; line < t.layout.block_bytes; line += 64) __builtin_prefetch(blk[j] + ahead * t.layout.block_bytes + line, 0, 3);
+  asm volatile("" ::: "memory");  // keeps GCC from dropping prefetches as side-effect free (see attention.cpp)
+}
+
 // Byte weights' groups [g0, g1) of a block (4 weights each) against x's bytes: into hi and lo, the two
 // planes, or with one plane alternate groups, so that enough independent chains are in flight.
 template <int MR, int NP, int PLANES, bool kSmall>
@@ -349,9 +367,11 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
   zero_all(acc);
+  const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
     panel_blocks(t, p0, b, blk);
+    prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     I32x16 hi[MR][NP], lo[MR][NP];
@@ -404,9 +424,11 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
   zero_all(acc);
+  const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
     panel_blocks(t, p0, b, blk);
+    prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     F32x16 d[2][NP];
@@ -554,8 +576,6 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
     default: break;
   }
 }
-
-constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations (K x 2 bytes each) stay in L2
 
 // x is quantized into `prepared` first (unless it is null: BF16 weights read x as it is), in the same
 // parallel region as the tiles when there are several rows: each thread quantizes a share of them, and
