@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def new_gguf(path: Path, arch: str, *, layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int,
-             rms_eps: float = 1e-5, rope_base: float = 10000.0, context: int = 512, tokenizer_of: Path | None = None):
+             rms_eps: float = 1e-5, rope_base: float = 10000.0, context: int = 512, tokenizer_of: Path | None = None,
+             model_name: str | None = None):
     """A GGUFWriter with the model metadata and a vocabulary; add tensors, then `write_gguf`.
 
     The vocabulary is a placeholder (no merges: ids only) unless `tokenizer_of` names a GGUF file whose
@@ -14,6 +15,8 @@ def new_gguf(path: Path, arch: str, *, layers: int, hidden: int, inter: int, hea
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    if model_name is not None:
+        w.add_name(model_name)
     w.add_block_count(layers)
     w.add_context_length(context)
     w.add_embedding_length(hidden)

@@ -26,6 +26,7 @@ from pathlib import Path
 from app.bootstrap.runtime import RUNTIME_VARIABLE, RuntimeDir
 from app.engine.launch import RankLaunch
 from app.engine.process import run_engine
+from app.model.tokenizer import EXPORT_WAIT_SECONDS
 from app.server.app import FrontendConfig
 from app.server.main import CONFIG_VARIABLE
 
@@ -150,8 +151,13 @@ class Supervisor:
         command = [sys.executable, "-m", "app.model.tokenizer", cfg.model_path, cfg.model_format, cfg.served_name,
                    cfg.tokenizer_dir]
         started = time.monotonic()
-        result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        try:  # its own session: a Ctrl-C meant for the supervisor does not cut it short (the stop comes after it)
+            result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                                    text=True, timeout=EXPORT_WAIT_SECONDS, start_new_session=True,
+                                    preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        except subprocess.TimeoutExpired:
+            log.error("the tokenizer export for the HTTP frontend took more than %d s; stopping", EXPORT_WAIT_SECONDS)
+            return False
         if result.returncode != 0:
             log.error("could not export the tokenizer for the HTTP frontend (exit code %d):\n%s", result.returncode,
                       result.stderr.strip()[-2000:])

@@ -39,20 +39,24 @@ def load_tokenizer(source: ModelSource):
 
 def gguf_tokenizer_class(path: Path):
     """The tokenizer class `AutoTokenizer` picks for a GGUF file of an architecture we run, or None
-    where its choice depends on more than the architecture (a tokenizer_config.json or config.json
-    beside the file may name another class: then `AutoTokenizer` itself decides).
+    where its choice can depend on more than the file (then `AutoTokenizer` itself decides).
 
-    With only the GGUF file, `AutoTokenizer` maps the file's model type to the class transformers
-    registers for it (Qwen2Tokenizer for qwen2/qwen3) and falls back to `TokenizersBackend` where none
-    is registered (llama; "mistral", llama.cpp's llama architecture under a Mistral name, maps to it
-    too). tests/model/test_tokenizer_cache.py checks that both give byte-identical exports."""
-    from transformers import TokenizersBackend
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    Given a GGUF file, `AutoTokenizer` builds the model's config from the file alone, and a
+    `tokenizer_config.json` beside it (or Mistral's `tekken.json`) is the only other thing it reads
+    to choose. Without them it takes the class transformers registers for the file's model type
+    (Qwen2Tokenizer for qwen2/qwen3) and `TokenizersBackend` where none is registered (llama, and
+    "mistral", which transformers makes of a llama file whose general.name is "mistral").
+    tests/model/test_tokenizer_cache.py checks that both give byte-identical exports."""
+    try:
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    except ImportError:  # a transformers whose layout differs: let AutoTokenizer decide, slowly but surely
+        return None
 
     from app.model.config import GGUF_ARCHITECTURES
     from app.model.gguf_header import read_gguf_header
 
-    if any((path.parent / name).exists() for name in ("tokenizer_config.json", "config.json")):
+    if any((path.parent / name).exists() for name in ("tokenizer_config.json", "tekken.json")):
         return None
     architecture = read_gguf_header(path).metadata.get("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
@@ -107,24 +111,35 @@ def load_exported(directory: str | Path):
 
 
 def main(argv: list[str]) -> int:
-    """Export into `out` whole or not at all: the frontend's workers start using it the moment it exists."""
+    """Export into `out` whole or not at all (an earlier export there is replaced): the frontend's workers
+    start using it the moment it exists."""
     path, fmt, name, out = argv
     partial = Path(f"{out}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     export_tokenizer(ModelSource(Path(path), fmt, name), partial)
+    shutil.rmtree(out, ignore_errors=True)
     os.rename(partial, out)
     return 0
 
 
-def wait_for_export(directory: str | Path, timeout: float | None = None, poll: float = 0.02) -> None:
-    """Wait until the bootstrap's export lands in `directory`. The frontend sets no `timeout`: the bootstrap
-    stops it if the export fails, and gunicorn restarts a worker that takes longer than its own timeout."""
+EXPORT_WAIT_SECONDS = 600  # the bootstrap gives the export as long (app/bootstrap/serve.py)
+
+
+def wait_for_export(directory: str | Path, timeout: float = EXPORT_WAIT_SECONDS, poll: float = 0.02) -> None:
+    """Wait until the bootstrap's export lands in `directory` (the bootstrap stops the frontend sooner if the
+    export fails). A worker that waits longer than gunicorn's timeout is restarted by gunicorn and waits again."""
+    import logging
     import time
 
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    said = False
     while not os.path.isdir(directory):
-        if deadline is not None and time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > timeout:
             raise TimeoutError(f"no tokenizer export appeared in {directory} within {timeout} s")
+        if waited > 5 and not said:  # a first start's export takes 2-3 s: say so only when it is unusually slow
+            logging.getLogger(__name__).info("still waiting for the tokenizer export in %s", directory)
+            said = True
         time.sleep(poll)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -52,10 +55,11 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_the_direct_class_exports_what_autotokenizer_does(arch, tmp_path):
     """`load_tokenizer` skips AutoTokenizer's full metadata parse by calling the class it would pick;
-    the files written must be the same, byte for byte, as AutoTokenizer's own."""
+    the files written must be the same, byte for byte, as AutoTokenizer's own. ("mistral": a llama file
+    whose general.name is "mistral", which transformers reads as a Mistral model.)"""
     from transformers import AutoTokenizer
 
     default = resolve_source(ModelSpec()).path
@@ -64,11 +68,11 @@ def test_the_direct_class_exports_what_autotokenizer_does(arch, tmp_path):
     else:  # a tiny model of this architecture carrying the default model's tokenizer
         path = tmp_path / arch / "m.gguf"
         path.parent.mkdir()
-        write_random_gguf(path, arch, seed=0, layers=1, hidden=64, inter=128, heads=4, kv_heads=2, vocab=49152,
-                          qkv_bias=arch == "qwen2", tokenizer_of=default)
-    chosen = tokenizer.gguf_tokenizer_class(path)
-    assert chosen is not None
-    direct = chosen.from_pretrained(str(path.parent), gguf_file=path.name)
+        write_random_gguf(path, "llama" if arch == "mistral" else arch, seed=0, layers=1, hidden=64, inter=128,
+                          heads=4, kv_heads=2, vocab=49152, qkv_bias=arch == "qwen2", tokenizer_of=default,
+                          model_name="mistral" if arch == "mistral" else None)
+    assert tokenizer.gguf_tokenizer_class(path) is not None
+    direct = tokenizer.load_tokenizer(ModelSource(path, "gguf", "m"))
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert type(direct) is type(reference)
     direct.save_pretrained(str(tmp_path / "direct"))
@@ -87,16 +91,37 @@ def test_a_tokenizer_config_beside_the_file_leaves_the_choice_to_autotokenizer(t
     assert tokenizer.gguf_tokenizer_class(tmp_path / "m.gguf") is None
 
 
-def test_the_export_appears_whole_or_not_at_all(tmp_path):
+def test_the_export_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     """The frontend's workers wait for the export's directory and use it the moment it exists."""
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "tokenizer"
-    with pytest.raises(Exception):
-        tokenizer.main([str(tmp_path / "missing.gguf"), "gguf", "m", str(out)])
-    assert not out.exists()
+    real_export = tokenizer.export_tokenizer
 
-    timer = threading.Timer(0.2, lambda: tokenizer.main([str(resolve_source(ModelSpec()).path), "gguf", "m", str(out)]))
-    timer.start()
+    def half_then_fail(source, directory):
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "tokenizer.json").write_text("{")
+        raise RuntimeError("the export failed half-way")
+
+    monkeypatch.setattr(tokenizer, "export_tokenizer", half_then_fail)
+    with pytest.raises(RuntimeError, match="half-way"):
+        tokenizer.main([str(resolve_source(ModelSpec()).path), "gguf", "m", str(out)])
+    assert not out.exists()  # the half-written files stayed in the partial directory
+
+    monkeypatch.setattr(tokenizer, "export_tokenizer", real_export)
+    errors = []
+
+    def export_later():
+        time.sleep(0.2)
+        try:
+            tokenizer.main([str(resolve_source(ModelSpec()).path), "gguf", "m", str(out)])
+        except Exception as exc:  # noqa: BLE001 (shown by the assertion below instead of a silent thread)
+            errors.append(exc)
+            out.mkdir()  # release the waiter
+
+    thread = threading.Thread(target=export_later)
+    thread.start()
     tokenizer.wait_for_export(out, timeout=120)
-    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    thread.join()
+    assert not errors, errors
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["type"] == "BPE"
     assert not (tmp_path / "tokenizer.partial").exists()
-    timer.join()
