@@ -12,37 +12,33 @@ import platform
 import re
 import subprocess
 
+import pytest
+
 from app import _native
 from tests.conftest import REPO
 
 
-# the instruction __builtin_prefetch(p, 0, 2) becomes on each architecture the kernels are built for
-PREFETCH_L2 = {"x86_64": r"\bprefetcht1\b", "AMD64": r"\bprefetcht1\b", "aarch64": r"\bprfm\s+pldl2keep\b"}
+# What __builtin_prefetch(p, 0, locality) becomes on each architecture the kernels are built for, and
+# how many the library must hold at least. Counted over the whole library: in a stripped build the
+# OpenMP workers that hold them have no names to match.
+PREFETCHES = {
+    # locality 2 (L2): attention's next key tiles (attention.cpp). 32 in the x86-64 Release build (4 ISA
+    # copies x 4 dtype pairs x keys and values); 8 if a compiler kept prefetch_blocks out of line
+    "attention": ({"x86_64": r"\bprefetcht1\b", "AMD64": r"\bprefetcht1\b", "aarch64": r"\bprfm\s+pldl2keep\b"}, 8),
+    # locality 3 (L1): the integer tiles' weights, 2 KiB ahead (quant.cpp). 384 in the x86-64 Release
+    # build (every integer and halves tile shape, 4 ISA copies); a handful if kept out of line
+    "quantized tiles": ({"x86_64": r"\bprefetcht0\b", "AMD64": r"\bprefetcht0\b", "aarch64": r"\bprfm\s+pldl1keep\b"}, 8),
+}
 
 
-def test_attention_prefetches_survive_compilation():
+@pytest.mark.parametrize("kernels", sorted(PREFETCHES))
+def test_prefetches_survive_compilation(kernels):
     # objdump is binutils', which building the library on this machine already needed
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", _native.__file__],
                              capture_output=True, text=True, check=True).stdout
-    # Counted over the whole library: attention.cpp is the only source that prefetches (checked
-    # below), and in a stripped build the OpenMP workers that hold them have no names to match.
-    found = len(re.findall(PREFETCH_L2[platform.machine()], listing))
-    # 32 in the x86-64 Release build (4 ISA copies x 4 dtype pairs x keys and values); 8 if a compiler
-    # kept prefetch_blocks out of line (one per cache dtype and ISA)
-    assert found >= 8, f"{found} L2 prefetch instructions in the library"
-
-
-# __builtin_prefetch(p, 0, 3), into L1: the integer tiles' weights, a few blocks ahead (quant.cpp)
-PREFETCH_L1 = {"x86_64": r"\bprefetcht0\b", "AMD64": r"\bprefetcht0\b", "aarch64": r"\bprfm\s+pldl1keep\b"}
-
-
-def test_quantized_tile_prefetches_survive_compilation():
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", _native.__file__],
-                             capture_output=True, text=True, check=True).stdout
-    found = len(re.findall(PREFETCH_L1[platform.machine()], listing))
-    # 384 in the x86-64 Release build (every integer and halves tile shape, 4 ISA copies); a handful if a
-    # compiler kept prefetch_blocks out of line
-    assert found >= 8, f"{found} L1 prefetch instructions in the library"
+    pattern, least = PREFETCHES[kernels]
+    found = len(re.findall(pattern[platform.machine()], listing))
+    assert found >= least, f"{found} prefetch instructions of the {kernels} in the library"
 
 
 def test_only_attention_and_the_quantized_tiles_prefetch():
