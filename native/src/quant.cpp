@@ -362,7 +362,10 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
-template <int MR, int NP, int BITS, int PLANES, bool kF32>
+// kMin: the type has a min per block and no zero point (Q4_1 and our float32-scale types), else a zero
+// point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
+// broadcast per block and row.
+template <int MR, int NP, int BITS, int PLANES, bool kF32, bool kMin>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
   constexpr bool kSmall = BITS == 4 || kF32;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
   const PackedLayout& L = t.layout;
@@ -402,13 +405,12 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0) {
     for (int j = 0; j < NP; ++j) block_scales<kF32>(L, blk[j], d[j], m[j]);
     for (int r = 0; r < MR; ++r) {
       const int64_t cell = (r0 + r) * t.blocks + b;
-      const F32x16 scale = F32x16::set1(x.scale[cell]), sum = F32x16::set1(x.fsum[cell]);
-      const I32x16 correction = I32x16::set1(L.zero * x.isum[cell]);
+      const F32x16 scale = F32x16::set1(x.scale[cell]);
       for (int j = 0; j < NP; ++j) {
         I32x16 total = PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
-        if (L.zero) total = total - correction;
+        if constexpr (!kMin) total = total - I32x16::set1(L.zero * x.isum[cell]);
         acc[r][j] = F32x16::fmadd(total.to_float(), d[j] * scale, acc[r][j]);
-        if (L.has_min) acc[r][j] = F32x16::fmadd(m[j], sum, acc[r][j]);
+        if constexpr (kMin) acc[r][j] = F32x16::fmadd(m[j], F32x16::set1(x.fsum[cell]), acc[r][j]);
       }
     }
   }
@@ -556,10 +558,12 @@ void tile(const Tiles& t, int64_t r0, int64_t p0) {
   } else if (BITS == 8 && t.layout.halves) {  // (only 8-bit types have a scale per 16)
     if (t.layout.has_min) halves_tile<MR, NP, PLANES, true>(t, r0, p0);
     else halves_tile<MR, NP, PLANES, false>(t, r0, p0);
-  } else if (t.layout.scale_bytes == 4) {
-    int_tile<MR, NP, BITS, PLANES, true>(t, r0, p0);
-  } else {
-    int_tile<MR, NP, BITS, PLANES, false>(t, r0, p0);
+  } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
+    int_tile<MR, NP, BITS, PLANES, true, true>(t, r0, p0);
+  } else if (t.layout.has_min) {  // Q4_1
+    int_tile<MR, NP, BITS, PLANES, false, true>(t, r0, p0);
+  } else {  // Q4_0, Q8_0
+    int_tile<MR, NP, BITS, PLANES, false, false>(t, r0, p0);
   }
 }
 
