@@ -17,13 +17,17 @@ cache that cannot be written is skipped, not an error.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 from app.model.source import ModelSource
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: ModelSource):
@@ -128,17 +132,13 @@ EXPORT_WAIT_SECONDS = 600  # the bootstrap gives the export as long (app/bootstr
 def wait_for_export(directory: str | Path, timeout: float = EXPORT_WAIT_SECONDS, poll: float = 0.02) -> None:
     """Wait until the bootstrap's export lands in `directory` (the bootstrap stops the frontend sooner if the
     export fails). A worker that waits longer than gunicorn's timeout is restarted by gunicorn and waits again."""
-    import logging
-    import time
-
-    start = time.monotonic()
-    said = False
+    start, said = time.monotonic(), False
     while not os.path.isdir(directory):
         waited = time.monotonic() - start
         if waited > timeout:
             raise TimeoutError(f"no tokenizer export appeared in {directory} within {timeout} s")
         if waited > 5 and not said:  # a first start's export takes 2-3 s: say so only when it is unusually slow
-            logging.getLogger(__name__).info("still waiting for the tokenizer export in %s", directory)
+            log.info("still waiting for the tokenizer export in %s", directory)
             said = True
         time.sleep(poll)
 
