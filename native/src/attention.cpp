@@ -74,6 +74,38 @@ struct KeyVector {
   int64_t stride;
 };
 
+// The next key tile's K and V blocks, asked for a few cache lines at a time from inside the inner
+// products' loops. A sequence's blocks lie anywhere in the pool, so the hardware prefetchers cannot see
+// the next one coming, and a decode step streams the whole cache. All of a tile's lines asked for at
+// once (16 KiB) stalled the core on its full miss queues, with little left to overlap; four lines an
+// inner iteration ask for the whole next tile within about the first half of this one's work. Decode
+// attention out of DRAM, 32 sequences x 300 keys x 30 layers, Zen 5, alternated: 11.3 -> 8.6 ms (one
+// burst a tile, this tile's values and the next one's keys -> these drips, the next tile's K and V).
+struct Prefetcher {
+  static constexpr int kLinesAStep = 4;
+  std::vector<const char*> blocks;  // the next tile's K blocks, then its V blocks
+  int64_t lines = 0, next = 0;      // cache lines a block; the next line to ask for, over all blocks
+
+  template <typename C>
+  void plan(const AttentionArgs& a, int64_t seq, int64_t kv_head, int64_t k0, int64_t nk) {
+    const int64_t B = a.block_size, bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
+    const int32_t* table = a.block_tables + seq * a.max_blocks_per_seq;
+    rest();  // what is left of the previous plan
+    blocks.clear(), next = 0, lines = (bytes + 63) / 64;
+    for (const void* cache : {a.key_cache, a.value_cache})
+      for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B)
+        blocks.push_back(static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + kv_head) * bytes);
+  }
+  // The empty volatile asm keeps the prefetches at all: to GCC a prefetch has no side effect, so a
+  // function of prefetches alone is pure and its calls may be deleted as dead code.
+  void some(int64_t n = kLinesAStep) {
+    const int64_t end = std::min(next + n, static_cast<int64_t>(blocks.size()) * lines);
+    for (; next < end; ++next) __builtin_prefetch(blocks[next / lines] + 64 * (next % lines), 0, 2);
+    asm volatile("");
+  }
+  void rest() { some(static_cast<int64_t>(blocks.size()) * lines); }
+};
+
 // One thread's buffers, reused by all its items.
 template <typename C>
 struct Scratch {
@@ -91,6 +123,7 @@ struct Scratch {
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
   std::vector<PairX> q2, p2;                 // q and p rounded to bfloat16, used when kRoundedQP<C>
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
+  Prefetcher prefetch;
 };
 
 // f(R, r) over the rows in blocks of kR, then the one block of fewer left (R a compile-time constant)
@@ -107,11 +140,12 @@ void for_row_blocks(int64_t rows, F&& f) {
 
 // s[r, c N .. (c + 1) N) = q[r, :] . keys of vector c, for R rows and C vectors (float32 cache)
 template <int R, int C>
-void score_block(const float* q, int64_t D, const KeyVector<float>* v, float* s, int64_t np) {
+void score_block(const float* q, int64_t D, const KeyVector<float>* v, float* s, int64_t np, Prefetcher& pf) {
   VecF acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = VecF::zero();
   for (int64_t d = 0; d < D; ++d) {
+    pf.some();
     VecF k[C];
     for (int c = 0; c < C; ++c) k[c] = VecF::load(v[c].keys + d * v[c].stride);
     for (int r = 0; r < R; ++r) {
@@ -125,11 +159,12 @@ void score_block(const float* q, int64_t D, const KeyVector<float>* v, float* s,
 
 // the same for a bfloat16 cache: 16 keys a vector, features two at a time; q: [R, D] as PairX
 template <int R, int C>
-void score_block(const PairX* q, int64_t D, const KeyVector<bf16>* v, float* s, int64_t np) {
+void score_block(const PairX* q, int64_t D, const KeyVector<bf16>* v, float* s, int64_t np, Prefetcher& pf) {
   F32x16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = F32x16::zero();
   for (int64_t p = 0; p < D / 2; ++p) {
+    pf.some();
     I32x16 k[C];
     for (int c = 0; c < C; ++c) k[c] = I32x16::load(reinterpret_cast<const uint8_t*>(v[c].keys + 2 * p * v[c].stride));
     for (int r = 0; r < R; ++r)
@@ -141,15 +176,15 @@ void score_block(const PairX* q, int64_t D, const KeyVector<bf16>* v, float* s, 
 
 // s: [rows, np] scores of rows q: [rows, D] against the tile's key vectors
 template <typename X, typename K>
-void scores(const X* q, int64_t rows, int64_t D, const KeyVector<K>* v, int64_t np, float* s) {
+void scores(const X* q, int64_t rows, int64_t D, const KeyVector<K>* v, int64_t np, float* s, Prefetcher& pf) {
   constexpr bool pairs = std::is_same_v<K, bf16>;
   constexpr int RB = pairs ? kPairRows : kRows, CB = pairs ? kPairCols : kCols;
   const int64_t vectors = np / kVectorKeys<K>;
   for_row_blocks<RB>(rows, [&](auto rb, int64_t r) {
     constexpr int R = decltype(rb)::value;
     int64_t c = 0;
-    for (; c + CB <= vectors; c += CB) score_block<R, CB>(q + r * D, D, v + c, s + r * np + c * kVectorKeys<K>, np);
-    for (; c < vectors; ++c) score_block<R, 1>(q + r * D, D, v + c, s + r * np + c * kVectorKeys<K>, np);
+    for (; c + CB <= vectors; c += CB) score_block<R, CB>(q + r * D, D, v + c, s + r * np + c * kVectorKeys<K>, np, pf);
+    for (; c < vectors; ++c) score_block<R, 1>(q + r * D, D, v + c, s + r * np + c * kVectorKeys<K>, np, pf);
   });
 }
 
@@ -198,10 +233,11 @@ void store_rows(const Vec (&o)[R][C], float* acc, int64_t D, int64_t d0) {
 // acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows (float32 cache)
 template <int R, int C>
 void pv_block(float* acc, const float* p, const float* keep, const float* const* vrow, int64_t n, int64_t D,
-              int64_t np, int64_t d0) {
+              int64_t np, int64_t d0, Prefetcher& pf) {
   VecF o[R][C];
   load_scaled<N>(o, acc, keep, D, d0);
   for (int64_t j = 0; j < n; ++j) {
+    pf.some();
     VecF v[C];
     for (int c = 0; c < C; ++c) v[c] = VecF::load(vrow[j] + d0 + c * N);
     for (int r = 0; r < R; ++r) {
@@ -216,13 +252,14 @@ void pv_block(float* acc, const float* p, const float* keep, const float* const*
 // p: [R, np] as PairX). An odd last key is taken alone: the other half of its pair may lie past the context.
 template <int R, int C>
 void pv_block(float* acc, const PairX* p, const float* keep, const bf16* const* vrow, int64_t n, int64_t D,
-              int64_t np, int64_t d0) {
+              int64_t np, int64_t d0, Prefetcher& pf) {
   F32x16 o[R][C];
   load_scaled<16>(o, acc, keep, D, d0);
   auto values = [&](I32x16* v, int64_t pair) {
     for (int c = 0; c < C; ++c) v[c] = I32x16::load(reinterpret_cast<const uint8_t*>(vrow[pair] + 2 * (d0 + c * 16)));
   };
   for (int64_t j = 0; j + 1 < n; j += 2) {
+    pf.some();
     I32x16 v[C];
     values(v, j / 2);
     for (int r = 0; r < R; ++r)
@@ -247,7 +284,7 @@ inline float value_at(const bf16* const* vrow, int64_t j, int64_t d) { return bf
 // the others see fewer, their p is 0 beyond)
 template <typename X, typename V>
 void weighted_values(float* acc, int64_t rows, const X* p, const float* keep, const int64_t* visible,
-                     const V* const* vrow, int64_t D, int64_t np) {
+                     const V* const* vrow, int64_t D, int64_t np, Prefetcher& pf) {
   constexpr bool pairs = std::is_same_v<V, bf16>;
   constexpr int RB = pairs ? kPairRows : kRows, CB = pairs ? kPairCols : kCols, W = pairs ? 16 : N;
   for_row_blocks<RB>(rows, [&](auto rb, int64_t r0) {
@@ -256,8 +293,8 @@ void weighted_values(float* acc, int64_t rows, const X* p, const float* keep, co
     const X* pr = p + r0 * np;
     const int64_t n = visible[r0 + R - 1];
     int64_t d0 = 0;
-    for (; d0 + CB * W <= D; d0 += CB * W) pv_block<R, CB>(a, pr, keep + r0, vrow, n, D, np, d0);
-    for (; d0 + W <= D; d0 += W) pv_block<R, 1>(a, pr, keep + r0, vrow, n, D, np, d0);
+    for (; d0 + CB * W <= D; d0 += CB * W) pv_block<R, CB>(a, pr, keep + r0, vrow, n, D, np, d0, pf);
+    for (; d0 + W <= D; d0 += W) pv_block<R, 1>(a, pr, keep + r0, vrow, n, D, np, d0, pf);
     for (; d0 < D; ++d0)  // head_dim not a multiple of the vector
       for (int r = 0; r < R; ++r) {
         float o = a[r * D + d0] * keep[r0 + r];
@@ -298,25 +335,6 @@ void gather(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk, Scra
     }
     st.vectors[v] = {dst, VK};
   }
-}
-
-// Ask for the K (or V) blocks of keys k0 .. k0 + nk ahead of use: a sequence's blocks lie anywhere in
-// the pool, so the hardware prefetchers cannot see the next one coming, and a decode step streams the
-// whole cache. A tile asks for its own values before its scores (they are used after them) and for
-// the next tile's keys. Into L2 (prefetcht1): into L1 (prefetcht0) measured the same as no prefetch.
-// The empty volatile asm is what keeps the prefetches at all: to GCC a prefetch has no side effect, so
-// a function of prefetches alone is pure and its calls were deleted as dead code (-O2 and up; there
-// was not one prefetch instruction in the library). Decode attention out of DRAM, 32 sequences x 320
-// keys x 30 layers, ~20-28 -> ~15-17 ms with them (Zen 4, alternated runs; locality 1 the same as 2).
-template <typename C>
-void prefetch_blocks(const AttentionArgs& a, const Item& it, const void* cache, int64_t k0, int64_t nk) {
-  const int64_t B = a.block_size, bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
-  const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
-  for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B) {
-    const char* block = static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + it.kv_head) * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(block + line, 0, 2);
-  }
-  asm volatile("");
 }
 
 // q rows as float, scaled; each row's position (tile_pos: the tile's first query's)
@@ -374,28 +392,41 @@ struct Partials {
   float* at(int64_t slot, int64_t row) { return data.data() + (slot * rows + row) * row_floats; }
 };
 
+// The first key tile of an item: where its keys start, and how many there are.
+int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile) {
+  const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
+  const int64_t last = std::min(a.context_lens[it.seq] - q_len + it.tile_start + it.tile_len, it.key_end) - 1;
+  return std::min(key_tile, last - it.key_begin + 1);
+}
+
 template <typename T, typename C>  // T: q and out, C: the cache
-void run_item(const AttentionArgs& a, const Item& it, Scratch<C>& st, Partials& partials) {
+void run_item(const AttentionArgs& a, const Item& it, bool first, const Item* next, Scratch<C>& st, Partials& partials) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads, rows = it.tile_len * group;
   const int64_t key_tile = st.key_tile;
   const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
   const int64_t tile_pos = a.context_lens[it.seq] - q_len + it.tile_start;
   const int64_t last = std::min(tile_pos + it.tile_len, it.key_end) - 1;  // no row sees past `last`
   start_item<T>(a, it, rows, tile_pos, st);
+  if (first) {  // nothing asked for this item's first tile yet
+    st.prefetch.template plan<C>(a, it.seq, it.kv_head, it.key_begin, first_tile_keys(a, it, key_tile));
+    st.prefetch.rest();
+  }
   for (int64_t k0 = it.key_begin; k0 <= last; k0 += key_tile) {
     const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, kVectorKeys<C>);
     const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;  // rows before see no key here
     gather(a, it, k0, nk, st);
-    prefetch_blocks<C>(a, it, a.value_cache, k0, nk);
-    if (k0 + key_tile <= last) prefetch_blocks<C>(a, it, a.key_cache, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
-    scores(query_rows(st) + row0 * D, rows - row0, D, st.vectors.data(), np, &st.p[row0 * np]);
+    if (k0 + key_tile <= last)  // the next tile, or the thread's next item's first
+      st.prefetch.template plan<C>(a, it.seq, it.kv_head, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
+    else if (next)
+      st.prefetch.template plan<C>(a, next->seq, next->kv_head, next->key_begin, first_tile_keys(a, *next, key_tile));
+    scores(query_rows(st) + row0 * D, rows - row0, D, st.vectors.data(), np, &st.p[row0 * np], st.prefetch);
     for (int64_t r = row0; r < rows; ++r) {
       const int64_t visible = std::min(nk, st.pos[r] - k0 + 1), slide = st.padded - visible;
       st.visible[r] = visible;
       st.keep[r] = softmax_row(&st.p[r * np], np, visible < np, &st.bias[slide], &st.ones[slide], st.m[r], st.l[r]);
     }
     weighted_values(&st.acc[row0 * D], rows - row0, probabilities(st, row0, rows, np) + row0 * np, &st.keep[row0],
-                    &st.visible[row0], st.vrow.data(), D, np);
+                    &st.visible[row0], st.vrow.data(), D, np, st.prefetch);
   }
   if (it.partial < 0) return write_rows<T>(a, it, rows, st.acc.data(), st.l.data());
   for (int64_t r = 0; r < rows; ++r) {
@@ -467,7 +498,11 @@ void attention_impl(const AttentionArgs& a) {
 #pragma omp parallel
   {
     Scratch<C> st(key_tile, a.head_dim);
-    for (int64_t i = queue.take(); i >= 0; i = queue.take()) run_item<T, C>(a, items[i], st, partials);
+    // Each thread claims its next item before it runs the current one: each item prefetches the tile
+    // after its own, and its last tile the next item's first.
+    int64_t i = queue.take(), next = i < 0 ? -1 : queue.take();
+    for (bool first = true; i >= 0; i = next, next = next < 0 ? -1 : queue.take(), first = false)
+      run_item<T, C>(a, items[i], first, next < 0 ? nullptr : &items[next], st, partials);
   }
   for (const auto& [first, splits] : merges) merge<T>(a, items[first], splits, partials);
 }

@@ -22,8 +22,9 @@ from tests.conftest import REPO
 # how many the library must hold at least. Counted over the whole library: in a stripped build the
 # OpenMP workers that hold them have no names to match.
 PREFETCHES = {
-    # locality 2 (L2): attention's next key tiles (attention.cpp). 32 in the x86-64 Release build (4 ISA
-    # copies x 4 dtype pairs x keys and values); 8 if a compiler kept prefetch_blocks out of line
+    # locality 2 (L2): attention's next key tile, a few lines from each inner-product loop (attention.cpp's
+    # Prefetcher). ~150 in the x86-64 build (every score and P.V block shape, 4 ISA copies); a handful
+    # if a compiler kept Prefetcher::some out of line
     "attention": ({"x86_64": r"\bprefetcht1\b", "AMD64": r"\bprefetcht1\b", "aarch64": r"\bprfm\s+pldl2keep\b"}, 8),
     # locality 3 (L1): the integer tiles' weights, 2 KiB ahead (quant.cpp). 384 in the x86-64 Release
     # build (every integer and halves tile shape, 4 ISA copies); a handful if kept out of line
