@@ -74,8 +74,9 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, action="append", help="default: 512 2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kv-dtype", choices=list(DTYPES), help="the cache's dtype (default: the same as q's)")
-    parser.add_argument("--layers", type=int, default=1, help="calls a case, each on a cache of its own (default: 1)")
-    parser.add_argument("--no-prefill", action="store_true", help="time decode only")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="calls a case, each on a cache of its own (default: 1); N times the memory")
+    parser.add_argument("--no-prefill", action="store_true", help="time decode only (--context then does nothing)")
     args = parser.parse_args()
     if args.layers < 1:
         parser.error(f"--layers must be at least 1, not {args.layers}")
@@ -87,8 +88,8 @@ def main() -> None:
     for name in args.dtype or list(DTYPES):
         for ctx in [] if args.no_prefill else args.context or [2048, 4096, 8192]:
             seconds = time_attention(DTYPES[name], [ctx], [args.chunk], args.repeats, kv_dtype=kv, layers=args.layers)
-            print(f"prefill  {name:9} {args.chunk} new queries at context {ctx:5}{layers}{cache}  {seconds * 1000:9.1f} ms",
-                  flush=True)
+            print(f"prefill  {name:9} {args.chunk} new queries at context {ctx:5}{layers}{cache}  "
+                  f"{seconds * 1000:9.1f} ms", flush=True)
         for ctx in args.decode_context or [512, 2048]:
             batch = args.decode_batch
             seconds = time_attention(DTYPES[name], [ctx] * batch, [1] * batch, args.repeats * 4, kv_dtype=kv,

@@ -101,8 +101,8 @@ struct Prefetcher {
       for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B)
         blocks.push_back(static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + kv_head) * bytes);
   }
-  // The empty volatile asm keeps the prefetches at all: to GCC a prefetch has no side effect, so a
-  // function of prefetches alone is pure and its calls may be deleted as dead code.
+  // The empty volatile asm is a safeguard: to GCC a prefetch has no side effect, and a function made
+  // only of prefetches was found pure and its calls deleted as dead code (test_codegen.py counts them).
   void some(int n = kLinesAStep) {
     for (int i = 0; i < n; ++i, line += 64) {
       if (line >= end) {
@@ -402,7 +402,8 @@ struct Partials {
   float* at(int64_t slot, int64_t row) { return data.data() + (slot * rows + row) * row_floats; }
 };
 
-// The first key tile of an item: where its keys start, and how many there are.
+// The first key tile of an item: how many keys it has from key_begin (none or fewer for a split-KV
+// range that starts past what its rows see: plan() then lists no block, since key_begin starts a block).
 int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile) {
   const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
   const int64_t last = std::min(a.context_lens[it.seq] - q_len + it.tile_start + it.tile_len, it.key_end) - 1;
@@ -508,11 +509,16 @@ void attention_impl(const AttentionArgs& a) {
 #pragma omp parallel
   {
     Scratch<C> st(key_tile, a.head_dim);
-    // Each thread claims its next item before it runs the current one: each item prefetches the tile
-    // after its own, and its last tile the next item's first.
-    int64_t i = queue.take(), next = i < 0 ? -1 : queue.take();
-    for (bool first = true; i >= 0; i = next, next = next < 0 ? -1 : queue.take(), first = false)
+    // With items to spare, each thread claims its next item before it runs the current one: each item
+    // prefetches the tile after its own, and its last tile the next item's first. With few (fewer than
+    // two a thread), claiming ahead would leave threads without any.
+    const bool ahead = n >= 2 * omp_get_num_threads();
+    auto claim = [&] { return ahead ? queue.take() : -1; };
+    int64_t i = queue.take(), next = i < 0 ? -1 : claim();
+    for (bool first = true; i >= 0; first = false) {
       run_item<T, C>(a, items[i], first, next < 0 ? nullptr : &items[next], st, partials);
+      i = next >= 0 ? next : queue.take(), next = i < 0 ? -1 : claim();
+    }
   }
   for (const auto& [first, splits] : merges) merge<T>(a, items[first], splits, partials);
 }

@@ -23,7 +23,7 @@ from tests.conftest import REPO
 # OpenMP workers that hold them have no names to match.
 PREFETCHES = {
     # locality 2 (L2): attention's next key tile, a few lines from each inner-product loop (attention.cpp's
-    # Prefetcher). ~150 in the x86-64 build (every score and P.V block shape, 4 ISA copies); a handful
+    # Prefetcher). ~240 in the x86-64 build (every score and P.V block shape, 4 ISA copies); a handful
     # if a compiler kept Prefetcher::some out of line
     "attention": ({"x86_64": r"\bprefetcht1\b", "AMD64": r"\bprefetcht1\b", "aarch64": r"\bprfm\s+pldl2keep\b"}, 8),
     # locality 3 (L1): the integer tiles' weights, 2 KiB ahead (quant.cpp). 384 in the x86-64 Release
