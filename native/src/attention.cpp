@@ -90,16 +90,19 @@ struct Prefetcher {
   const char* line = nullptr;       // the next line to ask for, in the block being asked for
   const char* end = nullptr;        // ...and that block's end
   int64_t bytes = 0;                // of a block
+  const Item* item = nullptr;       // whose keys the last plan was for
 
+  // Keys k0 .. k0 + nk of `it` (none when nk <= 0: k0 starts a block).
   template <typename C>
-  void plan(const AttentionArgs& a, int64_t seq, int64_t kv_head, int64_t k0, int64_t nk) {
+  void plan(const AttentionArgs& a, const Item& it, int64_t k0, int64_t nk) {
     const int64_t B = a.block_size;
-    const int32_t* table = a.block_tables + seq * a.max_blocks_per_seq;
+    const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
     rest();  // what is left of the previous plan
     blocks.clear(), taken = 0, line = end = nullptr, bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
+    item = &it;
     for (const void* cache : {a.key_cache, a.value_cache})
       for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B)
-        blocks.push_back(static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + kv_head) * bytes);
+        blocks.push_back(static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + it.kv_head) * bytes);
   }
   // The empty volatile asm is a safeguard: to GCC a prefetch has no side effect, and a function made
   // only of prefetches was found pure and its calls deleted as dead code (test_codegen.py counts them).
@@ -402,24 +405,26 @@ struct Partials {
   float* at(int64_t slot, int64_t row) { return data.data() + (slot * rows + row) * row_floats; }
 };
 
-// The first key tile of an item: how many keys it has from key_begin (none or fewer for a split-KV
-// range that starts past what its rows see: plan() then lists no block, since key_begin starts a block).
+// The position of an item's first query, and the last key any of its rows sees (before key_begin for a
+// split-KV range that starts past what its rows see).
+int64_t tile_position(const AttentionArgs& a, const Item& it) {
+  return a.context_lens[it.seq] - (a.q_starts[it.seq + 1] - a.q_starts[it.seq]) + it.tile_start;
+}
+int64_t last_key(const AttentionArgs& a, const Item& it) {
+  return std::min(tile_position(a, it) + it.tile_len, it.key_end) - 1;
+}
 int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile) {
-  const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
-  const int64_t last = std::min(a.context_lens[it.seq] - q_len + it.tile_start + it.tile_len, it.key_end) - 1;
-  return std::min(key_tile, last - it.key_begin + 1);
+  return std::min(key_tile, last_key(a, it) - it.key_begin + 1);
 }
 
 template <typename T, typename C>  // T: q and out, C: the cache
-void run_item(const AttentionArgs& a, const Item& it, bool first, const Item* next, Scratch<C>& st, Partials& partials) {
+void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<C>& st, Partials& partials) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads, rows = it.tile_len * group;
   const int64_t key_tile = st.key_tile;
-  const int64_t q_len = a.q_starts[it.seq + 1] - a.q_starts[it.seq];
-  const int64_t tile_pos = a.context_lens[it.seq] - q_len + it.tile_start;
-  const int64_t last = std::min(tile_pos + it.tile_len, it.key_end) - 1;  // no row sees past `last`
+  const int64_t tile_pos = tile_position(a, it), last = last_key(a, it);  // no row sees past `last`
   start_item<T>(a, it, rows, tile_pos, st);
-  if (first) {  // nothing asked for this item's first tile yet
-    st.prefetch.template plan<C>(a, it.seq, it.kv_head, it.key_begin, first_tile_keys(a, it, key_tile));
+  if (st.prefetch.item != &it) {  // nothing asked for this item's first tile yet
+    st.prefetch.template plan<C>(a, it, it.key_begin, first_tile_keys(a, it, key_tile));
     st.prefetch.rest();
   }
   for (int64_t k0 = it.key_begin; k0 <= last; k0 += key_tile) {
@@ -427,9 +432,9 @@ void run_item(const AttentionArgs& a, const Item& it, bool first, const Item* ne
     const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;  // rows before see no key here
     gather(a, it, k0, nk, st);
     if (k0 + key_tile <= last)  // the next tile, or the thread's next item's first
-      st.prefetch.template plan<C>(a, it.seq, it.kv_head, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
+      st.prefetch.template plan<C>(a, it, k0 + key_tile, std::min(key_tile, last - k0 - key_tile + 1));
     else if (next)
-      st.prefetch.template plan<C>(a, next->seq, next->kv_head, next->key_begin, first_tile_keys(a, *next, key_tile));
+      st.prefetch.template plan<C>(a, *next, next->key_begin, first_tile_keys(a, *next, key_tile));
     scores(query_rows(st) + row0 * D, rows - row0, D, st.vectors.data(), np, &st.p[row0 * np], st.prefetch);
     for (int64_t r = row0; r < rows; ++r) {
       const int64_t visible = std::min(nk, st.pos[r] - k0 + 1), slide = st.padded - visible;
@@ -515,8 +520,8 @@ void attention_impl(const AttentionArgs& a) {
     const bool ahead = n >= 2 * omp_get_num_threads();
     auto claim = [&] { return ahead ? queue.take() : -1; };
     int64_t i = queue.take(), next = i < 0 ? -1 : claim();
-    for (bool first = true; i >= 0; first = false) {
-      run_item<T, C>(a, items[i], first, next < 0 ? nullptr : &items[next], st, partials);
+    while (i >= 0) {
+      run_item<T, C>(a, items[i], next < 0 ? nullptr : &items[next], st, partials);
       i = next >= 0 ? next : queue.take(), next = i < 0 ? -1 : claim();
     }
   }
