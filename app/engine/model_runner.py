@@ -79,6 +79,8 @@ class ModelRunner:
         counts = np.fromiter((len(r.token_ids) for r in requests), np.int64, seqs)  # [S] new tokens
         computed = np.fromiter((r.num_computed for r in requests), np.int64, seqs)  # [S] tokens cached before
         widths = np.fromiter((len(r.block_ids) for r in requests), np.int64, seqs)  # [S] blocks
+        if (widths * self.block_size < computed + counts).any():  # else a token would find a padding -1 as its block
+            raise ValueError("a scheduled request's block table does not cover its tokens")
         t, width = int(counts.sum()), int(widths.max())
         starts = self._starts.numpy()[: seqs + 1]
         starts[0] = 0

@@ -163,3 +163,10 @@ def test_runner_stages_a_step_as_make_batch_does(loaded):
         for name in ("positions", "slot_mapping", "block_tables", "context_lens", "q_starts", "logit_indices"):
             mine, reference = getattr(batch, name), getattr(expected, name)
             assert mine.dtype == reference.dtype and torch.equal(mine, reference), name
+
+
+def test_runner_refuses_a_block_table_short_of_its_tokens(loaded):
+    runner = ModelRunner(loaded.model, KVCacheConfig(64, BLOCK), max_num_tokens=512, max_num_seqs=8)
+    short = ScheduledRequest("0", (1,) * 20, 0, (3,), sample=True)  # 20 tokens need two blocks of 16
+    with pytest.raises(ValueError, match="does not cover"):
+        runner._prepare(SchedulerOutput((short,)))
