@@ -94,10 +94,15 @@ def _bench_parsers(commands) -> None:
     plot.set_defaults(run=_bench_plot)
     offline = kinds.add_parser("offline", help="offline throughput through the engine (LLM.generate)")
     offline.add_argument("-c", "--config", metavar="SPEC", help="the spec (default: every default)")
-    offline.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    offline.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the spec's)")
     offline.add_argument("--requests", type=int, default=64)
     offline.add_argument("--input-len", type=int, default=256)
     offline.add_argument("--output-len", type=int, default=128)
+    offline.add_argument("--max-num-seqs", type=int, metavar="N",
+                         help="at most N requests running at once, as a client keeping N streams open allows "
+                              "(default: the spec's scheduler.max_num_seqs)")
+    offline.add_argument("--prefix-workload", action=argparse.BooleanOptionalAction, default=True,
+                         help="also time a shared-prefix workload with prefix caching on and off (default: on)")
     offline.set_defaults(run=_bench_offline)
     model = kinds.add_parser("model", help="time prefill and decode steps of the model on this machine")
     model.add_argument("-c", "--config", metavar="SPEC", help="the spec whose model to time (default: every default)")
@@ -238,7 +243,8 @@ def _bench_plot(args: argparse.Namespace) -> int:
 def _bench_offline(args: argparse.Namespace) -> int:
     from app.benchmark.offline import run
 
-    run(args.config, args.dtype, args.requests, args.input_len, args.output_len)
+    run(args.config, args.dtype, args.requests, args.input_len, args.output_len, args.max_num_seqs,
+        args.prefix_workload)
     return 0
 
 

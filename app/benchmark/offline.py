@@ -25,6 +25,7 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int, prefix: list
 def _timed(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     hits, queries = llm.core.kv.hits, llm.core.kv.queries
+    llm.core.scheduler.peak_running = 0
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -34,26 +35,37 @@ def _timed(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     return {"requests": len(prompts), "prompt_tokens": prompt_tokens, "output_tokens": produced,
             "seconds": round(seconds, 2), "output_tokens_per_s": round(produced / seconds, 1),
             "total_tokens_per_s": round((produced + prompt_tokens) / seconds, 1),
-            "prefix_hit_rate": round(found / max(llm.core.kv.queries - queries, 1), 3)}
+            "prefix_hit_rate": round(found / max(llm.core.kv.queries - queries, 1), 3),
+            "peak_running": llm.core.scheduler.peak_running}
 
 
-def run(spec: str | None, dtype: str, requests: int, input_len: int, output_len: int) -> list[dict]:
+def run(spec: str | None, dtype: str | None, requests: int, input_len: int, output_len: int,
+        max_num_seqs: int | None = None, prefix_workload: bool = True) -> list[dict]:
+    """The throughput workload (`requests` random prompts, at most `max_num_seqs` running: the engine's side
+    of a served run at that concurrency), then, with `prefix_workload`, the shared-prefix one with prefix
+    caching on and off. `dtype` and `max_num_seqs` default to the spec's."""
     results = []
     cpus = os.sched_getaffinity(0)
-    for prefix_caching in (True, False):
+    model = {"dtype": dtype} if dtype else {}
+    scheduler = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+    for prefix_caching in (True, False) if prefix_workload else (True,):
         os.sched_setaffinity(0, cpus)  # the previous LLM pinned this thread to its rank 0's CPUs
-        llm = LLM(spec, model={"dtype": dtype}, scheduler={"prefix_caching": prefix_caching})
-        vocab = llm.core.executor.vocab_size
-        if prefix_caching:
-            plain = _timed(llm, _random_prompts(requests, input_len, vocab, 0), output_len)
-            results.append({"workload": f"{requests} x {input_len} -> {output_len}", "dtype": dtype, **plain})
-        shared = _random_prompts(1, 512, vocab, 1)[0]
-        workload = _random_prompts(32, 32, vocab, 2, prefix=shared)
-        _timed(llm, workload[:1], 1)  # the first request caches the shared prefix (when caching is on)
-        result = _timed(llm, workload[1:], 16)
-        results.append({"workload": "31 x (512 shared + 32) -> 16", "dtype": dtype,
-                        "prefix_caching": prefix_caching, **result})
-        llm.close()
+        llm = LLM(spec, model=model, scheduler={**scheduler, "prefix_caching": prefix_caching})
+        try:
+            dtype_used, vocab = llm.dtype, llm.core.executor.vocab_size
+            if prefix_caching:
+                plain = _timed(llm, _random_prompts(requests, input_len, vocab, 0), output_len)
+                results.append({"workload": f"{requests} x {input_len} -> {output_len}", "dtype": dtype_used,
+                                "max_num_seqs": llm.spec.scheduler.max_num_seqs, **plain})
+            if prefix_workload:
+                shared = _random_prompts(1, 512, vocab, 1)[0]
+                workload = _random_prompts(32, 32, vocab, 2, prefix=shared)
+                _timed(llm, workload[:1], 1)  # the first request caches the shared prefix (when caching is on)
+                result = _timed(llm, workload[1:], 16)
+                results.append({"workload": "31 x (512 shared + 32) -> 16", "dtype": dtype_used,
+                                "prefix_caching": prefix_caching, **result})
+        finally:
+            llm.close()
     for r in results:
         print(json.dumps(r))
     return results

@@ -57,6 +57,7 @@ class LLM:
         overrides += [f"{key}={json.dumps(value)}" for key, value in _flatten(sections)]
         deployment = prepare(spec, overrides)
         self.spec = deployment.spec
+        self.dtype = deployment.plan.dtype  # the compute dtype the spec's "auto" resolved to on this machine
         if self.spec.parallel.dp != 1:
             raise ValueError("the offline LLM runs one replica; dp > 1 needs the server (`app serve`)")
         self.core, loaded = build_core(deployment.launches(), bind=bind_threads, tokenizer=True)

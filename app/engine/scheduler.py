@@ -119,6 +119,7 @@ class Scheduler:
         self.running: list[Request] = []  # in the order they started
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.peak_running = 0  # the most requests running at once so far (benchmarks reset it)
         self._runner_knows: set[str] = set()  # request ids sent in a step's new_requests
         self._finished_ids: list[str] = []  # ...of those, the ones that ended since the last step
 
@@ -215,6 +216,7 @@ class Scheduler:
             self.kv.count_prefix(request, hit)
             request.num_computed_tokens, request.status = hit.num_tokens, Status.RUNNING
             self.running.append(request)
+            self.peak_running = max(self.peak_running, len(self.running))
             chosen.append((request, count))
             budget.take(hit.num_tokens, count)
         self.waiting.extendleft(reversed(skipped))
