@@ -47,3 +47,4 @@ def test_neon_kernels_match_portable_ones(tmp_path):
         listing = subprocess.run([objdump, "-d", str(tmp_path / f"{isa}_quant.o")], capture_output=True, text=True,
                                  check=True).stdout
         assert listing.count("pldl1keep") >= 2, f"{isa}: no prfm pldl1keep in quant.o"
+        assert listing.count("pldl2keep") >= 2, f"{isa}: no prfm pldl2keep (the next panels) in quant.o"
