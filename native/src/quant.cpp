@@ -601,13 +601,16 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
 // tile finds them in L2 instead of waiting on memory while the memory bus idles through the reworking.
 // Decode step of the default spec (Q4_1, int16), context 300, three alternated rounds in separate
 // processes on Zen 5: batch 8 7.6-8.3 -> 6.2-6.4 ms, batch 32 23.1-23.5 -> 21.7-22.6; batch 1 (its own
-// path above) and prefills (several row chunks: no `pre`) unchanged. Integer tiles only: the BF16 tile
-// (a panel block is 1 KiB there) was 2-6% slower with it.
+// path above) and prefills (several row chunks: no `pre`) unchanged. With 2-3 rows the one row tile asks
+// itself: batch 2 3.8-4.0 -> 3.3-3.4 ms, batch 3 4.3-4.5 -> 3.5-3.8 (three rounds; batch 4 and 8 as they
+// were). Integer tiles only: the BF16 tile (a panel block is 1 KiB there) was 2-6% slower with it.
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   int64_t r = r_begin;
   constexpr int kMR = PLANES == 2 ? 3 : 4;
-  auto pre_for = [&](int64_t row) { return row == r_begin + kMR ? pre : -1; };
+  auto pre_for = [&](int64_t row) {  // the second row tile, or the first where it is the only one (batch 2-3)
+    return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
+  };
   for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r));
   switch (r_end - r) {
     case 3: tile<3, NP, BITS, PLANES>(t, r, p0, pre_for(r)); break;
