@@ -1,10 +1,18 @@
 // DecoderStack::run: one step of every layer, as app/model/layers.py runs it (see decoder.h).
 #include "decoder.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace appliance {
 namespace {
+
+// A layer's second half (o, norm, gate/up, SiLU, down: row-wise) runs on slabs of at most this many rows,
+// so that a large prefill step's MLP intermediate (2 x inter wide: 25 MB at 2048 rows of the default
+// model) stays in cache, and each linear splits its panels among work items as at 256 rows. 8 x 256-token
+// prompts in one step, three alternated rounds on Zen 5: 795-813 -> 728-753 ms; 4 x 256 1.5% faster,
+// 2 x 256 2%; decode steps (at most 256 rows) run as before. 128 and 512 measured the same as 256.
+constexpr int64_t kMlpRows = 256;
 
 int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 
@@ -70,8 +78,9 @@ void DecoderStack::run(void* x, const StepBatch& b) {
   uint8_t* residual = static_cast<uint8_t*>(buffer(0, T * H * E));
   uint8_t* qkv = static_cast<uint8_t*>(buffer(1, T * qkv_width * E));
   void* attn = buffer(2, T * q_width * E);
-  void* gate_up = buffer(3, T * 2 * s.inter * E);
-  void* act = buffer(4, T * s.inter * E);
+  const int64_t mlp_rows = std::min(T, kMlpRows);
+  void* gate_up = buffer(3, mlp_rows * 2 * s.inter * E);
+  void* act = buffer(4, mlp_rows * s.inter * E);
   std::memset(residual, 0, T * H * E);  // so the first layer's add_rms_norm makes residual = x (zero bits are 0.0)
   for (const DecoderLayerWeights& l : layers_) {
     kernels().add_rms_norm({dt, x, residual, l.input_norm, T, H, H, H, s.eps});
@@ -87,12 +96,16 @@ void DecoderStack::run(void* x, const StepBatch& b) {
     kernels().paged_attention({dt, attn, q, l.key_cache, l.value_cache, b.block_tables, b.context_lens, b.q_starts,
                                b.seqs, s.q_heads, s.kv_heads, D, s.block_size, b.max_blocks_per_seq, s.num_blocks,
                                qkv_width, q_width, s.scale, s.cache_dtype});
-    row_parallel(l.o, attn, x, T);
-    kernels().add_rms_norm({dt, x, residual, l.post_norm, T, H, H, H, s.eps});
-    kernels().packed_linear({l.gate_up.qtype, s.act, dt, dt, gate_up, x, l.gate_up.data, T, H, 2 * s.inter, H,
-                             2 * s.inter});
-    kernels().silu_and_mul({dt, act, gate_up, T, s.inter, 2 * s.inter, s.inter});
-    row_parallel(l.down, act, x, T);
+    for (int64_t t0 = 0; t0 < T; t0 += kMlpRows) {  // row-wise from here on: a slab of rows at a time
+      const int64_t n = std::min(kMlpRows, T - t0);
+      uint8_t* xs = static_cast<uint8_t*>(x) + t0 * H * E;
+      row_parallel(l.o, static_cast<uint8_t*>(attn) + t0 * q_width * E, xs, n);
+      kernels().add_rms_norm({dt, xs, residual + t0 * H * E, l.post_norm, n, H, H, H, s.eps});
+      kernels().packed_linear({l.gate_up.qtype, s.act, dt, dt, gate_up, xs, l.gate_up.data, n, H, 2 * s.inter, H,
+                               2 * s.inter});
+      kernels().silu_and_mul({dt, act, gate_up, n, s.inter, 2 * s.inter, s.inter});
+      row_parallel(l.down, act, xs, n);
+    }
   }
   kernels().add_rms_norm({dt, x, residual, s.final_norm, T, H, H, H, s.eps});
 }

@@ -2,8 +2,8 @@
 
 Both run the same kernels in the same order, so they must agree to float32 rounding: prompts of several
 sequences in one step (chunked, on shuffled cache blocks), then decode steps; on the default model in
-float32 and bfloat16, int16 and int8 activations, with bfloat16 weights (packed dense), and on a
-Qwen2-style file whose Q/K/V have biases.
+float32 and bfloat16, int16 and int8 activations, steps longer than the stack's slab of rows, with
+bfloat16 weights (packed dense), and on a Qwen2-style file whose Q/K/V have biases.
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ def test_default_model_native_stack_matches_python_layers(dtype, activations):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (37, 5, 70)]
     _compare(loaded.model, prompts, steps=4, tol=1e-5 if dtype == "float32" else 1e-2)
+
+
+def test_steps_longer_than_a_slab_match_python_layers():
+    # the native stack runs o/norm/MLP on slabs of at most 256 rows: 290 rows a step here, the second
+    # slab partial (34 rows); the Python layers take each step whole
+    loaded = load_model(resolve_source(ModelSpec()), "float32", tokenizer=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (240, 180, 160)]
+    _compare(loaded.model, prompts, steps=2, tol=1e-5)
 
 
 def test_bfloat16_weights_native_stack_matches_python_layers():
