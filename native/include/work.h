@@ -25,4 +25,10 @@ class WorkQueue {
   alignas(64) std::atomic<int64_t> next_{0};
 };
 
+// Row-wise kernels (norms, RoPE, cache writes, SiLU) with less work than this (elements) run on the
+// calling thread: a decode step of a few sequences would spend more on waking the team and meeting it at
+// the barrier than on the rows (10 parallel regions a layer, 300 a step of the default model). Batch-1
+// decode step of the default spec, four alternated rounds on Zen 5: 3.25 -> 3.08 ms; batch 8 unchanged.
+constexpr int64_t kParallelElements = 8192;
+
 }  // namespace appliance

@@ -1,6 +1,7 @@
 // SwiGLU: out = silu(gate) * up, with gate and up the two halves of one [T, 2I] projection.
 #include "kernels.h"
 #include "vec.h"
+#include "work.h"
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
@@ -10,7 +11,7 @@ void silu_and_mul_impl(const SiluMulArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.out);
   const VecF one = VecF::set1(1.f);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (a.tokens * a.inter >= kParallelElements)
   for (int64_t t = 0; t < a.tokens; ++t) {
     const T* gate = x + t * a.x_stride;
     const T* up = gate + a.inter;

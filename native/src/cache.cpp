@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "vec.h"
+#include "work.h"
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
@@ -30,7 +31,7 @@ void write_impl(const CacheWriteArgs& a) {
   const T* value = static_cast<const T*>(a.value);
   C* kc = static_cast<C*>(a.key_cache);
   C* vc = static_cast<C*>(a.value_cache);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (2 * a.tokens * a.kv_heads * a.head_dim >= kParallelElements)
   for (int64_t t = 0; t < a.tokens; ++t) {
     const int64_t slot = a.slot_mapping[t];
     if (slot < 0) continue;  // padding: no cache slot

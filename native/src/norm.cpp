@@ -1,6 +1,7 @@
 // RMSNorm and the fused residual-add + RMSNorm, float32 or bfloat16 in, float32 accumulation.
 #include "kernels.h"
 #include "vec.h"
+#include "work.h"
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
@@ -32,7 +33,7 @@ void rms_norm_impl(const NormArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.out);
   const T* w = static_cast<const T*>(a.weight);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (a.tokens * a.hidden >= kParallelElements)
   for (int64_t t = 0; t < a.tokens; ++t) {
     const T* row = x + t * a.x_stride;
     float inv = 1.f / std::sqrt(sum_of_squares(row, a.hidden) / static_cast<float>(a.hidden) + a.eps);
@@ -46,7 +47,7 @@ void add_rms_norm_impl(const AddNormArgs& a) {
   T* x = static_cast<T*>(a.x);
   T* res = static_cast<T*>(a.residual);
   const T* w = static_cast<const T*>(a.weight);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (a.tokens * a.hidden >= kParallelElements)
   for (int64_t t = 0; t < a.tokens; ++t) {
     T* xr = x + t * a.x_stride;
     T* rr = res + t * a.residual_stride;

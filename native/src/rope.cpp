@@ -3,6 +3,7 @@
 // in Python (app/model/rope.py), where Llama-3 style frequency scaling is applied.
 #include "kernels.h"
 #include "vec.h"
+#include "work.h"
 
 namespace appliance::APPLIANCE_ISA {
 namespace {
@@ -32,7 +33,7 @@ void rope_impl(const RopeArgs& a) {
   T* q = static_cast<T*>(a.q);
   T* k = static_cast<T*>(a.k);
   const int64_t half = a.rot_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (a.tokens * (a.q_heads + a.k_heads) * a.rot_dim >= kParallelElements)
   for (int64_t t = 0; t < a.tokens; ++t) {
     const float* cos = a.cos_sin + a.positions[t] * a.rot_dim;
     const float* sin = cos + half;
