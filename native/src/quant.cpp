@@ -653,22 +653,22 @@ void run(const Tiles& t, const PackedLinearArgs& a, Activations* prepared) {
   const int64_t per = std::max<int64_t>(2, (panels / std::min(wanted, panels / 2)) / 2 * 2);
   const int64_t panel_runs = (panels + per - 1) / per;
   const int64_t items = row_chunks * panel_runs;
-  WorkQueue queue(items);
+  RangeQueue queue(items, omp_get_max_threads());
 #pragma omp parallel
   {
     if (prepared) {
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < rows; ++r) prepare(a, *prepared, r);
     }  // (the loop's barrier: every row is ready before any tile reads it)
-    const int64_t threads = omp_get_num_threads();
-    for (int64_t item = queue.take(); item >= 0; item = queue.take()) {
+    const int id = omp_get_thread_num();
+    for (int64_t item = queue.take(id); item >= 0; item = queue.take(id)) {
       const int64_t rc = item / panel_runs, pr = item % panel_runs;
       const int64_t r_begin = rc * kRowChunk, r_end = std::min(rows, r_begin + kRowChunk);
       const int64_t p_end = std::min(panels, (pr + 1) * per);
       // Decode-sized steps (one row chunk) only: there the first row tile of each panel pair waits on
-      // memory. Threads mostly take turns, so this thread's next item is probably `threads` on.
-      const int64_t guess = item + threads;
-      const int64_t after = guess < items ? guess * per : -1;
+      // memory. The item this thread takes next is the next of its range, while it has one.
+      const int64_t guess = queue.next(id);
+      const int64_t after = guess >= 0 ? guess * per : -1;
       for (int64_t p = pr * per; p < p_end; p += 2)
         row_tiles<2, BITS, PLANES>(t, r_begin, r_end, p, row_chunks > 1 ? -1 : p + 2 < p_end ? p + 2 : after);
     }
