@@ -90,11 +90,11 @@ struct KeyVector {
 // cost a third of the cache-resident speed.
 struct Prefetcher {
   static constexpr int kLinesAStep = 2;
-  std::vector<const char*> blocks;  // the next tile's K blocks, then its V blocks
+  std::vector<const char*> blocks;  // the next tile's K blocks, then its V blocks (an item's KV heads of each)
   size_t taken = 0;                 // blocks whose lines are being or have been asked for
   const char* line = nullptr;       // the next line to ask for, in the block being asked for
   const char* end = nullptr;        // ...and that block's end
-  int64_t bytes = 0;                // of a block
+  int64_t bytes = 0;                // of a block's run of those heads
   const Item* item = nullptr;       // whose keys the last plan was for
 
   // Keys k0 .. k0 + nk of `it` (none when nk <= 0: k0 starts a block).
@@ -103,12 +103,12 @@ struct Prefetcher {
     const int64_t B = a.block_size;
     const int32_t* table = a.block_tables + it.seq * a.max_blocks_per_seq;
     rest();  // what is left of the previous plan
-    blocks.clear(), taken = 0, line = end = nullptr;
-    bytes = it.heads * B * a.head_dim * static_cast<int64_t>(sizeof(C));  // an item's heads lie side by side
+    const int64_t head_bytes = B * a.head_dim * static_cast<int64_t>(sizeof(C));
+    blocks.clear(), taken = 0, line = end = nullptr, bytes = it.heads * head_bytes;  // its heads side by side
     item = &it;
     for (const void* cache : {a.key_cache, a.value_cache})
       for (int64_t p = k0 - k0 % B; p < k0 + nk; p += B)
-        blocks.push_back(static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + it.kv_head) * (bytes / it.heads));
+        blocks.push_back(static_cast<const char*>(cache) + (table[p / B] * a.kv_heads + it.kv_head) * head_bytes);
   }
   // The empty volatile asm is a safeguard: to GCC a prefetch has no side effect, and a function made
   // only of prefetches was found pure and its calls deleted as dead code (test_codegen.py counts them).
