@@ -358,9 +358,12 @@ void gather(const AttentionArgs& a, const Item& it, int64_t kv_head, int64_t k0,
 
 // Row r of an item: KV head kv_head + r / R (R = tile_len x group rows a head), then query (r % R) / group
 // of the tile, query head r % group of that KV head's group.
-int64_t query_token(const AttentionArgs& a, const Item& it, int64_t r) {
+int64_t tile_query(const AttentionArgs& a, const Item& it, int64_t r) {
   const int64_t group = a.q_heads / a.kv_heads;
-  return a.q_starts[it.seq] + it.tile_start + r % (it.tile_len * group) / group;
+  return r % (it.tile_len * group) / group;
+}
+int64_t query_token(const AttentionArgs& a, const Item& it, int64_t r) {
+  return a.q_starts[it.seq] + it.tile_start + tile_query(a, it, r);
 }
 int64_t query_head(const AttentionArgs& a, const Item& it, int64_t r) {
   const int64_t group = a.q_heads / a.kv_heads;
@@ -370,7 +373,7 @@ int64_t query_head(const AttentionArgs& a, const Item& it, int64_t r) {
 // q rows as float, scaled; each row's position (tile_pos: the tile's first query's)
 template <typename T, typename C>
 void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t tile_pos, Scratch<C>& st) {
-  const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads;
+  const int64_t D = a.head_dim;
   st.q.resize(rows * D), st.acc.assign(rows * D, 0.f), st.p.resize(rows * st.padded);
   st.m.assign(rows, kNegInf), st.l.assign(rows, 0.f), st.keep.resize(rows);
   st.pos.resize(rows), st.visible.resize(rows);
@@ -378,7 +381,7 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + query_token(a, it, r) * a.q_stride + query_head(a, it, r) * D;
     for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = to_float(src[d]) * a.scale;
-    st.pos[r] = tile_pos + r % (it.tile_len * group) / group;
+    st.pos[r] = tile_pos + tile_query(a, it, r);
   }
   if constexpr (kRoundedQP<C>) {
     st.q2.resize(rows * D), st.p2.resize(rows * st.padded);

@@ -597,7 +597,7 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
 //
 // The first row tile of a panel pair reads its weights from DRAM; the later ones find them in L1. The
 // second row tile therefore asks for the panels the thread will take up next (`pre`: the next pair of
-// its work item, or the first pair of the item it will probably take next), so that the next first row
+// its work item, or the first pair of its next item, RangeQueue::next), so that the next first row
 // tile finds them in L2 instead of waiting on memory while the memory bus idles through the reworking.
 // Decode step of the default spec (Q4_1, int16), context 300, three alternated rounds in separate
 // processes on Zen 5: batch 8 7.6-8.3 -> 6.2-6.4 ms, batch 32 23.1-23.5 -> 21.7-22.6; batch 1 (its own
