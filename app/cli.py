@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the appliance: engine process and OpenAI-compatible HTTP server")
     serve.add_argument("-c", "--config", metavar="SPEC", help="the YAML spec (default: every default)")
     serve.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value")
+    serve.add_argument("--host", help="listen address: short for --set server.host=HOST")
+    serve.add_argument("--port", type=int, help="listen port: short for --set server.port=PORT")
     serve.set_defaults(run=_serve)
     topo = commands.add_parser("topology", help="show the CPU/NUMA/cgroup topology as the planner sees it")
     topo.add_argument("--root", default="/", help="read a captured tree instead of this machine")
@@ -183,7 +185,9 @@ def _preflight(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from app.bootstrap.serve import serve
 
-    return serve(args.config, args.set)
+    shortcuts = [f"server.{key}={value}" for key, value in (("host", args.host), ("port", args.port))
+                 if value is not None]
+    return serve(args.config, [*args.set, *shortcuts])
 
 
 def _bench_model(args: argparse.Namespace) -> int:

@@ -47,3 +47,13 @@ def test_plan_on_a_machine_without_any_memory_figure_exits_2_naming_the_files():
     result = run_cli("plan", "--root", str(TOPOLOGIES / "no-meminfo"))
     assert result.code == 2 and "Traceback" not in result.err
     assert "(machine): found no MemTotal in" in result.err and "no-meminfo/proc/meminfo" in result.err
+
+
+def test_serve_port_and_host_are_the_spec_values_they_stand_for():
+    # vLLM's and llama-server's `--port`/`--host`: short for --set server.port/host, checked by the spec
+    # before any process starts (a valid port would start the server, so the values here are invalid).
+    result = run_cli("serve", "-c", str(CONFIG / "default.yaml"), "--host", "", "--port", "70000")
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "server.port: found 70000; allowed: an integer from 1 to 65535" in result.err
+    assert "server.host: found ''" in result.err
+    assert run_cli("serve", "--port", "eighty").code == 2
