@@ -39,12 +39,13 @@ def run_engine(launches: list[RankLaunch]) -> None:
     thread_lock_for_progress_bars()
     drain = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # before loading: a reload may come at any time
+    beacon = Beacon(launch.address)  # bound now: the frontends subscribe while the model loads
     core, _ = build_core(launches)
     # What exists now lives as long as the process (modules, the model): the collector stops walking it.
     # Full collections over torch's objects were ~3% of a loaded step's samples (perf, offline engine).
     gc.freeze()
     try:
-        EngineServer(core, launch.address, launch.max_waiting_requests, drain).serve_forever()
+        EngineServer(core, launch.address, launch.max_waiting_requests, beacon, drain).serve_forever()
     finally:
         core.close()
 
@@ -118,24 +119,21 @@ def _wait_for_workers(group, workers, timeout: float = 120) -> None:
 class EngineServer:
     """The loop: receive new and aborted requests -> step -> send each worker its tokens; heartbeat."""
 
-    def __init__(self, core, address: str, max_waiting: int, drain: threading.Event | None = None):
+    def __init__(self, core, address: str, max_waiting: int, beacon: Beacon, drain: threading.Event | None = None):
         import zmq
 
-        self.core, self.max_waiting = core, max_waiting
+        self.core, self.max_waiting, self.beacon = core, max_waiting, beacon
         self.drain = drain or threading.Event()  # set: announce draining, finish what comes, then return
         self.drain_started: float | None = None
         self.last_busy = time.monotonic()
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
-        self.address = address
         self.owner: dict[str, bytes] = {}
-        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
 
     def serve_forever(self) -> None:
         """Until drained (see `drain`); a SIGTERM ends it sooner through SystemExit."""
         self._update_snapshot()
-        threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True).start()
         cfg = self.core.scheduler.cfg
         log.info("engine ready: %d KV blocks of %d tokens; max_num_seqs %d, max_num_batched_tokens %d",
                  self.core.kv.num_blocks, self.core.kv.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -221,22 +219,10 @@ class EngineServer:
         from app.engine.ipc import Heartbeat
 
         stats, kv = self.core.stats(), self.core.kv
-        self.snapshot = Heartbeat(self.drain_started is None, stats.running, stats.waiting, stats.kv_usage,
-                                  kv.num_blocks - kv.num_free_blocks(), kv.num_blocks, kv.queries, kv.hits,
-                                  self.core.scheduler.num_preemptions, self.drain_started is not None, os.getpid())
-
-    def _beat_forever(self) -> None:
-        """Publish the latest snapshot twice a second, whatever the main loop is doing."""
-        import zmq
-
-        from app.engine.ipc import encoder, heartbeat_address
-
-        beats = zmq.Context.instance().socket(zmq.PUB)
-        beats.setsockopt(zmq.LINGER, 0)
-        beats.bind(heartbeat_address(self.address))
-        while True:
-            beats.send(encoder.encode(self.snapshot))
-            time.sleep(HEARTBEAT_SECONDS)
+        self.beacon.snapshot = Heartbeat(
+            self.drain_started is None, stats.running, stats.waiting, stats.kv_usage, kv.num_blocks - kv.num_free_blocks(),
+            kv.num_blocks, kv.queries, kv.hits, self.core.scheduler.num_preemptions, self.drain_started is not None,
+            os.getpid())
 
     def _send(self, worker: bytes, message) -> None:
         import zmq
@@ -247,3 +233,42 @@ class EngineServer:
             self.socket.send_multipart([worker, encoder.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a worker that went away must not stop the engine
             log.debug("could not send to %r: %s", worker, exc)
+
+
+class Beacon:
+    """The heartbeat publisher: the latest snapshot twice a second from its own thread, whatever the main loop
+    is doing, and at once to each frontend that subscribes.
+
+    Bound before the model loads, so that the frontends are subscribed by the time the engine is ready; an
+    XPUB socket, because a plain PUB drops what it sends before a subscription has arrived (a worker that
+    connects just after the engine became ready would otherwise wait for the next beat, up to half a second
+    of every start). Nothing is sent until the main loop sets the first `snapshot`."""
+
+    WAKE_SECONDS = 0.02  # how soon the first snapshot goes out once the main loop has set it
+
+    def __init__(self, address: str):
+        import zmq
+
+        from app.engine.ipc import heartbeat_address
+
+        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
+        self.socket = zmq.Context.instance().socket(zmq.XPUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
+        self.socket.bind(heartbeat_address(address))
+        threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True).start()
+
+    def _beat_forever(self) -> None:
+        from app.engine.ipc import encoder
+
+        due = 0.0  # when the next beat goes out; 0: as soon as there is a snapshot
+        while True:
+            wait = self.WAKE_SECONDS if self.snapshot is None else max(0.0, due - time.monotonic())
+            if self.socket.poll(int(wait * 1000)):
+                while self.socket.poll(0):
+                    self.socket.recv()  # a (un)subscription: answer it with the current snapshot now
+                due = 0.0
+            snapshot = self.snapshot
+            if snapshot is not None and time.monotonic() >= due:
+                self.socket.send(encoder.encode(snapshot))
+                due = time.monotonic() + HEARTBEAT_SECONDS

@@ -4,12 +4,14 @@ The planner needs only a handful of numbers (layers, heads, parameter count), an
 the tensors' shapes, types and offsets. `gguf.GGUFReader` parses every tokenizer string into its own
 array (2-4 s for a 49k-token vocabulary, most of a cold start; a minute in the emulated NUMA guest);
 this scan steps over them. Dequantizing the types without a kernel is still `gguf`'s.
+`read_gguf_metadata` reads the arrays too, for the tokenizer's export (app/model/tokenizer.py).
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,10 +51,18 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
         return _Scanner(buf).header()
 
 
+def read_gguf_metadata(path: str | Path, string_arrays: Container[str] = ()) -> dict[str, object]:
+    """The file's metadata with its arrays as lists: numeric ones always, string ones (a vocabulary, the
+    merges) only where their key is in `string_arrays`, the others as their length."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return _Scanner(buf, string_arrays).header().metadata
+
+
 class _Scanner:
-    def __init__(self, buf: mmap.mmap):
+    def __init__(self, buf: mmap.mmap, string_arrays: Container[str] | None = None):
         self.buf = buf
         self.pos = 0
+        self.string_arrays = string_arrays  # None: every array as its length (the header's fast scan)
 
     def take(self, fmt: str) -> object:
         try:
@@ -68,14 +78,30 @@ class _Scanner:
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, kind: int) -> object:
+    def value(self, kind: int, key: str = "") -> object:
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            return self.skip_array()
+            return self.skip_array() if self.string_arrays is None else self.array(key in self.string_arrays)
         raise GGUFFormatError(f"unknown metadata value type {kind}")
+
+    def array(self, strings: bool) -> list | int:
+        """A numeric array as a list; a string array as a list if `strings`, else as its length."""
+        kind, count = self.take("I"), self.take("Q")
+        if kind in _SCALARS:
+            fmt = f"<{count}{_SCALARS[kind]}"
+            try:
+                values = list(struct.unpack_from(fmt, self.buf, self.pos))
+            except struct.error:
+                raise GGUFFormatError("the file ends inside its header") from None
+            self.pos += struct.calcsize(fmt)
+            return values
+        if kind == _STRING and strings:
+            return [self.string() for _ in range(count)]
+        self.pos -= 12  # not wanted in full: step over it
+        return self.skip_array()
 
     def skip_array(self) -> int:
         kind, count = self.take("I"), self.take("Q")
@@ -100,7 +126,7 @@ class _Scanner:
         metadata = {}
         for _ in range(kv_count):
             key = self.string()
-            metadata[key] = self.value(self.take("I"))
+            metadata[key] = self.value(self.take("I"), key)
         shapes, types, offsets = {}, {}, {}
         for _ in range(tensor_count):
             name = self.string()

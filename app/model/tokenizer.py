@@ -6,22 +6,24 @@ tokenizer once, in a short-lived process (`python -m app.model.tokenizer`), as a
 the private runtime directory, and each worker loads that with the `tokenizers` backend alone.
 
 A GGUF file's tokenizer is built by the class `AutoTokenizer` would pick, called directly:
-`AutoTokenizer` first parses the whole file's metadata with gguf-py's reader to learn the model type
-(3 s of a 5.7 s export for SmolLM2's 49k-token vocabulary on Zen 5), which our own header reader tells
-in milliseconds. The export still takes about 2 s (importing transformers and building the BPE model),
-so it is kept in a cache (`$APPLIANCE_CACHE_DIR`, default `~/.cache/llm-appliance`) keyed by the model
-file's path, size and mtime and the transformers and tokenizers versions: later starts copy it. A
-cache that cannot be written is skipped, not an error.
+`AutoTokenizer` first parses the whole file's metadata to learn the model type, which our own header
+reader tells in milliseconds. Neither that choice nor the build imports torch (`_torch_free_gguf_reader`):
+a first start's export takes about 1.3 s on a 2-core Xeon, against 3.0-3.5 s with torch imported, and
+the engine loads beside it on the same cores. The export is kept in a cache (`$APPLIANCE_CACHE_DIR`,
+default `~/.cache/llm-appliance`) keyed by the model file's path, size and mtime and the transformers
+and tokenizers versions: later starts copy it. A cache that cannot be written is skipped, not an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import sys
 import time
+import types
 from importlib.metadata import version
 from pathlib import Path
 
@@ -31,14 +33,24 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: ModelSource):
-    """The tokenizer of a GGUF file or a Hugging Face directory (imports torch through transformers)."""
+    """The tokenizer of a GGUF file or a Hugging Face directory (through `AutoTokenizer`, which imports torch,
+    except for the GGUF files of the architectures we run)."""
+    if source.format == "gguf":
+        chosen = gguf_tokenizer_class(source.path)
+        if chosen is not None:
+            with _torch_free_gguf_reader():
+                return chosen.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     from transformers import AutoTokenizer
 
     if source.format == "gguf":
-        chosen = gguf_tokenizer_class(source.path)
-        loader = chosen if chosen is not None else AutoTokenizer
-        return loader.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
     return AutoTokenizer.from_pretrained(str(source.path))
+
+
+# The class `AutoTokenizer` takes for each GGUF architecture we run (its TOKENIZER_MAPPING_NAMES; None:
+# TokenizersBackend), named here because importing that table imports torch through transformers'
+# configuration classes. tests/model/test_tokenizer_cache.py checks that the two agree.
+GGUF_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
 
 
 def gguf_tokenizer_class(path: Path):
@@ -51,22 +63,44 @@ def gguf_tokenizer_class(path: Path):
     (Qwen2Tokenizer for qwen2/qwen3) and `TokenizersBackend` where none is registered (llama, and
     "mistral", which transformers makes of a llama file whose general.name is "mistral").
     tests/model/test_tokenizer_cache.py checks that both give byte-identical exports."""
-    try:
-        from transformers import TokenizersBackend
-        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
-    except ImportError:  # a transformers whose layout differs: let AutoTokenizer decide, slowly but surely
-        return None
+    import transformers
 
-    from app.model.config import GGUF_ARCHITECTURES
     from app.model.gguf_header import read_gguf_header
 
     if any((path.parent / name).exists() for name in ("tokenizer_config.json", "tekken.json")):
         return None
-    architecture = read_gguf_header(path).metadata.get("general.architecture")
-    if architecture not in GGUF_ARCHITECTURES:
-        return None
-    name = TOKENIZER_MAPPING_NAMES.get(architecture)
-    return tokenizer_class_from_name(name) if name else TokenizersBackend
+    name = GGUF_TOKENIZER_CLASSES.get(read_gguf_header(path).metadata.get("general.architecture"))
+    return getattr(transformers, name, None) if name else None  # None: a transformers without it decides itself
+
+
+READER_MODULE = "transformers.integrations.gguf.reader"
+
+
+@contextlib.contextmanager
+def _torch_free_gguf_reader():
+    """transformers builds a GGUF file's tokenizer from the metadata that `integrations.gguf.reader` reads,
+    a module that imports torch for its other work (loading tensors): 1-2 s and ~250 MiB of an export
+    that needs none of it. While the tokenizer is built, our own reader stands in for that module; it
+    returns the same metadata (tests/model/test_gguf_header.py compares them). A transformers whose GGUF
+    tokenizer code is laid out differently uses its own reader."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer  # noqa: F401
+    except ImportError:
+        yield
+        return
+    from app.model.gguf_header import read_gguf_metadata
+
+    stand_in = types.ModuleType(READER_MODULE, "app.model.gguf_header's reader, standing in while a tokenizer is built")
+    stand_in.read_gguf_metadata = lambda path, string_arrays=(): (read_gguf_metadata(path, string_arrays), ())
+    saved = sys.modules.get(READER_MODULE)
+    sys.modules[READER_MODULE] = stand_in
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.modules.pop(READER_MODULE, None)
+        else:
+            sys.modules[READER_MODULE] = saved
 
 
 def export_tokenizer(source: ModelSource, directory: Path) -> None:

@@ -272,6 +272,8 @@ def _tokenizer(cfg: FrontendConfig):
     from app.model import tokenizer
 
     if cfg.tokenizer_dir is not None:
+        from transformers import PreTrainedTokenizerFast  # noqa: F401 (imported while the export runs: 0.5-1 s)
+
         tokenizer.wait_for_export(cfg.tokenizer_dir)  # the worker boots while the bootstrap still exports it
         return tokenizer.load_exported(cfg.tokenizer_dir)
     from pathlib import Path

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -83,6 +85,29 @@ def test_the_direct_class_exports_what_autotokenizer_does(arch, tmp_path):
         assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
     text = "Héllo wörld 123 <|im_start|>user\n  spaces\ttabs 😀"
     assert direct(text).input_ids == reference(text).input_ids
+
+
+def test_the_classes_named_for_gguf_files_are_autotokenizers_choice():
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from app.model.config import GGUF_ARCHITECTURES
+
+    assert set(tokenizer.GGUF_TOKENIZER_CLASSES) == set(GGUF_ARCHITECTURES)
+    for architecture, name in tokenizer.GGUF_TOKENIZER_CLASSES.items():
+        assert name == (TOKENIZER_MAPPING_NAMES.get(architecture) or "TokenizersBackend"), architecture
+
+
+def test_the_export_does_not_import_torch(tmp_path):
+    """torch is 1-2 s and ~250 MiB of a process that only converts a vocabulary, beside the engine's start."""
+    script = ("import sys; from app.model.tokenizer import main; main(sys.argv[1:]); "
+              "print(sorted(m for m in ('torch', 'transformers.integrations.gguf.reader') if m in sys.modules))")
+    out = tmp_path / "tokenizer"
+    done = subprocess.run([sys.executable, "-c", script, str(resolve_source(ModelSpec()).path), "gguf", "m", str(out)],
+                          env=dict(os.environ, APPLIANCE_CACHE_DIR=str(tmp_path / "cache")), capture_output=True,
+                          text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    fast = tokenizer.load_exported(out)
+    assert fast("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
 
 
 def test_a_tokenizer_config_beside_the_file_leaves_the_choice_to_autotokenizer(tmp_path):

@@ -60,3 +60,29 @@ def test_an_engine_restarted_faster_than_dead_after_fails_its_requests_and_shows
             beats.close(0)
 
     asyncio.run(scenario())
+
+
+def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monkeypatch):
+    """The engine's heartbeat publisher answers each new subscription with its current snapshot: a frontend
+    worker that connects after the engine became ready must not wait for the next beat (half a second of
+    every start, before). With beats 60 s apart, only that answer can make the client ready in time."""
+    from app.engine import process
+
+    monkeypatch.setattr(process, "HEARTBEAT_SECONDS", 60.0)
+    address = f"ipc://{tmp_path}/engine"
+    beacon = process.Beacon(address)
+    beacon.snapshot = Heartbeat(ready=True, incarnation=7)
+    time.sleep(0.2)  # the first beat went out, to no one
+
+    async def scenario():
+        clients = [EngineClient(address, replica=0), EngineClient(address, replica=1)]
+        try:
+            for client in clients:  # the second subscription is answered too (XPUB_VERBOSE)
+                await client.start()
+                await _until(client.ready, 10.0)
+                assert client.stats.incarnation == 7
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(scenario())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.model.footprint import read_footprint
-from app.model.gguf_header import GGUFFormatError, read_gguf_header
+from app.model.gguf_header import GGUFFormatError, read_gguf_header, read_gguf_metadata
 from app.model.source import ModelSource, resolve_source
 from app.spec.schema import ModelSpec
 from tests.conftest import SMOLLM2
@@ -42,6 +42,20 @@ def test_header_scan_agrees_with_gguf_reader(smollm2_path):
         assert ours.tensor_shapes[tensor.name] == tuple(int(d) for d in tensor.shape)
         assert ours.tensor_types[tensor.name] == int(tensor.tensor_type)
         assert ours.tensor_offsets[tensor.name] == tensor.data_offset  # the loader reads the bytes from here
+
+
+def test_the_metadata_with_its_arrays_is_what_transformers_reads(smollm2_path):
+    """The tokenizer's export reads the file with `read_gguf_metadata` in place of transformers' own reader
+    (app/model/tokenizer.py): the same keys and values, arrays in full where transformers has them in full."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata as transformers_reader
+
+    wanted = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+    ours = read_gguf_metadata(smollm2_path, wanted)
+    reference, _ = transformers_reader(str(smollm2_path), wanted)
+    assert ours == reference
+    assert len(ours["tokenizer.ggml.tokens"]) == 49152 and ours["tokenizer.ggml.tokens"][1] == "<|im_start|>"
+    assert len(ours["tokenizer.ggml.token_type"]) == 49152  # a numeric array: in full though not named
+    assert read_gguf_metadata(smollm2_path)["tokenizer.ggml.merges"] == 48900  # not named: its length
 
 
 def test_smollm2_footprint(smollm2_path):
