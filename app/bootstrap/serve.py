@@ -201,7 +201,9 @@ class Supervisor:
                 return 1
             if not ready_logged and self._healthy():
                 Path(self.frontend_cfg.started_marker).touch()  # from now on, a replica down is "degraded"
-                log.info("ready: serving %s on http://%s:%d", self.frontend_cfg.served_name, self.host, self.port)
+                took = _seconds_since_start()
+                log.info("ready%s: serving %s on http://%s:%d", f" in {took:.1f} s" if took is not None else "",
+                         self.frontend_cfg.served_name, self.host, self.port)
                 ready_logged = True
             self._reap_orphans()
             time.sleep(0.2)
@@ -449,6 +451,16 @@ def _api_key(spec) -> str | None:
         raise SpecError([Problem("server.api_key.env", "the name of a set, non-empty environment variable",
                                  Described(f"{spec.env}, which is not set"))])
     return value
+
+
+def _seconds_since_start() -> float | None:
+    """Since this process was started: the command, before preflight re-executed it (the same pid)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        started = int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+        return float(Path("/proc/uptime").read_text().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _frontend_child(cpus: tuple[int, ...]) -> None:

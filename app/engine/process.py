@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from app.engine.launch import RankLaunch
 
@@ -39,8 +40,8 @@ def run_engine(launches: list[RankLaunch]) -> None:
     thread_lock_for_progress_bars()
     drain = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # before loading: a reload may come at any time
-    beacon = Beacon(launch.address)  # bound now: the frontends subscribe while the model loads
-    core, _ = build_core(launches)
+    beacon = Beacon(launch.address)
+    core, _ = build_core(launches, before_load=beacon.open)  # the frontends subscribe while the model loads
     # What exists now lives as long as the process (modules, the model): the collector stops walking it.
     # Full collections over torch's objects were ~3% of a loaded step's samples (perf, offline engine).
     gc.freeze()
@@ -50,9 +51,11 @@ def run_engine(launches: list[RankLaunch]) -> None:
         core.close()
 
 
-def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = False):
-    """Rank 0 of a replica: start its TP workers (if any), pin and bind this process as the plan says,
-    load this rank's shard, and build the EngineCore. Returns (core, LoadedModel)."""
+def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = False,
+               before_load: Callable[[], None] | None = None):
+    """Rank 0 of a replica: start its TP workers (if any), pin and bind this process as the plan says, call
+    `before_load` (threads it starts have the binding), load this rank's shard, and build the EngineCore.
+    Returns (core, LoadedModel)."""
     from pathlib import Path
 
     import torch
@@ -78,6 +81,8 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
             for line in kernels.bind_threads(placement.cpus, placement.memory_nodes, placement.interleave).splitlines():
                 log.info("binding: %s", line.strip())
         log.info("kernels: %s; torch threads: %d", kernels.isa(), torch.get_num_threads())
+        if before_load is not None:
+            before_load()
         m = launch.model
         loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=tokenizer,
                             quantized=m.quantized, group=group, rank=0, size=launch.tp,
@@ -239,23 +244,27 @@ class Beacon:
     """The heartbeat publisher: the latest snapshot twice a second from its own thread, whatever the main loop
     is doing, and at once to each frontend that subscribes.
 
-    Bound before the model loads, so that the frontends are subscribed by the time the engine is ready; an
-    XPUB socket, because a plain PUB drops what it sends before a subscription has arrived (a worker that
-    connects just after the engine became ready would otherwise wait for the next beat, up to half a second
-    of every start). Nothing is sent until the main loop sets the first `snapshot`."""
+    Opened before the model loads (`open`, once the process is pinned: its thread and ZeroMQ's inherit the
+    binding), so that the frontends are subscribed by the time the engine is ready; an XPUB socket, because
+    a plain PUB drops what it sends before a subscription has arrived (a worker that connects just after the
+    engine became ready would otherwise wait for the next beat, up to half a second of every start). Nothing
+    is sent until the main loop sets the first `snapshot`."""
 
     WAKE_SECONDS = 0.02  # how soon the first snapshot goes out once the main loop has set it
 
     def __init__(self, address: str):
+        self.address = address
+        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
+
+    def open(self) -> None:
         import zmq
 
         from app.engine.ipc import heartbeat_address
 
-        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
         self.socket = zmq.Context.instance().socket(zmq.XPUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
-        self.socket.bind(heartbeat_address(address))
+        self.socket.bind(heartbeat_address(self.address))
         threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True).start()
 
     def _beat_forever(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -37,7 +38,13 @@ def _status(app: Appliance, method: str, path: str) -> int | str:
 
 
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(tmp_path):
+    launched = time.monotonic()
     app = Appliance(tmp_path).wait_ready()
+    deadline = time.monotonic() + 10  # the supervisor logs it on its next look at /health
+    while (ready_in := re.search(r"ready in ([0-9.]+) s: serving", app.logs())) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # counted from the command's start, its re-execution with the preloads included
+    assert ready_in is not None and 0 < float(ready_in.group(1)) <= time.monotonic() - launched + 0.05, app.logs()[-3000:]
     out: dict = {}
     worker = threading.Thread(target=_stream, args=(app, out))
     worker.start()

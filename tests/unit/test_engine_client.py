@@ -71,6 +71,7 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
     monkeypatch.setattr(process, "HEARTBEAT_SECONDS", 60.0)
     address = f"ipc://{tmp_path}/engine"
     beacon = process.Beacon(address)
+    beacon.open()
     beacon.snapshot = Heartbeat(ready=True, incarnation=7)
     time.sleep(0.2)  # the first beat went out, to no one
 
