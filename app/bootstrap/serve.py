@@ -454,13 +454,15 @@ def _api_key(spec) -> str | None:
 
 
 def _seconds_since_start() -> float | None:
-    """Since this process was started: the command, before preflight re-executed it (the same pid)."""
+    """Since this process was started: the command, before preflight re-executed it (the same pid). None where
+    /proc cannot tell (lxcfs gives a container its own /proc/uptime, but not its own start times)."""
     try:
         stat = Path("/proc/self/stat").read_text()
         started = int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
-        return float(Path("/proc/uptime").read_text().split()[0]) - started
+        took = float(Path("/proc/uptime").read_text().split()[0]) - started
     except (OSError, ValueError, IndexError):
         return None
+    return took if took >= 0 else None
 
 
 def _frontend_child(cpus: tuple[int, ...]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ def run_engine(launches: list[RankLaunch]) -> None:
     try:
         EngineServer(core, launch.address, launch.max_waiting_requests, beacon, drain).serve_forever()
     finally:
+        beacon.close()
         core.close()
 
 
@@ -224,10 +226,10 @@ class EngineServer:
         from app.engine.ipc import Heartbeat
 
         stats, kv = self.core.stats(), self.core.kv
-        self.beacon.snapshot = Heartbeat(
-            self.drain_started is None, stats.running, stats.waiting, stats.kv_usage, kv.num_blocks - kv.num_free_blocks(),
-            kv.num_blocks, kv.queries, kv.hits, self.core.scheduler.num_preemptions, self.drain_started is not None,
-            os.getpid())
+        self.beacon.publish(Heartbeat(
+            self.drain_started is None, stats.running, stats.waiting, stats.kv_usage,
+            kv.num_blocks - kv.num_free_blocks(), kv.num_blocks, kv.queries, kv.hits,
+            self.core.scheduler.num_preemptions, self.drain_started is not None, os.getpid()))
 
     def _send(self, worker: bytes, message) -> None:
         import zmq
@@ -254,7 +256,10 @@ class Beacon:
 
     def __init__(self, address: str):
         self.address = address
-        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by the main loop
+        self.snapshot = None  # the latest Heartbeat; replaced (never mutated) by `publish`
+        self.socket = None
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def open(self) -> None:
         import zmq
@@ -265,15 +270,27 @@ class Beacon:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
         self.socket.bind(heartbeat_address(self.address))
-        threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True).start()
+        self.thread = threading.Thread(target=self._beat_forever, name="heartbeat", daemon=True)
+        self.thread.start()
+
+    def publish(self, snapshot) -> None:
+        """The Heartbeat to send from now on (the first one goes out at once)."""
+        self.snapshot = snapshot
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.stopping.set()
+            self.thread.join()
+            self.socket.close(0)
+            self.thread = None
 
     def _beat_forever(self) -> None:
         from app.engine.ipc import encoder
 
         due = 0.0  # when the next beat goes out; 0: as soon as there is a snapshot
-        while True:
+        while not self.stopping.is_set():
             wait = self.WAKE_SECONDS if self.snapshot is None else max(0.0, due - time.monotonic())
-            if self.socket.poll(int(wait * 1000)):
+            if self.socket.poll(min(math.ceil(wait * 1000), 100)):  # a stop is seen within 0.1 s
                 while self.socket.poll(0):
                     self.socket.recv()  # a (un)subscription: answer it with the current snapshot now
                 due = 0.0

@@ -40,7 +40,7 @@ class GGUFFormatError(ValueError):
 @dataclass(frozen=True)
 class GGUFHeader:
     version: int
-    metadata: dict[str, object]  # scalars and strings; arrays as their length only
+    metadata: dict[str, object]  # scalars and strings; arrays as their length only (but `read_gguf_metadata`)
     tensor_shapes: dict[str, tuple[int, ...]]
     tensor_types: dict[str, int]  # ggml type id per tensor
     tensor_offsets: dict[str, int]  # where each tensor's data starts in the file (bytes, absolute)
@@ -72,11 +72,11 @@ class _Scanner:
         self.pos += struct.calcsize(fmt)
         return value
 
-    def string(self) -> str:
+    def string(self, errors: str = "replace") -> str:
         length = self.take("Q")
         raw = self.buf[self.pos:self.pos + length]
         self.pos += length
-        return raw.decode("utf-8", errors="replace")
+        return raw.decode("utf-8", errors=errors)
 
     def value(self, kind: int, key: str = "") -> object:
         if kind in _SCALARS:
@@ -99,12 +99,16 @@ class _Scanner:
             self.pos += struct.calcsize(fmt)
             return values
         if kind == _STRING and strings:
-            return [self.string() for _ in range(count)]
-        self.pos -= 12  # not wanted in full: step over it
-        return self.skip_array()
+            try:
+                return [self.string(errors="strict") for _ in range(count)]  # a vocabulary: exact, or an error
+            except UnicodeDecodeError as exc:
+                raise GGUFFormatError(f"a string of a metadata array is not UTF-8: {exc}") from None
+        return self.skip_values(kind, count)
 
     def skip_array(self) -> int:
-        kind, count = self.take("I"), self.take("Q")
+        return self.skip_values(self.take("I"), self.take("Q"))
+
+    def skip_values(self, kind: int, count: int) -> int:
         if kind in _SCALARS:
             self.pos += count * struct.calcsize(_SCALARS[kind])
         elif kind == _STRING:  # a vocabulary: step over each string without decoding it

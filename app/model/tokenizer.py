@@ -16,7 +16,6 @@ and tokenizers versions: later starts copy it. A cache that cannot be written is
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -38,8 +37,9 @@ def load_tokenizer(source: ModelSource):
     if source.format == "gguf":
         chosen = gguf_tokenizer_class(source.path)
         if chosen is not None:
-            with _torch_free_gguf_reader():
-                return chosen.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+            built = _build_without_torch(chosen, source.path) if "torch" not in sys.modules else None
+            return built if built is not None else chosen.from_pretrained(str(source.path.parent),
+                                                                          gguf_file=source.path.name)
     from transformers import AutoTokenizer
 
     if source.format == "gguf":
@@ -76,26 +76,29 @@ def gguf_tokenizer_class(path: Path):
 READER_MODULE = "transformers.integrations.gguf.reader"
 
 
-@contextlib.contextmanager
-def _torch_free_gguf_reader():
-    """transformers builds a GGUF file's tokenizer from the metadata that `integrations.gguf.reader` reads,
-    a module that imports torch for its other work (loading tensors): 1-2 s and ~250 MiB of an export
-    that needs none of it. While the tokenizer is built, our own reader stands in for that module; it
-    returns the same metadata (tests/model/test_gguf_header.py compares them). A transformers whose GGUF
-    tokenizer code is laid out differently uses its own reader."""
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import get_gguf_tokenizer  # noqa: F401
-    except ImportError:
-        yield
-        return
+def _build_without_torch(chosen, path: Path):
+    """`chosen.from_pretrained` on a GGUF file without importing torch, or None if that failed.
+
+    transformers builds a GGUF file's tokenizer from the metadata that `integrations.gguf.reader` reads, a
+    module that imports torch for its other work (loading tensors): 1-2 s and ~200 MiB of an export that
+    needs none of it. While the tokenizer is built, our own reader stands in for that module; it returns the
+    same metadata (tests/unit/test_model_info.py compares them). Should a transformers release use the
+    module otherwise, the build fails here and the caller builds the tokenizer the usual way."""
     from app.model.gguf_header import read_gguf_metadata
 
+    def metadata_and_no_tensor_names(gguf_path, string_arrays=()):
+        return read_gguf_metadata(gguf_path, string_arrays), ()
+
     stand_in = types.ModuleType(READER_MODULE, "app.model.gguf_header's reader, standing in while a tokenizer is built")
-    stand_in.read_gguf_metadata = lambda path, string_arrays=(): (read_gguf_metadata(path, string_arrays), ())
+    stand_in.read_gguf_metadata = metadata_and_no_tensor_names
     saved = sys.modules.get(READER_MODULE)
     sys.modules[READER_MODULE] = stand_in
     try:
-        yield
+        return chosen.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001 (the usual way, next, raises what is really wrong, if anything)
+        log.warning("building the tokenizer of %s without torch failed (%s: %s); building it with transformers' "
+                    "own GGUF reader", path, type(exc).__name__, exc)
+        return None
     finally:
         if saved is None:
             sys.modules.pop(READER_MODULE, None)

@@ -57,11 +57,25 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
 
 
+def _export_in_a_fresh_interpreter(path: Path, out: Path, cache: Path) -> list[str]:
+    """`python -m app.model.tokenizer`, as the bootstrap runs it; returns which of torch and transformers'
+    GGUF reader the export imported."""
+    script = ("import sys; from app.model.tokenizer import main; main(sys.argv[1:]); "
+              f"print(' '.join(m for m in ('torch', {tokenizer.READER_MODULE!r}) if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script, str(path), "gguf", "m", str(out)],
+                          env=dict(os.environ, APPLIANCE_CACHE_DIR=str(cache)), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_the_direct_class_exports_what_autotokenizer_does(arch, tmp_path):
-    """`load_tokenizer` skips AutoTokenizer's full metadata parse by calling the class it would pick;
-    the files written must be the same, byte for byte, as AutoTokenizer's own. ("mistral": a llama file
-    whose general.name is "mistral", which transformers reads as a Mistral model.)"""
+def test_the_export_writes_what_autotokenizer_does_without_importing_torch(arch, tmp_path):
+    """The export builds the class AutoTokenizer would pick, directly, with our GGUF reader standing in for
+    transformers' (which imports torch: 1-2 s and ~200 MiB beside the engine's start); the files written must
+    be the same, byte for byte, as AutoTokenizer's own. In a process that has torch already (the engine's,
+    this one), the class is built with transformers' reader: the same again. ("mistral": a llama file whose
+    general.name is "mistral", which transformers reads as a Mistral model.)"""
     from transformers import AutoTokenizer
 
     default = resolve_source(ModelSpec()).path
@@ -74,17 +88,20 @@ def test_the_direct_class_exports_what_autotokenizer_does(arch, tmp_path):
                           heads=4, kv_heads=2, vocab=49152, qkv_bias=arch == "qwen2", tokenizer_of=default,
                           model_name="mistral" if arch == "mistral" else None)
     assert tokenizer.gguf_tokenizer_class(path) is not None
-    direct = tokenizer.load_tokenizer(ModelSource(path, "gguf", "m"))
+    assert _export_in_a_fresh_interpreter(path, tmp_path / "exported", tmp_path / "cache") == []
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    assert type(direct) is type(reference)
-    direct.save_pretrained(str(tmp_path / "direct"))
     reference.save_pretrained(str(tmp_path / "reference"))
+    in_process = tokenizer.load_tokenizer(ModelSource(path, "gguf", "m"))
+    assert type(in_process) is type(reference)
+    in_process.save_pretrained(str(tmp_path / "in-process"))
     names = sorted(os.listdir(tmp_path / "reference"))
-    assert sorted(os.listdir(tmp_path / "direct")) == names and "tokenizer.json" in names
-    for name in names:
-        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+    assert "tokenizer.json" in names
+    for written in ("exported", "in-process"):
+        assert sorted(os.listdir(tmp_path / written)) == names, written
+        for name in names:
+            assert (tmp_path / written / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
     text = "Héllo wörld 123 <|im_start|>user\n  spaces\ttabs 😀"
-    assert direct(text).input_ids == reference(text).input_ids
+    assert tokenizer.load_exported(tmp_path / "exported")(text).input_ids == reference(text).input_ids
 
 
 def test_the_classes_named_for_gguf_files_are_autotokenizers_choice():
@@ -97,17 +114,20 @@ def test_the_classes_named_for_gguf_files_are_autotokenizers_choice():
         assert name == (TOKENIZER_MAPPING_NAMES.get(architecture) or "TokenizersBackend"), architecture
 
 
-def test_the_export_does_not_import_torch(tmp_path):
-    """torch is 1-2 s and ~250 MiB of a process that only converts a vocabulary, beside the engine's start."""
-    script = ("import sys; from app.model.tokenizer import main; main(sys.argv[1:]); "
-              "print(sorted(m for m in ('torch', 'transformers.integrations.gguf.reader') if m in sys.modules))")
-    out = tmp_path / "tokenizer"
-    done = subprocess.run([sys.executable, "-c", script, str(resolve_source(ModelSpec()).path), "gguf", "m", str(out)],
-                          env=dict(os.environ, APPLIANCE_CACHE_DIR=str(tmp_path / "cache")), capture_output=True,
-                          text=True, timeout=300, check=True)
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr
-    fast = tokenizer.load_exported(out)
-    assert fast("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
+def test_a_failed_build_without_torch_leaves_transformers_reader_in_place(monkeypatch, caplog):
+    """Should a transformers release use its GGUF reader otherwise, the build under the stand-in fails: it
+    says so and gives way (the caller builds it with transformers' reader), and the module table is as it was."""
+    from app.model import gguf_header
+
+    def unreadable(*_args):
+        raise KeyError("a key this stand-in does not know")
+
+    monkeypatch.setattr(gguf_header, "read_gguf_metadata", unreadable)
+    path = resolve_source(ModelSpec()).path
+    before = sys.modules.get(tokenizer.READER_MODULE)
+    assert tokenizer._build_without_torch(tokenizer.gguf_tokenizer_class(path), path) is None
+    assert sys.modules.get(tokenizer.READER_MODULE) is before
+    assert "without torch failed (KeyError" in caplog.text
 
 
 def test_a_tokenizer_config_beside_the_file_leaves_the_choice_to_autotokenizer(tmp_path):

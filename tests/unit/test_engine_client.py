@@ -72,7 +72,7 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
     address = f"ipc://{tmp_path}/engine"
     beacon = process.Beacon(address)
     beacon.open()
-    beacon.snapshot = Heartbeat(ready=True, incarnation=7)
+    beacon.publish(Heartbeat(ready=True, incarnation=7))
     time.sleep(0.2)  # the first beat went out, to no one
 
     async def scenario():
@@ -86,4 +86,9 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
             for client in clients:
                 await client.close()
 
-    asyncio.run(scenario())
+    thread = beacon.thread
+    try:
+        asyncio.run(scenario())
+    finally:
+        beacon.close()
+    assert not thread.is_alive()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import gguf
 import numpy as np
@@ -56,6 +57,18 @@ def test_the_metadata_with_its_arrays_is_what_transformers_reads(smollm2_path):
     assert len(ours["tokenizer.ggml.tokens"]) == 49152 and ours["tokenizer.ggml.tokens"][1] == "<|im_start|>"
     assert len(ours["tokenizer.ggml.token_type"]) == 49152  # a numeric array: in full though not named
     assert read_gguf_metadata(smollm2_path)["tokenizer.ggml.merges"] == 48900  # not named: its length
+
+
+def test_a_vocabulary_that_is_not_utf8_is_an_error_not_a_guess(tmp_path):
+    """Decoded loosely, two bad tokens would both become U+FFFD and shift the vocabulary's ids."""
+    bad = tmp_path / "bad.gguf"
+    key = b"tokenizer.ggml.tokens"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                    + struct.pack("<IIQ", 9, 8, 2) + struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 2) + b"\xff\xfe")
+    assert read_gguf_header(bad).metadata[key.decode()] == 2  # the fast scan steps over it
+    assert read_gguf_metadata(bad)[key.decode()] == 2  # not asked for in full
+    with pytest.raises(GGUFFormatError, match="not UTF-8"):
+        read_gguf_metadata(bad, (key.decode(),))
 
 
 def test_smollm2_footprint(smollm2_path):
