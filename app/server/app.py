@@ -191,7 +191,12 @@ class Gate:
 
 
 async def models(request: Request) -> Response:
+    """The served model, once an engine can take requests: clients (vLLM's benchmark among them) poll this
+    route to wait for a server, then send; before that it is a 503, as the completions routes are."""
     ctx = request.app.state.ctx
+    if not ctx.engine.ready():
+        raise APIError(503, f"the engine is {ctx.engine.state()}; the model is listed once it can serve", None,
+                       "engine_unavailable")
     return JSONResponse({"object": "list", "data": [{"id": ctx.served_name, "object": "model", "created": ctx.created,
                                                      "owned_by": "appliance", "max_model_len": ctx.max_model_len}]})
 

@@ -92,3 +92,29 @@ def test_killing_the_engine_fails_health_and_requests_and_exits_non_zero(tmp_pat
     assert "engine" in tail or "error" in tail.lower(), tail  # the stream was failed, not left hanging
     assert "the engine process exited" in app.logs()
     app.stop()
+
+
+def test_the_model_is_listed_only_once_the_engine_can_serve(tmp_path):
+    """Clients (vLLM's benchmark among them) poll /v1/models until it answers, then send their requests: while
+    the engine starts it answers 503, as the completions do, so the first request after a listing is served."""
+    app = Appliance(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and app.process.poll() is None, app.logs()[-3000:]
+            try:
+                listing = httpx.get(app.url + "/v1/models", timeout=5)
+            except httpx.ConnectError:  # the frontend is not listening yet
+                time.sleep(0.05)
+                continue
+            if listing.status_code == 200:
+                break
+            assert listing.status_code == 503, listing.text
+            assert listing.json()["error"]["code"] == "engine_unavailable", listing.text
+            time.sleep(0.05)
+        model = listing.json()["data"][0]["id"]
+        done = httpx.post(app.url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1},
+                          timeout=60)
+        assert done.status_code == 200, done.text
+    finally:
+        app.stop()
