@@ -7,9 +7,9 @@ the private runtime directory, and each worker loads that with the `tokenizers` 
 
 A GGUF file's tokenizer is built by the class `AutoTokenizer` would pick, called directly:
 `AutoTokenizer` first parses the whole file's metadata to learn the model type, which our own header
-reader tells in milliseconds. Neither that choice nor the build imports torch (`_torch_free_gguf_reader`):
-a first start's export takes about 1.3 s on a 2-core Xeon, against 3.0-3.5 s with torch imported, and
-the engine loads beside it on the same cores. The export is kept in a cache (`$APPLIANCE_CACHE_DIR`,
+reader tells in milliseconds. Neither that choice nor the build imports torch (`_build_without_torch`):
+a first start's export takes about 1.4 s on a 2-core Xeon, against 3.0 s with torch imported, and the
+engine loads beside it on the same cores. The export is kept in a cache (`$APPLIANCE_CACHE_DIR`,
 default `~/.cache/llm-appliance`) keyed by the model file's path, size and mtime and the transformers
 and tokenizers versions: later starts copy it. A cache that cannot be written is skipped, not an error.
 """
