@@ -81,7 +81,7 @@ def main() -> None:
     if args.layers < 1:
         parser.error(f"--layers must be at least 1, not {args.layers}")
     cpus = sorted(os.sched_getaffinity(0))
-    print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
+    print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.describe()}", flush=True)
     kv = DTYPES[args.kv_dtype] if args.kv_dtype else None
     cache = f" ({args.kv_dtype} cache)" if args.kv_dtype else ""
     layers = f" x {args.layers} layers" if args.layers > 1 else ""

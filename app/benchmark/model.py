@@ -87,7 +87,7 @@ def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int
         chunk: int | None = None, quantized: list[str] = ("keep",), activations: list[str] = ("int16",),
         kv_dtype: str | None = None, native_stack: bool = True) -> list[Result]:
     cpus = sorted(os.sched_getaffinity(0))
-    print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.isa()}", flush=True)
+    print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.describe()}", flush=True)
     results = []
     variants = [(q, a) for q in quantized for a in (activations if q == "keep" else activations[:1])]
     for dtype in dtypes:

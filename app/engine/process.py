@@ -82,7 +82,7 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
             placement = launch.placement
             for line in kernels.bind_threads(placement.cpus, placement.memory_nodes, placement.interleave).splitlines():
                 log.info("binding: %s", line.strip())
-        log.info("kernels: %s; torch threads: %d", kernels.isa(), torch.get_num_threads())
+        log.info("kernels: %s; torch threads: %d", kernels.describe(), torch.get_num_threads())
         if before_load is not None:
             before_load()
         m = launch.model

@@ -241,6 +241,39 @@ def use_isa(name: str) -> Iterator[None]:
         _native.select_isa(previous)
 
 
+def bf16_dot() -> bool:
+    """Whether the avx512bf16 kernels multiply bfloat16 pairs with vdpbf16ps (attention against a bfloat16
+    cache, BF16 weights times bfloat16 activations) rather than float32 FMAs; see `bf16_dot_ratio`."""
+    return _native.bf16_dot()
+
+
+def bf16_dot_ratio() -> float:
+    """vdpbf16ps' issue rate over vfmadd231ps', measured once per process (0.0 without AVX512-BF16). It makes
+    twice the products an instruction, so from 0.5 up it is the faster of the two (`bf16_dot` under "auto")."""
+    return _native.bf16_dot_ratio()
+
+
+@contextmanager
+def use_bf16_dot(mode: str) -> Iterator[None]:
+    """Inside the block, "on" / "off" force vdpbf16ps or the FMAs, "auto" measures (tests compare both)."""
+    previous = _native.bf16_dot_mode()
+    _native.set_bf16_dot(mode)
+    try:
+        yield
+    finally:
+        _native.set_bf16_dot(previous)
+
+
+def describe() -> str:
+    """The kernels in use, for logs: the ISA and, with AVX512-BF16, how bfloat16 pairs are multiplied."""
+    name = _native.isa()
+    if name != "avx512bf16":
+        return name
+    ratio = _native.bf16_dot_ratio()
+    how = "vdpbf16ps" if _native.bf16_dot() else "float32 FMAs"
+    return f"{name} (bfloat16 pairs on {how}; vdpbf16ps issues at {ratio:.2f}x an FMA's rate here)"
+
+
 class DecoderStack:
     """A Llama-family layer stack run in one native call a step (native/include/decoder.h): kept-quantized
     linears with quantized activations, on this rank's heads; `group` is the native tensor-parallel group

@@ -232,6 +232,7 @@ struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
   void packed_linear(const PackedLinearArgs&);   \
   void packed_rows(const PackedRowsArgs&);       \
   void dequantize(const DequantArgs&);           \
+  double bf16_dot_issue_ratio();                 \
   }
 
 APPLIANCE_DECLARE_KERNELS(avx512bf16)
@@ -260,5 +261,17 @@ const KernelTable& kernels();
 const char* best_isa();                 // the best ISA this CPU and this build support
 const char* const* compiled_isas();     // null-terminated list of the ISAs compiled in
 bool select_isa(const char* name);      // false if unknown, not compiled in, or unsupported here
+
+// Whether the avx512bf16 kernels multiply bfloat16 pairs with vdpbf16ps (attention against a bfloat16 cache,
+// BF16 weights times bfloat16 x) or widen them to float32 for FMAs, as the avx512 kernels do. vdpbf16ps
+// makes 32 products an instruction, an FMA 16; but some CPUs issue it at a quarter of the FMA's rate (an
+// Intel Xeon, family 6 model 207: 1.39 G/s a core against 5.47), and there the FMAs are faster (prefill
+// attention 1.4x) and keep q, p and x unrounded. `auto` (the default) measures both instructions' issue
+// rates once per process (bf16_dot_issue_ratio, ~1 ms) and uses vdpbf16ps from half the FMA's rate up.
+enum class Bf16Dot : int { automatic = 0, on = 1, off = 2 };
+void set_bf16_dot(Bf16Dot mode);
+Bf16Dot bf16_dot_mode();
+bool bf16_dot();             // the choice in force (measured on first use under `automatic`)
+double bf16_dot_ratio();     // vdpbf16ps' issue rate over vfmadd231ps' (measured; 0 without AVX512-BF16)
 
 }  // namespace appliance

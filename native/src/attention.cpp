@@ -7,9 +7,9 @@
 //   - bfloat16: the same, with neighbours paired in 32-bit lanes: keys [D/2, B, 2] (features d, d + 1 of
 //     a key side by side), values [B/2, D, 2] (keys j, j + 1 of a feature side by side). A 64-byte load
 //     is 16 lanes of pairs: vdpbf16ps's operand (q or p pair broadcast, two products a lane) where the
-//     CPU has AVX512-BF16, else widened to float32 by a shift and a mask, no conversion instructions.
-//     With vdpbf16ps q and p are rounded to bfloat16 first (the cache already is); elsewhere the
-//     arithmetic is float32 throughout.
+//     CPU has AVX512-BF16 and issues it at least half as fast as an FMA (kernels.h, bf16_dot), else
+//     widened to float32 by a shift and a mask, no conversion instructions. With vdpbf16ps q and p are
+//     rounded to bfloat16 first (the cache already is); elsewhere the arithmetic is float32 throughout.
 //
 // One work item is (sequence, KV heads, tile of up to kQueryTile new queries, range of keys): every KV
 // head of the sequence, or one where that leaves too few items (decode of a sequence or two). For each
@@ -56,12 +56,13 @@ constexpr bool kPortable = APPLIANCE_ISA_ID == APPLIANCE_ISA_portable;
 constexpr bool kAvx512 = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512;
 constexpr int kRows = kPortable ? 1 : 4, kCols = kPortable ? 1 : 2;
 constexpr int kPairRows = kAvx512 ? 4 : APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2 ? 3 : 1, kPairCols = kAvx512 ? 2 : 1;
-// What q and p are multiplied as against a bfloat16 cache: bfloat16 pairs for vdpbf16ps, else float32.
-using PairX = std::conditional_t<APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16, bf16, float>;
+// Against a bfloat16 cache, q and p are multiplied as bfloat16 pairs (vdpbf16ps: kRound) where the CPU has
+// AVX512-BF16 and issues it fast enough (kernels.h, bf16_dot), else as float32.
+constexpr bool kHasBf16Dot = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16;
 
 template <typename C> constexpr int64_t kVectorKeys = std::is_same_v<C, bf16> ? 16 : N;  // keys in a vector
-// q and p take a bfloat16 copy (Scratch::q2, p2) only against a bfloat16 cache, on a CPU with vdpbf16ps
-template <typename C> constexpr bool kRoundedQP = std::is_same_v<C, bf16> && std::is_same_v<PairX, bf16>;
+// q and p take a bfloat16 copy (Scratch::q2, p2) only against a bfloat16 cache, when vdpbf16ps is in use
+template <typename C, bool kRound> constexpr bool kRoundedQP = std::is_same_v<C, bf16> && kRound;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -140,7 +141,7 @@ struct Scratch {
   std::vector<const C*> vrow;             // value rows in the cache: [KT] rows (float32), [KT / 2] row pairs (bfloat16)
   std::vector<float> bias, ones;          // [2 KP]: 0.. then -inf..; 1.. then 0..: slid by a row's visible keys
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
-  std::vector<PairX> q2, p2;                 // q and p rounded to bfloat16, used when kRoundedQP<C>
+  std::vector<bf16> q2, p2;                  // q and p rounded to bfloat16, used when kRoundedQP<C, kRound>
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
   Prefetcher prefetch;
 };
@@ -176,9 +177,10 @@ void score_block(const float* q, int64_t D, const KeyVector<float>* v, float* s,
     for (int c = 0; c < C; ++c) acc[r][c].store(s + r * np + c * N);
 }
 
-// the same for a bfloat16 cache: 16 keys a vector, features two at a time; q: [R, D] as PairX
-template <int R, int C>
-void score_block(const PairX* q, int64_t D, const KeyVector<bf16>* v, float* s, int64_t np, Prefetcher& pf) {
+// the same for a bfloat16 cache: 16 keys a vector, features two at a time; q: [R, D] as bfloat16 (for
+// vdpbf16ps) or float32
+template <int R, int C, typename X>
+void score_block(const X* q, int64_t D, const KeyVector<bf16>* v, float* s, int64_t np, Prefetcher& pf) {
   F32x16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = F32x16::zero();
@@ -268,9 +270,10 @@ void pv_block(float* acc, const float* p, const float* keep, const float* const*
 }
 
 // the same for a bfloat16 cache, 16 features a vector and keys two at a time (vrow: [n / 2] pair rows,
-// p: [R, np] as PairX). An odd last key is taken alone: the other half of its pair may lie past the context.
-template <int R, int C>
-void pv_block(float* acc, const PairX* p, const float* keep, const bf16* const* vrow, int64_t n, int64_t D,
+// p: [R, np] as bfloat16 or float32). An odd last key is taken alone: the other half of its pair may lie past
+// the context.
+template <int R, int C, typename X>
+void pv_block(float* acc, const X* p, const float* keep, const bf16* const* vrow, int64_t n, int64_t D,
               int64_t np, int64_t d0, Prefetcher& pf) {
   F32x16 o[R][C];
   load_scaled<16>(o, acc, keep, D, d0);
@@ -371,7 +374,7 @@ int64_t query_head(const AttentionArgs& a, const Item& it, int64_t r) {
 }
 
 // q rows as float, scaled; each row's position (tile_pos: the tile's first query's)
-template <typename T, typename C>
+template <typename T, typename C, bool kRound>
 void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t tile_pos, Scratch<C>& st) {
   const int64_t D = a.head_dim;
   st.q.resize(rows * D), st.acc.assign(rows * D, 0.f), st.p.resize(rows * st.padded);
@@ -383,21 +386,21 @@ void start_item(const AttentionArgs& a, const Item& it, int64_t rows, int64_t ti
     for (int64_t d = 0; d < D; ++d) st.q[r * D + d] = to_float(src[d]) * a.scale;
     st.pos[r] = tile_pos + tile_query(a, it, r);
   }
-  if constexpr (kRoundedQP<C>) {
+  if constexpr (kRoundedQP<C, kRound>) {
     st.q2.resize(rows * D), st.p2.resize(rows * st.padded);
     for (int64_t i = 0; i < rows * D; ++i) st.q2[i] = float_to_bf16(st.q[i]);
   }
 }
 
 // q and p as the products against the cache take them: float32, or bfloat16 for vdpbf16ps
-template <typename C>
+template <typename C, bool kRound>
 const auto* query_rows(Scratch<C>& st) {
-  if constexpr (kRoundedQP<C>) return st.q2.data();
+  if constexpr (kRoundedQP<C, kRound>) return st.q2.data();
   else return st.q.data();
 }
-template <typename C>
+template <typename C, bool kRound>
 const auto* probabilities(Scratch<C>& st, int64_t row0, int64_t rows, int64_t np) {
-  if constexpr (kRoundedQP<C>) {
+  if constexpr (kRoundedQP<C, kRound>) {
     for (int64_t i = row0 * np; i < rows * np; i += N) VecF::load(&st.p[i]).store(&st.p2[i]);
     return st.p2.data();
   } else {
@@ -435,12 +438,12 @@ int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile
   return std::min(key_tile, last_key(a, it) - it.key_begin + 1);
 }
 
-template <typename T, typename C>  // T: q and out, C: the cache
+template <typename T, typename C, bool kRound>  // T: q and out, C: the cache; kRound: see kRoundedQP
 void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<C>& st, Partials& partials) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads, R = it.tile_len * group, rows = it.heads * R;
   const int64_t key_tile = st.key_tile;
   const int64_t tile_pos = tile_position(a, it), last = last_key(a, it);  // no row sees past `last`
-  start_item<T>(a, it, rows, tile_pos, st);
+  start_item<T, C, kRound>(a, it, rows, tile_pos, st);
   if (st.prefetch.item != &it) {  // nothing asked for this item's first tile yet
     st.prefetch.template plan<C>(a, it, it.key_begin, first_tile_keys(a, it, key_tile));
     st.prefetch.rest();
@@ -454,14 +457,14 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
       st.prefetch.template plan<C>(a, *next, next->key_begin, first_tile_keys(a, *next, key_tile));
     for (int64_t h = 0, base = 0; h < it.heads; ++h, base += R) {  // the tile's keys of each KV head in turn
       gather(a, it, it.kv_head + h, k0, nk, st);
-      scores(query_rows(st) + (base + row0) * D, R - row0, D, st.vectors.data(), np, &st.p[row0 * np], st.prefetch);
+      scores(query_rows<C, kRound>(st) + (base + row0) * D, R - row0, D, st.vectors.data(), np, &st.p[row0 * np], st.prefetch);
       for (int64_t r = row0; r < R; ++r) {
         const int64_t visible = std::min(nk, st.pos[base + r] - k0 + 1), slide = st.padded - visible;
         st.visible[base + r] = visible;
         st.keep[base + r] = softmax_row(&st.p[r * np], np, visible < np, &st.bias[slide], &st.ones[slide],
                                         st.m[base + r], st.l[base + r]);
       }
-      weighted_values(&st.acc[(base + row0) * D], R - row0, probabilities(st, row0, R, np) + row0 * np,
+      weighted_values(&st.acc[(base + row0) * D], R - row0, probabilities<C, kRound>(st, row0, R, np) + row0 * np,
                       &st.keep[base + row0], &st.visible[base + row0], st.vrow.data(), D, np, st.prefetch);
     }
   }
@@ -492,7 +495,7 @@ void merge(const AttentionArgs& a, const Item& first, int64_t splits, Partials& 
   write_rows<T>(a, first, rows, acc.data(), l.data());
 }
 
-template <typename T, typename C>
+template <typename T, typename C, bool kRound = false>
 void attention_impl(const AttentionArgs& a) {
   const int64_t key_tile = std::max<int64_t>(1, kKeyTile / a.block_size) * a.block_size;
   // An item covers every KV head of its sequence: a cache block holds them side by side, so its key tiles
@@ -550,7 +553,7 @@ void attention_impl(const AttentionArgs& a) {
     auto claim = [&] { return ahead ? queue.take() : -1; };
     int64_t i = queue.take(), next = i < 0 ? -1 : claim();
     while (i >= 0) {
-      run_item<T, C>(a, items[i], next < 0 ? nullptr : &items[next], st, partials);
+      run_item<T, C, kRound>(a, items[i], next < 0 ? nullptr : &items[next], st, partials);
       i = next >= 0 ? next : queue.take(), next = i < 0 ? -1 : claim();
     }
   }
@@ -564,10 +567,12 @@ void attention_impl(const AttentionArgs& a) {
 // module.cpp.
 void paged_attention(const AttentionArgs& a) {
   const bool f32 = a.dtype == DType::f32, cache_f32 = a.cache_dtype == DType::f32;
-  if (f32 && cache_f32) attention_impl<float, float>(a);
-  else if (f32) attention_impl<float, bf16>(a);
-  else if (cache_f32) attention_impl<bf16, float>(a);
-  else attention_impl<bf16, bf16>(a);
+  if (f32 && cache_f32) return attention_impl<float, float>(a);
+  if (cache_f32) return attention_impl<bf16, float>(a);
+  if constexpr (kHasBf16Dot) {
+    if (bf16_dot()) return f32 ? attention_impl<float, bf16, true>(a) : attention_impl<bf16, bf16, true>(a);
+  }
+  f32 ? attention_impl<float, bf16>(a) : attention_impl<bf16, bf16>(a);
 }
 
 }  // namespace appliance::APPLIANCE_ISA

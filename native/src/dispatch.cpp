@@ -1,5 +1,7 @@
 // Picks the kernel implementation for this CPU at load time; never one the CPU cannot run.
+#include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "kernels.h"
 
@@ -61,6 +63,33 @@ bool select_isa(const char* name) {
   if (table == nullptr || !cpu_supports(name)) return false;
   g_current = table;
   return true;
+}
+
+namespace {
+std::atomic<int> g_bf16_dot{static_cast<int>(Bf16Dot::automatic)};
+std::once_flag g_ratio_once;
+double g_ratio = 0.0;
+constexpr double kBf16DotRatio = 0.5;  // vdpbf16ps' rate, as a fraction of the FMA's, from which it pays
+}  // namespace
+
+double bf16_dot_ratio() {
+  std::call_once(g_ratio_once, [] {
+#if defined(__x86_64__)
+    if (cpu_supports("avx512bf16")) g_ratio = avx512bf16::bf16_dot_issue_ratio();
+#endif
+  });
+  return g_ratio;
+}
+
+void set_bf16_dot(Bf16Dot mode) { g_bf16_dot.store(static_cast<int>(mode)); }
+Bf16Dot bf16_dot_mode() { return static_cast<Bf16Dot>(g_bf16_dot.load()); }
+
+bool bf16_dot() {
+  switch (static_cast<Bf16Dot>(g_bf16_dot.load(std::memory_order_relaxed))) {
+    case Bf16Dot::on: return true;
+    case Bf16Dot::off: return false;
+    default: return bf16_dot_ratio() >= kBf16DotRatio;
+  }
 }
 
 const KernelTable& kernels() {

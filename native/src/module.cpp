@@ -317,6 +317,14 @@ void use_isa(const std::string& name) {
   require(select_isa(name.c_str()), "ISA '" + name + "' is not compiled in or not supported by this CPU");
 }
 
+const char* const kBf16DotModes[] = {"auto", "on", "off"};  // Bf16Dot's order
+
+void use_bf16_dot(const std::string& mode) {
+  for (int i = 0; i < 3; ++i)
+    if (mode == kBf16DotModes[i]) return set_bf16_dot(static_cast<Bf16Dot>(i));
+  require(false, "bf16_dot mode '" + mode + "' is not one of auto, on, off");
+}
+
 
 // ---- DecoderStack: the whole layer stack in one call (native/include/decoder.h) ----
 
@@ -460,6 +468,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("best_isa", [] { return std::string(best_isa()); });
   m.def("compiled_isas", &compiled);
   m.def("select_isa", &use_isa);
+  m.def("bf16_dot", [] { return bf16_dot(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dot_ratio", [] { return bf16_dot_ratio(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dot_mode", [] { return std::string(kBf16DotModes[static_cast<int>(bf16_dot_mode())]); });
+  m.def("set_bf16_dot", &use_bf16_dot);
   m.def("max_threads", [] { return omp_get_max_threads(); });
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),

@@ -1,6 +1,7 @@
 // Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, and the K-quants
 // and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32), and on bfloat16 weights
-// packed the same way (BF16: vdpbf16ps with AVX512-BF16, float32 FMAs elsewhere).
+// packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
+// elsewhere).
 //
 // A decode step reads every weight once: a Q4_1 weight is 5 bits, a float32 one 32. pack_quant repacks
 // the file's rows once, at load, into panels of 16 rows whose bytes sit in the int32 lanes that VNNI's
@@ -745,7 +746,20 @@ void packed_linear(const PackedLinearArgs& a) {
   const Tiles t{a.weight, L, blocks, blocks * L.block_bytes, a.out_features, &x, a.out, a.out_dtype, a.out_stride,
                 a.x, a.x_dtype, a.x_stride};
   const int bits = L.bits;
-  if (bits == 16) return run<16, 0>(t, a, nullptr);  // BF16 weights take x as it is (act does not apply)
+  if (bits == 16) {  // BF16 weights take x as it is (act does not apply)
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+    if (a.x_dtype == DType::bf16 && !bf16_dot()) {  // float32 FMAs (kernels.h, bf16_dot): x widened once
+      x.fx.resize(static_cast<size_t>(a.rows * a.in_features));
+      for (int64_t r = 0; r < a.rows; ++r)
+        for (int64_t c = 0; c < a.in_features; ++c)
+          x.fx[r * a.in_features + c] = bf16_to_float(static_cast<const bf16*>(a.x)[r * a.x_stride + c]);
+      Tiles wide = t;
+      wide.x_rows = x.fx.data(), wide.x_dtype = DType::f32, wide.x_stride = a.in_features;
+      return run<16, 0>(wide, a, nullptr);
+    }
+#endif
+    return run<16, 0>(t, a, nullptr);
+  }
   size_for(a, x);
   if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : run<8, 2>(t, a, &x);
   else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : run<8, 1>(t, a, &x);

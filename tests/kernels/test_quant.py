@@ -17,6 +17,7 @@ import torch
 from app import kernels
 from app.model.quant import BF16, PackedWeight, QuantizedTensor, fuse_rows, linear, pack
 from app.model.weights import _unpermute
+from tests.kernels.isas import running, variants
 
 ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
@@ -26,9 +27,9 @@ CONVERTED = [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q5_1]  # kept as convert_qua
 K_SCALES = {GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5)}
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=variants())
 def isa(request):
-    with kernels.use_isa(request.param):
+    with running(request.param):
         yield request.param
 
 

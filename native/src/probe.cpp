@@ -1,0 +1,66 @@
+// What the CPU's instructions cost, measured where the datasheets disagree with the machine: vdpbf16ps'
+// issue rate against vfmadd231ps' (kernels.h, bf16_dot). Only the avx512bf16 kernels have vdpbf16ps.
+#include <algorithm>
+#include <chrono>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace appliance::APPLIANCE_ISA {
+
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+namespace {
+
+constexpr int kRounds = 4096;  // of 16 instructions: 65k a timing, tens of microseconds
+
+// Instructions a second for kRounds x 16 of one instruction in 16 independent chains (enough to cover either
+// one's latency), each chain a named register: as an array the chains went through memory, and the FMAs
+// measured at a third of their rate.
+#define APPLIANCE_16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+template <bool kDot>
+__attribute__((noinline)) double issue_rate() {
+#define APPLIANCE_INIT(i) __m512 a##i = _mm512_set1_ps(static_cast<float>(i));
+  APPLIANCE_16(APPLIANCE_INIT)
+  const __m512 x = _mm512_set1_ps(1e-3f), y = _mm512_set1_ps(1.f);
+  const __m512bh px = _mm512_cvtne2ps_pbh(x, x), py = _mm512_cvtne2ps_pbh(y, y);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kRounds; ++i) {
+    if constexpr (kDot) {
+#define APPLIANCE_DOT(i) a##i = _mm512_dpbf16_ps(a##i, px, py);
+      APPLIANCE_16(APPLIANCE_DOT)
+    } else {
+#define APPLIANCE_FMA(i) a##i = _mm512_fmadd_ps(a##i, y, x);
+      APPLIANCE_16(APPLIANCE_FMA)
+    }
+    asm volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7));
+    asm volatile("" : "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11), "+v"(a12), "+v"(a13), "+v"(a14), "+v"(a15));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+#define APPLIANCE_SUM(i) +_mm512_reduce_add_ps(a##i)
+  volatile float sink = 0.f APPLIANCE_16(APPLIANCE_SUM);  // the results are used: nothing above is dead
+  (void)sink;
+  return seconds > 0.0 ? kRounds * 16 / seconds : 0.0;
+}
+#undef APPLIANCE_16
+#undef APPLIANCE_INIT
+#undef APPLIANCE_DOT
+#undef APPLIANCE_FMA
+#undef APPLIANCE_SUM
+
+}  // namespace
+
+// Each instruction's best of seven alternated timings, so that a preempted or throttled one does not count
+// (an Intel Xeon, family 6 model 207: vdpbf16ps 1.35 G/s a core, vfmadd231ps 5.46, ratio 0.25).
+double bf16_dot_issue_ratio() {
+  double fma = 0.0, dot = 0.0;
+  for (int trial = 0; trial < 7; ++trial) {
+    fma = std::max(fma, issue_rate<false>());
+    dot = std::max(dot, issue_rate<true>());
+  }
+  return fma > 0.0 ? dot / fma : 0.0;
+}
+#else
+double bf16_dot_issue_ratio() { return 0.0; }
+#endif
+
+}  // namespace appliance::APPLIANCE_ISA
