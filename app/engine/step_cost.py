@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MIN_CHUNK = 16  # a prefill chunk smaller than this is not worth a step of its own: wait for the next
+# The calibration's passes of n tokens aim at this long each: n is 128 for the default model, fewer for a
+# model whose tokens cost more (a 1.2B-parameter Q4_K_M took 5 s to calibrate at 128, the engine's start).
+CALIBRATION_PASS = 0.25  # seconds
 
 
 def attention_pairs(num_computed: int, count: int) -> int:
@@ -41,6 +44,7 @@ class StepCost:
         self.overhead, self.per_token, self.per_pair = overhead, per_token, per_pair
         self.budget = budget  # seconds per step
         self.correction = 1.0  # measured / modelled, smoothed
+        self.pass_tokens = 0  # the calibration's pass size (0: not calibrated)
 
     def predict(self, shape: StepShape) -> float:
         raw = self.overhead + self.per_token * shape.tokens + self.per_pair * shape.pairs
@@ -70,23 +74,34 @@ class StepCost:
     def calibrate(cls, run: Callable[[int, int], None], budget: float, max_tokens: int) -> StepCost:
         """Fit the three coefficients from timed forward passes: `run(count, num_computed)`.
 
-        Passes: 1 token (overhead), `n` tokens at context 0 (GEMMs), `n` tokens after 4n cached (attention);
-        `max_tokens` bounds 5n, the most the KV cache and the staging buffers take.
+        Passes: 1 token (overhead), `n` tokens at context 0 (GEMMs), `n` tokens after at least 4n cached
+        (attention); `max_tokens` bounds 5n, the most the KV cache and the staging buffers take. n is at most 128, and
+        fewer where a pass of 128 would take more than about CALIBRATION_PASS (judged from a pass of 16
+        after the warm-up), down to 16: the calibration's time stays about the same for larger models.
         """
-        n = max(2, min(128, max_tokens // 5))
-        run(n, 0)  # warm-up: first calls allocate and pick GEMM kernels
+        most = max(2, min(128, max_tokens // 5))
+        first = min(16, most)
+        run(first, 0)  # warm-up: first calls allocate and pick GEMM kernels
+        per_token = _timed(run, first, 0) / first  # an upper bound: the pass's overhead is in it
+        n = max(first, min(most, int(CALIBRATION_PASS / per_token) if per_token > 0 else most))
         # best of three each: the engine calibrates while the HTTP frontend boots on the same CPUs, and one
         # pass disturbed by it skewed the fit up to 2x (per-token and per-pair terms alike)
-        t1, tn, tp = _timed(run, 1, 0, 3), _timed(run, n, 0, 3), _timed(run, n, 4 * n, 3)
-        p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(4 * n, n)
+        # the attention pass sees as much cached context as n = 128 did (512), so that its extra time stays
+        # well above the noise with fewer new tokens
+        context = max(4 * n, min(512, max_tokens - n))
+        t1, tn, tp = _timed(run, 1, 0, 3), _timed(run, n, 0, 3), _timed(run, n, context, 3)
+        p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(context, n)
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
         per_token = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
         overhead = max(t1 - per_token - per_pair * p1, 1e-4)
-        return cls(overhead, per_token, per_pair, budget)
+        cost = cls(overhead, per_token, per_pair, budget)
+        cost.pass_tokens = n
+        return cost
 
     def describe(self) -> str:
+        fitted = f" (passes of {self.pass_tokens} tokens)" if self.pass_tokens else ""
         return (f"step time ~ {self.overhead * 1e3:.1f} ms + {self.per_token * 1e6:.0f} us/token + "
-                f"{self.per_pair * 1e9:.2f} ns/attention pair; budget {self.budget * 1e3:.0f} ms")
+                f"{self.per_pair * 1e9:.2f} ns/attention pair{fitted}; budget {self.budget * 1e3:.0f} ms")
 
 
 def _timed(run: Callable[[int, int], None], count: int, num_computed: int, repeat: int = 1) -> float:

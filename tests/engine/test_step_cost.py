@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.step_cost import StepCost, StepShape, attention_pairs
+from app.engine.step_cost import CALIBRATION_PASS, StepCost, StepShape, attention_pairs
 
 
 def test_attention_pairs_count_causal_products():
@@ -28,6 +28,33 @@ def test_calibration_recovers_the_coefficients_of_a_known_machine(monkeypatch):
     shape = StepShape()
     shape.add(1000, 300)
     assert cost.predict(shape) == pytest.approx(0.02 + 0.3 + 2e-6 * attention_pairs(1000, 300))
+
+
+def test_calibration_takes_fewer_tokens_where_tokens_cost_more(monkeypatch):
+    """A pass of 128 tokens on the default model, fewer (down to 16) where a token costs more: a large model
+    must not spend most of its start calibrating. The fit stays exact either way."""
+    clock, passes = {"now": 0.0}, []
+
+    def machine(per_token: float):
+        def run(count: int, num_computed: int) -> None:
+            passes.append(count)
+            clock["now"] += 0.02 + per_token * count + 2e-6 * attention_pairs(num_computed, count)
+        return run
+
+    monkeypatch.setattr("app.engine.step_cost.time.perf_counter", lambda: clock["now"])
+    for per_token, n in ((1e-4, 128), (5e-3, None), (0.05, 16)):
+        passes.clear()
+        cost = StepCost.calibrate(machine(per_token), budget=0.5, max_tokens=2048)
+        if n is None:  # in between: a pass of about CALIBRATION_PASS (the 16-token estimate includes overhead)
+            assert 16 < max(passes) < 128 and 0.1 < max(passes) * per_token <= CALIBRATION_PASS
+        else:
+            assert max(passes) == n
+        assert cost.per_token == pytest.approx(per_token, rel=1e-6)
+        assert cost.per_pair == pytest.approx(2e-6, rel=1e-6)
+    assert max(passes) * 7 + 3 < 128  # the slowest machine's whole calibration: fewer tokens than one old pass
+    passes.clear()
+    StepCost.calibrate(machine(1e-4), budget=0.5, max_tokens=100)  # a small cache bounds it as before
+    assert max(passes) == 20
 
 
 def test_the_correction_follows_a_machine_that_became_slower():
