@@ -96,10 +96,14 @@ def check(runtime: RuntimeSpec, arch: str, env: dict[str, str], dirs: list[str],
 
 
 def _openmp(wanted: str, arch: str, dirs: list[str], warnings: list[str]) -> tuple[str, str | None]:
-    """Resolve the OpenMP runtime; "auto" prefers Intel's on x86 when the intel-openmp package is there."""
+    """Resolve the OpenMP runtime; "auto" prefers Intel's on x86 when the intel-openmp package is there (or
+    what stands in for it under its name)."""
     if wanted == "auto":
         intel = find_library(OPENMP_LIBRARIES["intel"], dirs) if arch == "x86_64" else None
-        return ("intel", intel) if intel else ("gnu", None)
+        if intel is None:
+            return "gnu", None
+        # Debian's libomp-dev makes libiomp5.so a link to LLVM's libomp: that is what loads, so say so
+        return ("intel" if Path(intel).name.startswith("libiomp5") else "llvm"), intel
     if wanted == "gnu":
         return "gnu", None
     path = find_library(OPENMP_LIBRARIES[wanted], dirs)

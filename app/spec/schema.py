@@ -201,7 +201,8 @@ class RuntimeSpec(Section):
     allocator: Literal["jemalloc", "tcmalloc", "system"] = "jemalloc"
     """Memory allocator preloaded into every process."""
     openmp: Literal["auto", "intel", "gnu", "llvm"] = "auto"
-    """OpenMP runtime whose affinity variables are set; "auto": Intel's if installed, else GNU's."""
+    """OpenMP runtime whose affinity variables are set; "auto": Intel's if installed (a libiomp5.so that links
+    to LLVM's libomp, as Debian's libomp-dev installs it, is used as llvm), else GNU's."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Least severe log level printed."""
     log_format: Literal["text", "json"] = "text"

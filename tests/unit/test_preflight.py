@@ -55,6 +55,15 @@ def test_intel_openmp_is_preferred_on_x86_when_installed(tmp_path):
     assert check(RuntimeSpec(openmp="gnu"), "x86_64", {}, dirs, "").openmp_runtime == "gnu"
 
 
+def test_libiomp5_that_is_llvms_libomp_is_named_llvm(tmp_path):
+    """Debian's libomp-dev installs libiomp5.so as a link to LLVM's libomp.so.5: preloaded, and named for it."""
+    dirs = _libs(tmp_path, "libjemalloc.so.2", "libomp.so.5", "libnuma.so.1")
+    (tmp_path / "libiomp5.so").symlink_to("libomp.so.5")
+    report = check(RuntimeSpec(), "x86_64", {}, dirs, "")
+    assert report.openmp_runtime == "llvm"
+    assert report.preload == [str(tmp_path / "libjemalloc.so.2"), str(tmp_path / "libomp.so.5")]
+
+
 def test_forced_openmp_runtime_that_is_missing_falls_back_with_a_warning(tmp_path):
     report = check(RuntimeSpec(openmp="intel"), "x86_64", {}, _libs(tmp_path, "libnuma.so.1"), "")
     assert report.openmp_runtime == "gnu"
