@@ -121,6 +121,9 @@ def _bench_parsers(commands) -> None:
     model.add_argument("--prompt", type=int, default=512, help="prompt length for the prefill measurement")
     model.add_argument("--chunk", type=int, help="prefill the prompt this many tokens per step (default: all at once)")
     model.add_argument("--steps", type=int, default=32, help="decode steps timed (median reported)")
+    model.add_argument("--bf16-dot", choices=["auto", "on", "off"], default="auto",
+                       help="bfloat16 pairs on vdpbf16ps (on) or float32 FMAs (off); auto: what this CPU measures "
+                            "faster (the engine's choice)")
     model.set_defaults(run=_bench_model)
 
 
@@ -191,12 +194,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_model(args: argparse.Namespace) -> int:
+    from app import kernels
     from app.benchmark.model import run
 
     doc = read_spec(args.config, [])
-    run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
-        args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized],
-        args.activations or [doc.spec.model.quantized_activations], args.kv_dtype, not args.python_layers)
+    with kernels.use_bf16_dot(args.bf16_dot):
+        run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
+            args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized],
+            args.activations or [doc.spec.model.quantized_activations], args.kv_dtype, not args.python_layers)
     return 0
 
 

@@ -77,25 +77,28 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="calls a case, each on a cache of its own (default: 1); N times the memory")
     parser.add_argument("--no-prefill", action="store_true", help="time decode only (--context then does nothing)")
+    parser.add_argument("--bf16-dot", choices=["auto", "on", "off"], default="auto",
+                        help="against a bfloat16 cache: vdpbf16ps (on) or float32 FMAs (off); auto: the engine's choice")
     args = parser.parse_args()
     if args.layers < 1:
         parser.error(f"--layers must be at least 1, not {args.layers}")
     cpus = sorted(os.sched_getaffinity(0))
-    print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.describe()}", flush=True)
     kv = DTYPES[args.kv_dtype] if args.kv_dtype else None
     cache = f" ({args.kv_dtype} cache)" if args.kv_dtype else ""
     layers = f" x {args.layers} layers" if args.layers > 1 else ""
-    for name in args.dtype or list(DTYPES):
-        for ctx in [] if args.no_prefill else args.context or [2048, 4096, 8192]:
-            seconds = time_attention(DTYPES[name], [ctx], [args.chunk], args.repeats, kv_dtype=kv, layers=args.layers)
-            print(f"prefill  {name:9} {args.chunk} new queries at context {ctx:5}{layers}{cache}  "
-                  f"{seconds * 1000:9.1f} ms", flush=True)
-        for ctx in args.decode_context or [512, 2048]:
-            batch = args.decode_batch
-            seconds = time_attention(DTYPES[name], [ctx] * batch, [1] * batch, args.repeats * 4, kv_dtype=kv,
-                                     layers=args.layers)
-            print(f"decode   {name:9} {batch} sequences x 1 query at context {ctx:5}{layers}{cache}  "
-                  f"{seconds * 1000:9.3f} ms", flush=True)
+    with kernels.use_bf16_dot(args.bf16_dot):
+        print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.describe()}", flush=True)
+        for name in args.dtype or list(DTYPES):
+            for ctx in [] if args.no_prefill else args.context or [2048, 4096, 8192]:
+                seconds = time_attention(DTYPES[name], [ctx], [args.chunk], args.repeats, kv_dtype=kv, layers=args.layers)
+                print(f"prefill  {name:9} {args.chunk} new queries at context {ctx:5}{layers}{cache}  "
+                      f"{seconds * 1000:9.1f} ms", flush=True)
+            for ctx in args.decode_context or [512, 2048]:
+                batch = args.decode_batch
+                seconds = time_attention(DTYPES[name], [ctx] * batch, [1] * batch, args.repeats * 4, kv_dtype=kv,
+                                         layers=args.layers)
+                print(f"decode   {name:9} {batch} sequences x 1 query at context {ctx:5}{layers}{cache}  "
+                      f"{seconds * 1000:9.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
