@@ -1,7 +1,8 @@
 """Preflight: the native libraries the process should run with, and the re-exec that preloads them.
 
 jemalloc/tcmalloc replace glibc malloc (far less fragmentation and lock contention under many
-threads); Intel OpenMP, where installed, is faster than GNU's on x86 and honours KMP_AFFINITY.
+threads); Intel OpenMP, where installed, is preloaded on x86 and pinned with KMP_AFFINITY (for our
+kernels it measured the same as GNU's and LLVM's: docs/DEPLOYING.md).
 Both must be in LD_PRELOAD before the interpreter starts, so when one is installed but not loaded
 the process re-executes itself once with LD_PRELOAD set; an environment marker stops any loop.
 """
@@ -100,10 +101,7 @@ def _openmp(wanted: str, arch: str, dirs: list[str], warnings: list[str]) -> tup
     what stands in for it under its name)."""
     if wanted == "auto":
         intel = find_library(OPENMP_LIBRARIES["intel"], dirs) if arch == "x86_64" else None
-        if intel is None:
-            return "gnu", None
-        # Debian's libomp-dev makes libiomp5.so a link to LLVM's libomp: that is what loads, so say so
-        return ("intel" if Path(intel).name.startswith("libiomp5") else "llvm"), intel
+        return ("gnu", None) if intel is None else (_named(intel), intel)
     if wanted == "gnu":
         return "gnu", None
     path = find_library(OPENMP_LIBRARIES[wanted], dirs)
@@ -111,7 +109,16 @@ def _openmp(wanted: str, arch: str, dirs: list[str], warnings: list[str]) -> tup
         warnings.append(f"runtime.openmp is {wanted} but it is not installed; using GNU OpenMP "
                         f"(install it: {OPENMP_LIBRARIES[wanted].install})")
         return "gnu", None
+    if wanted == "intel" and _named(path) == "llvm":
+        warnings.append(f"runtime.openmp is intel but libiomp5.so here is LLVM's libomp ({path}); using it as llvm "
+                        f"(install Intel's: {OPENMP_LIBRARIES['intel'].install})")
+        return "llvm", path
     return wanted, path
+
+
+def _named(libiomp5: str) -> str:
+    """Debian's libomp-dev makes libiomp5.so a link to LLVM's libomp: that is what loads, so say so."""
+    return "intel" if Path(libiomp5).name.startswith("libiomp5") else "llvm"
 
 
 def _is_mapped(path: str, maps: str) -> bool:

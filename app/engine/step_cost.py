@@ -75,14 +75,15 @@ class StepCost:
         """Fit the three coefficients from timed forward passes: `run(count, num_computed)`.
 
         Passes: 1 token (overhead), `n` tokens at context 0 (GEMMs), `n` tokens after at least 4n cached
-        (attention); `max_tokens` bounds 5n, the most the KV cache and the staging buffers take. n is at most 128, and
+        (attention, up to 512); `max_tokens` bounds n plus that context, the most the KV cache and the
+        staging buffers take. n is at most 128, and
         fewer where a pass of 128 would take more than about CALIBRATION_PASS (judged from a pass of 16
         after the warm-up), down to 16: the calibration's time stays about the same for larger models.
         """
         most = max(2, min(128, max_tokens // 5))
         first = min(16, most)
         run(first, 0)  # warm-up: first calls allocate and pick GEMM kernels
-        per_token = _timed(run, first, 0) / first  # an upper bound: the pass's overhead is in it
+        per_token = _timed(run, first, 0, 2) / first  # an upper bound: the pass's overhead is in it
         n = max(first, min(most, int(CALIBRATION_PASS / per_token) if per_token > 0 else most))
         # best of three each: the engine calibrates while the HTTP frontend boots on the same CPUs, and one
         # pass disturbed by it skewed the fit up to 2x (per-token and per-pair terms alike)

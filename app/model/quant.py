@@ -18,7 +18,8 @@ products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS
 Other GGUF types (Q2_K, Q3_K) are dequantized at load (the loader says which).
 
 Dense bfloat16 weights (a bfloat16 model's, from a BF16 GGUF or safetensors) are packed the same way
-(type `BF16`, no scales): the same kernels then run them, vdpbf16ps on AVX512-BF16, and the whole layer
+(type `BF16`, no scales): the same kernels then run them, vdpbf16ps on AVX512-BF16 where the CPU issues it
+fast (else float32 FMAs: kernels.bf16_dot), and the whole layer
 stack in one native call; torch's bfloat16 GEMV reached about a third of the memory bandwidth.
 """
 

@@ -265,9 +265,9 @@ bool select_isa(const char* name);      // false if unknown, not compiled in, or
 // Whether the avx512bf16 kernels multiply bfloat16 pairs with vdpbf16ps (attention against a bfloat16 cache,
 // BF16 weights times bfloat16 x) or widen them to float32 for FMAs, as the avx512 kernels do. vdpbf16ps
 // makes 32 products an instruction, an FMA 16; but some CPUs issue it at a quarter of the FMA's rate (an
-// Intel Xeon, family 6 model 207: 1.39 G/s a core against 5.47), and there the FMAs are faster (prefill
-// attention 1.4x) and keep q, p and x unrounded. `auto` (the default) measures both instructions' issue
-// rates once per process (bf16_dot_issue_ratio, ~1 ms) and uses vdpbf16ps from half the FMA's rate up.
+// Intel Xeon, family 6 model 207: 1.35 G/s a core against 5.46), and there the FMAs are faster (prefill
+// attention 1.4x) and keep q and p unrounded. `auto` (the default) measures both instructions' issue
+// rates once per process (bf16_dot_issue_ratio, ~0.5 ms) and uses vdpbf16ps from half the FMA's rate up.
 enum class Bf16Dot : int { automatic = 0, on = 1, off = 2 };
 void set_bf16_dot(Bf16Dot mode);
 Bf16Dot bf16_dot_mode();

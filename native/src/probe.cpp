@@ -21,8 +21,9 @@ template <bool kDot>
 __attribute__((noinline)) double issue_rate() {
 #define APPLIANCE_INIT(i) __m512 a##i = _mm512_set1_ps(static_cast<float>(i));
   APPLIANCE_16(APPLIANCE_INIT)
-  const __m512 x = _mm512_set1_ps(1e-3f), y = _mm512_set1_ps(1.f);
-  const __m512bh px = _mm512_cvtne2ps_pbh(x, x), py = _mm512_cvtne2ps_pbh(y, y);
+  __m512 x = _mm512_set1_ps(1e-3f), y = _mm512_set1_ps(1.f);
+  __m512bh px = _mm512_cvtne2ps_pbh(x, x), py = _mm512_cvtne2ps_pbh(y, y);
+  asm volatile("" : "+v"(x), "+v"(y), "+v"(px), "+v"(py));  // unknown values: fma(a, 1, x) stays an FMA
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < kRounds; ++i) {
     if constexpr (kDot) {

@@ -748,17 +748,20 @@ void packed_linear(const PackedLinearArgs& a) {
   const int bits = L.bits;
   if (bits == 16) {  // BF16 weights take x as it is (act does not apply)
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
-    // float32 FMAs where vdpbf16ps is slow (kernels.h, bf16_dot): x widened once. Not for one row, which
-    // streams the weights from memory: with FMAs there too, a batch-1 decode step of a BF16 SmolLM2 took
-    // 11.5-12.1 ms against vdpbf16ps' 11.0-11.3 (the Xeon of kernels.h, three rounds); with this exception
-    // 10.6 against 10.75 (eight). Batch 8: 22.6-23.2 against 25.7-26.0 ms; a 256-token prefill 1.4x faster.
-    if (a.x_dtype == DType::bf16 && a.rows > 1 && !bf16_dot()) {
+    // float32 FMAs where vdpbf16ps is slow (kernels.h, bf16_dot): x widened once. For every row count, so
+    // that a row's result does not depend on its batch (a seeded request's tokens must not). On the Xeon of
+    // kernels.h, a BF16 SmolLM2's decode step: batch 8 21.7-23.2 ms against 24.7-26.0, a 256-token prefill
+    // 1.4x faster, but batch 1 12.2 against 11.7 ms (medians of eight): one row streams the weights from
+    // memory, where vdpbf16ps' fewer instructions help; keeping it there made rows batch-dependent.
+    if (a.x_dtype == DType::bf16 && !bf16_dot()) {
       x.fx.resize(static_cast<size_t>(a.rows * a.in_features));
+      float* wide_rows = x.fx.data();  // this thread's: x is thread_local, the team's threads have their own
+      const bf16* rows = static_cast<const bf16*>(a.x);
+#pragma omp parallel for schedule(static) if (a.rows * a.in_features >= kParallelElements)
       for (int64_t r = 0; r < a.rows; ++r)
-        for (int64_t c = 0; c < a.in_features; ++c)
-          x.fx[r * a.in_features + c] = bf16_to_float(static_cast<const bf16*>(a.x)[r * a.x_stride + c]);
+        for (int64_t c = 0; c < a.in_features; ++c) wide_rows[r * a.in_features + c] = bf16_to_float(rows[r * a.x_stride + c]);
       Tiles wide = t;
-      wide.x_rows = x.fx.data(), wide.x_dtype = DType::f32, wide.x_stride = a.in_features;
+      wide.x_rows = wide_rows, wide.x_dtype = DType::f32, wide.x_stride = a.in_features;
       return run<16, 0>(wide, a, nullptr);
     }
 #endif

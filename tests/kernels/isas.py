@@ -1,6 +1,6 @@
 """The kernel variants this CPU runs, for the `isa` fixtures: every ISA, and the avx512bf16 kernels twice,
-bfloat16 pairs multiplied by vdpbf16ps ("avx512bf16") and by float32 FMAs ("avx512bf16-fma"), whichever of
-the two the CPU's measured speeds would pick (kernels.bf16_dot)."""
+bfloat16 pairs multiplied by vdpbf16ps ("avx512bf16") and by float32 FMAs ("avx512bf16-fma"), regardless of
+which of the two the CPU's measured speeds pick (kernels.bf16_dot)."""
 
 from __future__ import annotations
 

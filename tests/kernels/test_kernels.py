@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from app import kernels
+from app import _native, kernels
 from tests.kernels.isas import running, variants
 
 ISAS = kernels.supported_isas()
@@ -325,10 +325,36 @@ def test_bf16_dot_is_measured_and_can_be_forced():
     for mode, expected in (("on", True), ("off", False)):
         with kernels.use_bf16_dot(mode):
             assert kernels.bf16_dot() is expected
-    assert kernels.bf16_dot() == automatic  # restored
+    assert kernels.bf16_dot() == automatic and _native.bf16_dot_mode() == "auto"  # restored
     with pytest.raises(ValueError, match="not one of auto, on, off"):
         with kernels.use_bf16_dot("fast"):
             pass
+
+
+@pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX512-BF16 on this CPU")
+def test_avx512bf16_on_fmas_computes_as_the_avx512_kernels_do():
+    """With vdpbf16ps off, the avx512bf16 kernels are the avx512 ones' float32 arithmetic, bit for bit
+    (attention on a bfloat16 cache, a BF16 linear on bfloat16 rows); on, q and p are rounded to bfloat16."""
+    from app.model.quant import pack
+
+    q, kc, vc, tables, lens, starts = attention_case(torch.float32, 9, 3, 64, [70, 3, 129], [70, 1, 4])
+    kc, vc = kernels.kv_cache_from_blocks(*kernels.kv_cache_blocks(kc, vc), torch.bfloat16)
+    packed = pack((torch.randn(67, 160) * 0.1).to(torch.bfloat16), "int16")
+    x = torch.randn(9, 160).to(torch.bfloat16)
+
+    def both():
+        return kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.1), packed.linear(x, torch.float32)
+
+    with kernels.use_isa("avx512"):
+        reference = both()
+    with kernels.use_isa("avx512bf16"):
+        with kernels.use_bf16_dot("off"):
+            fmas = both()
+        with kernels.use_bf16_dot("on"):
+            dots = both()
+    assert torch.equal(fmas[0], reference[0]) and torch.equal(fmas[1], reference[1])
+    assert not torch.equal(dots[0], reference[0])
+    assert_close(dots[0], reference[0], torch.bfloat16)
 
 
 # --- the LM head with a float32 output ----------------------------------------------------------

@@ -60,8 +60,12 @@ def test_libiomp5_that_is_llvms_libomp_is_named_llvm(tmp_path):
     dirs = _libs(tmp_path, "libjemalloc.so.2", "libomp.so.5", "libnuma.so.1")
     (tmp_path / "libiomp5.so").symlink_to("libomp.so.5")
     report = check(RuntimeSpec(), "x86_64", {}, dirs, "")
-    assert report.openmp_runtime == "llvm"
+    assert report.openmp_runtime == "llvm" and report.warnings == []
     assert report.preload == [str(tmp_path / "libjemalloc.so.2"), str(tmp_path / "libomp.so.5")]
+    asked = check(RuntimeSpec(openmp="intel"), "x86_64", {}, dirs, "")
+    assert asked.openmp_runtime == "llvm" and asked.preload == report.preload
+    assert asked.warnings == [f"runtime.openmp is intel but libiomp5.so here is LLVM's libomp "
+                              f"({tmp_path / 'libomp.so.5'}); using it as llvm (install Intel's: pip install intel-openmp)"]
 
 
 def test_forced_openmp_runtime_that_is_missing_falls_back_with_a_warning(tmp_path):
