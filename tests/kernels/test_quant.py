@@ -230,6 +230,10 @@ def test_a_row_gives_the_same_result_in_any_batch(isa):
         alone = torch.cat([packed.linear(x[i:i + 1]) for i in range(37)])
         assert torch.equal(packed.linear(x), alone)
         assert torch.equal(packed.linear(x[5:9]), alone[5:9])
+    dense = pack((torch.randn(96, 160) * 0.1).to(torch.bfloat16), "int16")  # BF16 weights, bfloat16 rows
+    xb = x.to(torch.bfloat16)
+    alone = torch.cat([dense.linear(xb[i:i + 1], torch.float32) for i in range(37)])
+    assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
 def test_rows_columns_and_fusion_keep_the_blocks():
