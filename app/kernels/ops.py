@@ -6,8 +6,8 @@ contiguous, rows may be strided. Errors are ValueError/TypeError naming the argu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -231,14 +231,19 @@ def supported_isas() -> list[str]:
 
 
 @contextmanager
-def use_isa(name: str) -> Iterator[None]:
-    """Run the kernels of ISA `name` inside the block (tests compare ISAs this way)."""
-    previous = _native.isa()
-    _native.select_isa(name)
+def _switched(current: Callable[[], str], select: Callable[[str], None], value: str) -> Iterator[None]:
+    """`select(value)` inside the block, then back to what `current()` was."""
+    previous = current()
+    select(value)
     try:
         yield
     finally:
-        _native.select_isa(previous)
+        select(previous)
+
+
+def use_isa(name: str) -> AbstractContextManager[None]:
+    """Run the kernels of ISA `name` inside the block (tests compare ISAs this way)."""
+    return _switched(_native.isa, _native.select_isa, name)
 
 
 def bf16_dot() -> bool:
@@ -253,15 +258,9 @@ def bf16_dot_ratio() -> float:
     return _native.bf16_dot_ratio()
 
 
-@contextmanager
-def use_bf16_dot(mode: str) -> Iterator[None]:
+def use_bf16_dot(mode: str) -> AbstractContextManager[None]:
     """Inside the block, "on" / "off" force vdpbf16ps or the FMAs, "auto" measures (tests compare both)."""
-    previous = _native.bf16_dot_mode()
-    _native.set_bf16_dot(mode)
-    try:
-        yield
-    finally:
-        _native.set_bf16_dot(previous)
+    return _switched(_native.bf16_dot_mode, _native.set_bf16_dot, mode)
 
 
 def describe() -> str:
