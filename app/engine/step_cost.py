@@ -40,11 +40,11 @@ class StepShape:
 
 
 class StepCost:
-    def __init__(self, overhead: float, per_token: float, per_pair: float, budget: float):
+    def __init__(self, overhead: float, per_token: float, per_pair: float, budget: float, pass_tokens: int = 0):
         self.overhead, self.per_token, self.per_pair = overhead, per_token, per_pair
         self.budget = budget  # seconds per step
         self.correction = 1.0  # measured / modelled, smoothed
-        self.pass_tokens = 0  # the calibration's pass size (0: not calibrated)
+        self.pass_tokens = pass_tokens  # the calibration's pass size (0: not calibrated)
 
     def predict(self, shape: StepShape) -> float:
         raw = self.overhead + self.per_token * shape.tokens + self.per_pair * shape.pairs
@@ -76,9 +76,9 @@ class StepCost:
 
         Passes: 1 token (overhead), `n` tokens at context 0 (GEMMs), `n` tokens after at least 4n cached
         (attention, up to 512); `max_tokens` bounds n plus that context, the most the KV cache and the
-        staging buffers take. n is at most 128, and
-        fewer where a pass of 128 would take more than about CALIBRATION_PASS (judged from a pass of 16
-        after the warm-up), down to 16: the calibration's time stays about the same for larger models.
+        staging buffers take. n is at most 128, and fewer where a pass of 128 would take more than about
+        CALIBRATION_PASS (judged from a pass of 16 after the warm-up), down to 16: the calibration's time
+        stays about the same for larger models.
         """
         most = max(2, min(128, max_tokens // 5))
         first = min(16, most)
@@ -95,9 +95,7 @@ class StepCost:
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
         per_token = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
         overhead = max(t1 - per_token - per_pair * p1, 1e-4)
-        cost = cls(overhead, per_token, per_pair, budget)
-        cost.pass_tokens = n
-        return cost
+        return cls(overhead, per_token, per_pair, budget, pass_tokens=n)
 
     def describe(self) -> str:
         fitted = f" (passes of {self.pass_tokens} tokens)" if self.pass_tokens else ""
