@@ -114,7 +114,8 @@ def _from_gguf(path: Path) -> ModelFootprint:
     params = ParamCounts.of(header.tensor_shapes)
     kept_as = _kept_as(header)
     kept = {name: shape for name, shape in header.tensor_shapes.items() if kept_as[name] is not None}
-    kept_bytes = {name: (_product(shape) // 32 * PACKED_QUANT_TYPES[kept_as[name]][1],) for name, shape in kept.items()}
+    kept_bytes = {name: (_product(shape) // PACKED_QUANT_TYPES[kept_as[name]].weights
+                         * PACKED_QUANT_TYPES[kept_as[name]].packed_bytes,) for name, shape in kept.items()}
     return ModelFootprint(
         architecture=arch,
         num_params=params.total,

@@ -82,7 +82,7 @@ def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -
     types = checkpoint.types()
     kept = sorted(t for t in types if keep and t in packed_as)
     expanded = sorted(t for t in types if t not in kept and t not in ("F32", "F16", "BF16"))
-    converted = [f"{t} as {PACKED_TYPES[packed_as[t]][0]}" for t in kept if PACKED_TYPES[packed_as[t]][0] != t]
+    converted = [f"{t} as {PACKED_TYPES[packed_as[t]].name}" for t in kept if PACKED_TYPES[packed_as[t]].name != t]
     said = f"; kept quantized: {', '.join(kept)} (activations: {activations})" if kept else ""
     if converted:
         said += f"; converted: {', '.join(converted)}"

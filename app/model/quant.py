@@ -1,13 +1,15 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
 Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
-(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 stay quantized
-too, converted at load (`kernels.convert_quant`) into blocks of 32 that keep every weight's value:
-Q4_K as 4-bit quants with float32 scale and min per 32 (6 bits a weight), Q5_K and Q5_1 as bytes with
-float32 scale and min (10 bits), Q6_K as bytes with a float32 scale per 16 (10 bits), Q5_0 as Q8_0
-(8.5 bits); a fused projection whose parts differ in type as Q8_HM32 (12 bits: bytes with float32
-scale and min per 16, which holds any of the others exactly). At load they are `QuantizedTensor`s, blocks of 32, which TP sharding cuts and fused
-projections stack; the model then packs each into a
+(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K stays as the file stores it, superblocks of
+256 weights, and runs packed with its superblock scales (4.6 bits a weight; the file's are 4.5). Q5_K,
+Q6_K, Q5_0 and Q5_1 stay quantized too, converted at load (`kernels.convert_quant`) into blocks of 32
+that keep every weight's value: Q5_K and Q5_1 as bytes with float32 scale and min (10 bits), Q6_K as
+bytes with a float32 scale per 16 (10 bits), Q5_0 as Q8_0 (8.5 bits); Q4_K too (as Q4_M32: 4-bit quants
+with float32 scale and min per 32, 6 bits) where a tensor-parallel cut does not fall on 256. A fused
+projection whose parts differ in type becomes Q8_HM32 (12 bits: bytes with float32 scale and min per
+16, which holds any of the others exactly). At load they are `QuantizedTensor`s, which TP sharding
+cuts and fused projections stack; the model then packs each into a
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot
 products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS`):
   - "int16": each block of 32 activations quantized to about 16 bits (two int8 planes) and multiplied
@@ -33,7 +35,7 @@ import torch
 from app import kernels
 from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, packed type id)
 from app.model.gguf_header import MIXED_QUANT_TYPE
-from app.model.gguf_header import PACKED_QUANT_TYPES as PACKED_TYPES  # packed type id: (name, bytes a block)
+from app.model.gguf_header import PACKED_QUANT_TYPES as PACKED_TYPES  # packed type id: QuantType
 
 BLOCK = 32
 GEMM_ROWS = 64  # "float": more activation rows than this expand the weight for torch's GEMM (compute-bound)
@@ -43,17 +45,17 @@ BF16 = 30  # GGML's type id for bfloat16: dense weights in the packed layout (ac
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A [rows, in_features] weight as blocks of 32 of a packed type (`qtype`, a key of PACKED_TYPES): `data`
-    is uint8 [rows, in_features / 32 * block bytes]."""
+    """A [rows, in_features] weight as blocks of a packed type (`qtype`, a key of PACKED_TYPES: 32 weights a
+    block, or Q4_K's 256): `data` is uint8 [rows, in_features / block weights * block bytes]."""
 
     data: torch.Tensor
     qtype: int
     in_features: int
 
     def __post_init__(self):
-        name, size = PACKED_TYPES[self.qtype]
-        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % BLOCK \
-                or self.data.shape[1] != self.in_features // BLOCK * size:
+        name, per, size, _ = PACKED_TYPES[self.qtype]
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.in_features % per \
+                or self.data.shape[1] != self.in_features // per * size:
             raise ValueError(f"{name} data of shape {tuple(self.data.shape)} does not hold rows of "
                              f"{self.in_features} weights")
 
@@ -63,7 +65,7 @@ class QuantizedTensor:
 
     @property
     def type_name(self) -> str:
-        return PACKED_TYPES[self.qtype][0]
+        return PACKED_TYPES[self.qtype].name
 
     @property
     def nbytes(self) -> int:
@@ -75,12 +77,21 @@ class QuantizedTensor:
         return QuantizedTensor(picked.clone(), self.qtype, self.in_features)
 
     def columns(self, columns: range) -> QuantizedTensor | None:
-        """A copy of the input features `columns`, or None when they do not fall on block boundaries."""
+        """A copy of the input features `columns`, or None when they do not fall on blocks of 32 (a Q4_K
+        weight cut within its superblocks of 256 comes back as Q4_M32, the same values in blocks of 32)."""
         if columns.start % BLOCK or columns.stop % BLOCK:
             return None
-        size = PACKED_TYPES[self.qtype][1]
-        part = self.data[:, columns.start // BLOCK * size:columns.stop // BLOCK * size]
+        _, per, size, _ = PACKED_TYPES[self.qtype]
+        if columns.start % per or columns.stop % per:
+            return self.in_blocks_of_32().columns(columns)
+        part = self.data[:, columns.start // per * size:columns.stop // per * size]
         return QuantizedTensor(part.contiguous().clone(), self.qtype, len(columns))
+
+    def in_blocks_of_32(self) -> QuantizedTensor:
+        """The same values in blocks of 32: a Q4_K weight as Q4_M32, any other as it is."""
+        if PACKED_TYPES[self.qtype].weights == BLOCK:
+            return self
+        return QuantizedTensor(*kernels.convert_quant(self.data, self.qtype, self.in_features), self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return kernels.dequantize(self.data, self.qtype, self.in_features, dtype)
@@ -122,7 +133,7 @@ class PackedWeight:
 
     @property
     def type_name(self) -> str:
-        return "BF16" if self.qtype == BF16 else PACKED_TYPES[self.qtype][0]
+        return "BF16" if self.qtype == BF16 else PACKED_TYPES[self.qtype].name
 
     def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's)."""

@@ -97,10 +97,18 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) is widened (widen_quant) into
 //   Q8_HM32 (any of the above) = f32 d0, d1, m0, m1 + 32 bytes u (w = d u + m, d and m per 16 weights).
-enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, q8_hm32 = 103 };
+//
+// Q4_K (GGML's 12) is kept as the file stores it, superblocks of 256 weights (144 bytes: fp16 d and dmin,
+// 6-bit scale and min codes per 32, nibbles), and packed with its superblock scales (below): 4.6 bits a
+// weight where Q4_M32 takes 6. Its rows convert to Q4_M32 (convert_quant) where a cut does not fall on
+// 256 (a tensor-parallel shard), and to Q8_HM32 (widen_quant) to fuse with another type.
+enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, q8_hm32 = 103 };
 constexpr int64_t kQuantBlock = 32;
-inline int64_t quant_block_bytes(QType t) {
+constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
+inline int64_t quant_block_weights(QType t) { return t == QType::q4_k ? kSuperBlocks * kQuantBlock : kQuantBlock; }
+inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t) weights
   switch (t) {
+    case QType::q4_k: return 144;
     case QType::bf16: return 64;
     case QType::q8_0: return 34;
     case QType::q4_1: return 20;
@@ -110,6 +118,7 @@ inline int64_t quant_block_bytes(QType t) {
     default: return 40;  // q8_m32, q8_h32
   }
 }
+inline int64_t quant_row_bytes(QType t, int64_t k) { return k / quant_block_weights(t) * quant_block_bytes(t); }
 
 // GGUF types convert_quant turns into the blocks above (GGML's ids).
 enum class FileType : int { q5_0 = 6, q5_1 = 7, q4_k = 12, q5_k = 13, q6_k = 14 };
@@ -124,6 +133,13 @@ struct ConvertArgs {  // out = rows [R, K / 32 * quant_block_bytes(converted_typ
   int64_t rows, in_features;
 };
 void convert_quant(const ConvertArgs&);  // plain C++, once at load: not per ISA
+
+struct Q4KParts {  // one Q4_K superblock: w = d sc[s] q - dmin m[s] for the 32 weights of sub-block s
+  uint16_t d, dmin;        // fp16 bits
+  uint8_t sc[8], m[8];     // 6-bit codes
+  uint8_t nibbles[8][16];  // per sub-block, Q4_1's order: byte i holds weight i (low) and i + 16 (high)
+};
+void q4_k_parts(const uint8_t* block, Q4KParts& out);
 
 struct WidenArgs {  // out = rows [R, K / 32 * 48] of Q8_HM32 holding the same values as rows of `from`
   QType from;           // any quantized type above (not BF16)
@@ -147,6 +163,10 @@ void widen_quant(const WidenArgs&);
 // stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
+//   Q4_K: superblocks of 8 blocks: first a head of 16 fp16 d and 16 fp16 -dmin (64 bytes), then the 8
+//           blocks, each the 4-bit quants above and 16 scale codes sc, 16 min codes m (a byte each). Block
+//           s of a superblock scales by d sc[s] and offsets by -dmin m[s]: products the tile forms in
+//           float32, exactly (fp16 times a 6-bit integer), so every weight is the file's.
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
@@ -155,9 +175,11 @@ struct PackedLayout {
   int zero;              // subtracted from every u
   bool has_min;          // 16 m follow the 16 d (with halves: 16 m0, 16 m1 follow d0 and d1)
   bool halves;           // 16 d1 follow the 16 d: d scales weights 0..15 of a block, d1 16..31
-  int scale_bytes;       // 2 (fp16) or 4 (f32)
+  int scale_bytes;       // 2 (fp16), 4 (f32), or 1 (a code per block, times its superblock's fp16 scalars)
   int64_t quant_bytes;   // per panel and block
   int64_t block_bytes;   // quants and scales, per panel and block
+  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (Q4_K), or none
+  int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 
 inline PackedLayout packed_layout(QType t) {
@@ -167,6 +189,7 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_0: return {4, 8, false, false, 2, 256, 256 + 32};
     case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
     case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
+    case QType::q4_k: return {4, 0, true, false, 1, 256, 256 + 32, 64};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
     case QType::q8_hm32: return {8, 0, true, true, 4, 512, 512 + 256};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
@@ -176,8 +199,11 @@ inline int64_t packed_panels(int64_t rows) {
   const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;
   return (panels + kPanelGroup - 1) / kPanelGroup * kPanelGroup;
 }
+inline int64_t packed_panel_bytes(const PackedLayout& L, int64_t blocks) {
+  return blocks * L.block_bytes + blocks / kSuperBlocks * L.super_head;
+}
 inline int64_t packed_bytes(QType t, int64_t rows, int64_t k) {
-  return packed_panels(rows) * (k / kQuantBlock) * packed_layout(t).block_bytes;
+  return packed_panels(rows) * packed_panel_bytes(packed_layout(t), k / kQuantBlock);
 }
 
 // How activations meet kept-quantized weights: exact float32 FMAs on the dequantized weights (none), or

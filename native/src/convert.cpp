@@ -32,16 +32,13 @@ void scale_min(int j, const uint8_t* s, int& sc, int& m) {
 // Q4_K (144 bytes a 256): fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles; 32-weight sub-block
 // 2c + h is the low (h = 0) or high nibbles of bytes 32c..32c+31; w = d sc q - dmin m.
 void q4_k(const uint8_t* b, uint8_t* out) {
-  const float d = half(b), dmin = half(b + 2);
-  const uint8_t* qs = b + 16;
+  Q4KParts parts;
+  q4_k_parts(b, parts);
+  const float d = fp16_to_float(parts.d), dmin = fp16_to_float(parts.dmin);
   for (int s = 0; s < 8; ++s, out += 24) {
-    int sc, m;
-    scale_min(s, b + 4, sc, m);
-    uint8_t u[32];
-    for (int i = 0; i < 32; ++i) u[i] = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15;
-    put_f32(out, d * static_cast<float>(sc));
-    put_f32(out + 4, -(dmin * static_cast<float>(m)));
-    put_nibbles(out + 8, u);
+    put_f32(out, d * static_cast<float>(parts.sc[s]));
+    put_f32(out + 4, -(dmin * static_cast<float>(parts.m[s])));
+    std::memcpy(out + 8, parts.nibbles[s], 16);
   }
 }
 
@@ -130,17 +127,38 @@ void widen_block(QType q, const uint8_t* b, uint8_t* out) {
 
 }  // namespace
 
+void q4_k_parts(const uint8_t* b, Q4KParts& out) {
+  out.d = static_cast<uint16_t>(b[0] | (b[1] << 8)), out.dmin = static_cast<uint16_t>(b[2] | (b[3] << 8));
+  const uint8_t* qs = b + 16;
+  for (int s = 0; s < 8; ++s) {
+    int sc, m;
+    scale_min(s, b + 4, sc, m);
+    out.sc[s] = static_cast<uint8_t>(sc), out.m[s] = static_cast<uint8_t>(m);
+    uint8_t u[32];
+    for (int i = 0; i < 32; ++i) u[i] = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15;
+    put_nibbles(out.nibbles[s], u);
+  }
+}
+
 void widen_quant(const WidenArgs& a) {
-  const int64_t blocks = a.in_features / kQuantBlock, in_bytes = quant_block_bytes(a.from);
-  const int64_t out_bytes = quant_block_bytes(QType::q8_hm32);
+  const int64_t blocks = a.in_features / kQuantBlock, out_bytes = quant_block_bytes(QType::q8_hm32);
+  // Q4_K: each superblock's 8 blocks as Q4_M32 first (the same values, blocks of 32)
+  const QType from = a.from == QType::q4_k ? QType::q4_m32 : a.from;
+  const int64_t in_bytes = quant_block_bytes(from);
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < a.rows_count; ++r)
+  for (int64_t r = 0; r < a.rows_count; ++r) {
+    uint8_t converted[kSuperBlocks * 24];
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* in = a.rows + (r * blocks + b) * in_bytes;
+      if (a.from == QType::q4_k) {
+        if (b % kSuperBlocks == 0) q4_k(a.rows + r * quant_row_bytes(QType::q4_k, a.in_features) + b / kSuperBlocks * 144, converted);
+        in = converted + b % kSuperBlocks * in_bytes;
+      }
       uint8_t* out = a.out + (r * blocks + b) * out_bytes;
-      if (a.from == QType::q8_hm32) std::memcpy(out, in, out_bytes);
-      else widen_block(a.from, in, out);
+      if (from == QType::q8_hm32) std::memcpy(out, in, out_bytes);
+      else widen_block(from, in, out);
     }
+  }
 }
 
 QType converted_type(FileType t) {

@@ -198,11 +198,11 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
 }
 
 QType quant_type(int code) {
-  for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::bf16, QType::q4_m32, QType::q8_m32, QType::q8_h32,
-                  QType::q8_hm32})
+  for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::q4_k, QType::bf16, QType::q4_m32, QType::q8_m32,
+                  QType::q8_h32, QType::q8_hm32})
     if (code == static_cast<int>(q)) return q;
-  fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30, "
-       "Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102, Q8_HM32 = 103)");
+  fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
+       "BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102, Q8_HM32 = 103)");
 }
 
 FileType file_type(int code) {
@@ -222,26 +222,27 @@ void convert_rows(const Ref& out_r, const Ref& w_r, int from, int64_t k) {
   require(w.dim(1) == k / per * file_block_bytes(f), "weight: rows must be " + std::to_string(k / per * file_block_bytes(f)) +
                                                          " bytes for " + std::to_string(k) + " features, got " + std::to_string(w.dim(1)));
   const QType q = converted_type(f);
-  require(out.dim(0) == w.dim(0) && out.dim(1) == k / kQuantBlock * quant_block_bytes(q),
-          "convert_quant: out must be [R, " + std::to_string(k / kQuantBlock * quant_block_bytes(q)) + "]");
+  require(out.dim(0) == w.dim(0) && out.dim(1) == quant_row_bytes(q, k),
+          "convert_quant: out must be [R, " + std::to_string(quant_row_bytes(q, k)) + "]");
   convert_quant(ConvertArgs{f, static_cast<const uint8_t*>(w.ptr), static_cast<uint8_t*>(out.ptr), w.dim(0), k});
 }
 
-// weight: [V, K / 32 * block bytes] uint8, contiguous; K a multiple of 32
+// weight: [V, K / block * block bytes] uint8, contiguous; K a multiple of the block (32, or Q4_K's 256)
 void quant_weight(const T& w, QType q, int64_t k) {
   require(w.code == U8, "weight: dtype must be uint8 (GGUF blocks)");
   contiguous(w);
-  require(k > 0 && k % kQuantBlock == 0, "in_features: must be a positive multiple of 32, got " + std::to_string(k));
-  require(w.dim(1) == k / kQuantBlock * quant_block_bytes(q),
-          "weight: rows must be " + std::to_string(k / kQuantBlock * quant_block_bytes(q)) + " bytes for " +
-              std::to_string(k) + " features, got " + std::to_string(w.dim(1)));
+  const int64_t per = quant_block_weights(q);
+  require(k > 0 && k % per == 0, "in_features: must be a positive multiple of " + std::to_string(per) + ", got " + std::to_string(k));
+  require(w.dim(1) == quant_row_bytes(q, k), "weight: rows must be " + std::to_string(quant_row_bytes(q, k)) + " bytes for " +
+                                                 std::to_string(k) + " features, got " + std::to_string(w.dim(1)));
 }
 
 // packed: uint8 [packed_bytes(q, N, K)] for a weight of N rows
 void packed_weight(const T& w, QType q, int64_t n, int64_t k) {
   require(w.code == U8, "weight: dtype must be uint8 (packed blocks)");
   contiguous(w);
-  require(k > 0 && k % kQuantBlock == 0, "in_features: must be a positive multiple of 32, got " + std::to_string(k));
+  const int64_t per = quant_block_weights(q);
+  require(k > 0 && k % per == 0, "in_features: must be a positive multiple of " + std::to_string(per) + ", got " + std::to_string(k));
   require(n > 0, "out_features: must be positive, got " + std::to_string(n));
   require(w.dim(0) == packed_bytes(q, n, k), "weight: " + std::to_string(n) + " x " + std::to_string(k) +
                                                  " packed takes " + std::to_string(packed_bytes(q, n, k)) +
@@ -285,8 +286,8 @@ void widen_rows(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
   const QType q = quant_type(qtype);
   require(q != QType::bf16, "widen_quant: BF16 rows are not quantized");
   quant_weight(w, q, k);
-  require(out.code == U8 && out.dim(0) == w.dim(0) && out.dim(1) == k / kQuantBlock * quant_block_bytes(QType::q8_hm32),
-          "widen_quant: out must be uint8 [R, " + std::to_string(k / kQuantBlock * quant_block_bytes(QType::q8_hm32)) + "]");
+  require(out.code == U8 && out.dim(0) == w.dim(0) && out.dim(1) == quant_row_bytes(QType::q8_hm32, k),
+          "widen_quant: out must be uint8 [R, " + std::to_string(quant_row_bytes(QType::q8_hm32, k)) + "]");
   contiguous(out);
   widen_quant(WidenArgs{q, static_cast<const uint8_t*>(w.ptr), static_cast<uint8_t*>(out.ptr), w.dim(0), k});
 }
@@ -297,6 +298,12 @@ void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
   require(q != QType::bf16, "dequantize: BF16 rows are not quantized (view them as bfloat16)");
   quant_weight(w, q, k);
   require(out.dim(0) == w.dim(0) && out.dim(1) == k, "dequantize: out must be [R, K] for weight [R, K]");
+  if (q == QType::q4_k) {  // through Q4_M32, which holds the same values in blocks of 32
+    std::vector<uint8_t> blocks(static_cast<size_t>(w.dim(0) * quant_row_bytes(QType::q4_m32, k)));
+    convert_quant(ConvertArgs{FileType::q4_k, static_cast<const uint8_t*>(w.ptr), blocks.data(), w.dim(0), k});
+    kernels().dequantize({QType::q4_m32, float_type(out), out.ptr, blocks.data(), w.dim(0), k, out.st(0)});
+    return;
+  }
   kernels().dequantize({q, float_type(out), out.ptr, static_cast<const uint8_t*>(w.ptr), w.dim(0), k, out.st(0)});
 }
 

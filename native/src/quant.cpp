@@ -281,28 +281,36 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
     }
 }
 
-// Block b of panel `panel`, and its 16 rows' scales d and mins m (zero unless the type has them; with
-// halves, m is d1, the second 16 weights' scale, and half_min gives Q8_HM32's m0, m1).
+// Block b of panel `panel` (past the heads of its superblock and those before, for Q4_K: no branch), and its
+// 16 rows' scales d and mins m (zero unless the type has them; with halves, m is d1, the second 16
+// weights' scale, and half_min gives Q8_HM32's m0, m1).
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
-  return t.weight + panel * t.panel_bytes + b * t.layout.block_bytes;
+  return t.weight + panel * t.panel_bytes + (b / kSuperBlocks + 1) * t.layout.super_head + b * t.layout.block_bytes;
 }
-// kF32: the scales are float32 (our types), known at compile time in the integer tiles: a test per block
-// in Q4_1's decode tile cost it 4% (A/B, Zen 5).
-template <bool kF32>
-void block_scales(const PackedLayout& L, const uint8_t* blk, F32x16& d, F32x16& m) {
-  if (kF32) {
+// SCALES: the scales' kind, known at compile time in the integer tiles (a test per block in Q4_1's decode
+// tile cost it 4%, A/B on Zen 5): 2 fp16 (GGML's types), 4 float32 (ours), 1 Q4_K's codes (a byte a row)
+// times its superblock's fp16 d and -dmin, in the head before block b's superblock. Products of fp16 and a
+// 6-bit integer: exact in float32, the same scales Q4_M32 holds.
+template <int SCALES>
+void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
+  if constexpr (SCALES == 4) {
     const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
     d = F32x16::load(scales);
     m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
-    return;
+  } else if constexpr (SCALES == 1) {
+    const uint16_t* head = reinterpret_cast<const uint16_t*>(blk - b % kSuperBlocks * L.block_bytes - L.super_head);
+    d = F32x16::load_half(head) * F32x16::load_u8(blk + L.quant_bytes);
+    m = F32x16::load_half(head + kPanelRows) * F32x16::load_u8(blk + L.quant_bytes + kPanelRows);
+  } else {
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
+    d = F32x16::load_half(scales);
+    m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
   }
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
-  d = F32x16::load_half(scales);
-  m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
 }
-void block_scales(const PackedLayout& L, const uint8_t* blk, F32x16& d, F32x16& m) {
-  if (L.scale_bytes == 4) block_scales<true>(L, blk, d, m);
-  else block_scales<false>(L, blk, d, m);
+void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
+  if (L.scale_bytes == 4) block_scales<4>(L, blk, b, d, m);
+  else if (L.scale_bytes == 1) block_scales<1>(L, blk, b, d, m);
+  else block_scales<2>(L, blk, b, d, m);
 }
 F32x16 half_min(const PackedLayout& L, const uint8_t* blk, int h) {  // Q8_HM32's m0 (h = 0) or m1
   return F32x16::load(reinterpret_cast<const float*>(blk + L.quant_bytes) + (2 + h) * kPanelRows);
@@ -327,13 +335,14 @@ constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations 
 // Decode step, default spec, context 300, A/B x 4 on Zen 5: batch 1 4.05 -> 3.45 ms, 8 10.55 -> 9.15, 32 28.2 -> 27.3.
 constexpr int64_t kPrefetchBytes = 2048;
 inline int64_t blocks_ahead(const Tiles& t, int64_t r0) {
-  return r0 % kRowChunk == 0 ? std::max<int64_t>(1, kPrefetchBytes / t.layout.block_bytes) : 0;
+  return r0 % kRowChunk == 0 ? std::max<int64_t>(1, kPrefetchBytes / t.layout.mean_block_bytes()) : 0;
 }
 template <int NP>
 inline void prefetch_blocks(const Tiles& t, const uint8_t* const (&blk)[NP], int64_t b, int64_t ahead) {
   if (ahead == 0 || b + ahead >= t.blocks) return;
+  const int64_t stride = t.layout.mean_block_bytes();  // (a Q4_K superblock's head spread over its blocks)
   for (int j = 0; j < NP; ++j)
-    for (int64_t line = 0; line < t.layout.block_bytes; line += 64) __builtin_prefetch(blk[j] + ahead * t.layout.block_bytes + line, 0, 3);
+    for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(blk[j] + ahead * stride + line, 0, 3);
   // Keeps GCC from dropping prefetches as side-effect free (see attention.cpp). It also makes the compiler
   // reload what it kept of memory in registers, once a block in the first tile: measured as a net gain.
   asm volatile("" ::: "memory");
@@ -378,9 +387,9 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
-template <int MR, int NP, int BITS, int PLANES, bool kF32, bool kMin, bool kPre>
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
-  constexpr bool kSmall = BITS == 4 || kF32;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
+  constexpr bool kSmall = BITS == 4 || SCALES == 4;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -416,7 +425,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
       byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 0, 8, hi, lo);
     }
     F32x16 d[NP], m[NP];
-    for (int j = 0; j < NP; ++j) block_scales<kF32>(L, blk[j], d[j], m[j]);
+    for (int j = 0; j < NP; ++j) block_scales<SCALES>(L, blk[j], b, d[j], m[j]);
     for (int r = 0; r < MR; ++r) {
       const int64_t cell = (r0 + r) * t.blocks + b;
       const F32x16 scale = F32x16::set1(x.scale[cell]);
@@ -450,7 +459,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     F32x16 d[2][NP];
-    for (int j = 0; j < NP; ++j) block_scales<true>(L, blk[j], d[0][j], d[1][j]);
+    for (int j = 0; j < NP; ++j) block_scales<4>(L, blk[j], b, d[0][j], d[1][j]);
     for (int h = 0; h < 2; ++h) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
@@ -513,7 +522,7 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         if (L.halves && g == 3) {  // the first 16 weights under d, the rest under d1 below
           for (int j = 0; j < NP; ++j) {
             F32x16 d, d1;
-            block_scales(L, blk[j], d, d1);
+            block_scales(L, blk[j], b, d, d1);
             for (int r = 0; r < MR; ++r) {
               acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
               if (L.has_min)
@@ -525,7 +534,7 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
     }
     for (int j = 0; j < NP; ++j) {
       F32x16 d, m;
-      block_scales(L, blk[j], d, m);
+      block_scales(L, blk[j], b, d, m);
       for (int r = 0; r < MR; ++r) {
         if (L.halves) {
           acc[r][j] = F32x16::fmadd(part[r][j], m, acc[r][j]);  // m is d1
@@ -565,12 +574,12 @@ void bf16_tile(const Tiles& t, int64_t r0, int64_t p0) {
 // The integer tile with the next panels' prefetch (pre >= 0) or without: two instantiations, so that the
 // tiles that do not ask (all of a prefill's) carry none of it; a test in their block loop cost a 128-token
 // prefill ~2%.
-template <int MR, int NP, int BITS, int PLANES, bool kF32, bool kMin>
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin>
 void int_tile_pre(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   if constexpr (NP == 2) {  // (row_tiles' width: the only tiles given a `pre`)
-    if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, kF32, kMin, true>(t, r0, p0, pre);
+    if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true>(t, r0, p0, pre);
   }
-  int_tile<MR, NP, BITS, PLANES, kF32, kMin, false>(t, r0, p0, pre);
+  int_tile<MR, NP, BITS, PLANES, SCALES, kMin, false>(t, r0, p0, pre);
 }
 
 template <int MR, int NP, int BITS, int PLANES>
@@ -584,11 +593,13 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
     if (t.layout.has_min) halves_tile<MR, NP, PLANES, true>(t, r0, p0);
     else halves_tile<MR, NP, PLANES, false>(t, r0, p0);
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
-    int_tile_pre<MR, NP, BITS, PLANES, true, true>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, 4, true>(t, r0, p0, pre);
+  } else if (BITS == 4 && t.layout.scale_bytes == 1) {  // Q4_K: a min too
+    int_tile_pre<MR, NP, BITS, PLANES, 1, true>(t, r0, p0, pre);
   } else if (t.layout.has_min) {  // Q4_1
-    int_tile_pre<MR, NP, BITS, PLANES, false, true>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, 2, true>(t, r0, p0, pre);
   } else {  // Q4_0, Q8_0
-    int_tile_pre<MR, NP, BITS, PLANES, false, false>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, 2, false>(t, r0, p0, pre);
   }
 }
 
@@ -680,9 +691,13 @@ template <typename T>
 void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_bytes, int64_t blocks, int64_t id, T* out) {
   const int64_t j = id % kPanelRows;
   for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
-    const uint8_t* blk = w + id / kPanelRows * panel_bytes + b * L.block_bytes;
+    const uint8_t* blk = w + id / kPanelRows * panel_bytes + (b / kSuperBlocks + 1) * L.super_head + b * L.block_bytes;
     float d = 0.f, m = 0.f, mins[2] = {0.f, 0.f};  // with halves, m is d1 (and mins m0, m1)
-    if (L.scale_bytes == 4) {
+    if (L.scale_bytes == 1) {  // Q4_K: codes times the superblock's d and -dmin (as block_scales<1>)
+      const uint16_t* head = reinterpret_cast<const uint16_t*>(blk - b % kSuperBlocks * L.block_bytes - L.super_head);
+      d = fp16_to_float(head[j]) * static_cast<float>(blk[L.quant_bytes + j]);
+      m = fp16_to_float(head[kPanelRows + j]) * static_cast<float>(blk[L.quant_bytes + kPanelRows + j]);
+    } else if (L.scale_bytes == 4) {
       std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
       if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
       if (L.has_min && L.halves)
@@ -708,7 +723,34 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
 
 }  // namespace
 
+// Q4_K rows: per panel and superblock, the head (16 d, 16 -dmin), then its 8 blocks' quants and codes.
+void pack_q4_k(const PackArgs& a) {
+  const PackedLayout L = packed_layout(QType::q4_k);
+  const int64_t blocks = a.in_features / kQuantBlock, supers = blocks / kSuperBlocks;
+  const int64_t row_bytes = quant_row_bytes(QType::q4_k, a.in_features), super_bytes = L.super_head + kSuperBlocks * L.block_bytes;
+  const int64_t panels = packed_panels(a.rows);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* dst = a.out + p * supers * super_bytes + s * super_bytes;
+      std::memset(dst, 0, super_bytes);  // rows past the end: d = dmin = 0
+      for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j) {
+        Q4KParts parts;
+        q4_k_parts(a.gguf + (p * kPanelRows + j) * row_bytes + s * quant_block_bytes(QType::q4_k), parts);
+        const uint16_t head[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};  // -dmin: the sign bit
+        for (int c = 0; c < 2; ++c) std::memcpy(dst + 2 * (c * kPanelRows + j), &head[c], 2);
+        for (int i = 0; i < kSuperBlocks; ++i) {
+          uint8_t* blk = dst + L.super_head + i * L.block_bytes;
+          for (int g = 0; g < 4; ++g) std::memcpy(blk + 64 * g + 4 * j, parts.nibbles[i] + 4 * g, 4);
+          blk[L.quant_bytes + j] = parts.sc[i], blk[L.quant_bytes + kPanelRows + j] = parts.m[i];
+        }
+      }
+    }
+  }
+}
+
 void pack_quant(const PackArgs& a) {
+  if (a.qtype == QType::q4_k) return pack_q4_k(a);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
   const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;
@@ -743,7 +785,7 @@ void packed_linear(const PackedLinearArgs& a) {
   thread_local Activations x;  // kept between calls: no allocation per call
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock;
-  const Tiles t{a.weight, L, blocks, blocks * L.block_bytes, a.out_features, &x, a.out, a.out_dtype, a.out_stride,
+  const Tiles t{a.weight, L, blocks, packed_panel_bytes(L, blocks), a.out_features, &x, a.out, a.out_dtype, a.out_stride,
                 a.x, a.x_dtype, a.x_stride};
   const int bits = L.bits;
   if (bits == 16) {  // BF16 weights take x as it is (act does not apply)
@@ -775,7 +817,7 @@ void packed_linear(const PackedLinearArgs& a) {
 
 void packed_rows(const PackedRowsArgs& a) {
   const PackedLayout L = packed_layout(a.qtype);
-  const int64_t blocks = a.in_features / kQuantBlock, panel_bytes = blocks * L.block_bytes;
+  const int64_t blocks = a.in_features / kQuantBlock, panel_bytes = packed_panel_bytes(L, blocks);
 #pragma omp parallel for schedule(static) if (a.count >= 64)
   for (int64_t i = 0; i < a.count; ++i) {
     if (a.out_dtype == DType::f32)

@@ -1,5 +1,5 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0 as stored; Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 converted into
-exact blocks of 32), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0 and Q4_K as stored; Q5_K, Q6_K, Q5_0, Q5_1 converted into
+exact blocks of 32, and Q4_K too where a cut needs it), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
 The blocks come from gguf.quants.quantize (the gguf package's reference implementation), so the
@@ -22,7 +22,8 @@ from tests.kernels.isas import running, variants
 ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
 TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
-CONVERTED = [GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
+CONVERTED = [GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
+SUPERBLOCK = [GT.Q4_K]  # kept as stored, in superblocks of 256
 # where a K block's float16 d (and dmin) sit, and their range: weights then within about +-0.3, as real ones
 K_SCALES = {GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5)}
 
@@ -58,11 +59,12 @@ def quantized(rows: int, features: int, qtype, seed: int = 0) -> tuple[Quantized
     return QuantizedTensor(data, packed_type, features), reference
 
 
-@pytest.mark.parametrize("qtype", TYPES + CONVERTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK + CONVERTED, ids=lambda t: t.name)
 def test_dequantize_is_exact(isa, qtype):
     q, reference = quantized(37, 96 if qtype in TYPES else 512, qtype)
     assert torch.equal(q.dequantize(), reference)
     assert torch.equal(q.dequantize(torch.bfloat16), reference.to(torch.bfloat16))
+    assert torch.equal(q.in_blocks_of_32().dequantize(), reference)
 
 
 def quantize_activations(x: torch.Tensor, activations: str) -> torch.Tensor:
@@ -128,14 +130,14 @@ def test_float32_weights_stay_torch_tensors():
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
-@pytest.mark.parametrize("qtype", CONVERTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SUPERBLOCK + CONVERTED, ids=lambda t: t.name)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 256), (1, 130, 512), (3, 7, 256), (4, 33, 768), (17, 67, 256),
-                                           (65, 64, 256), (131, 17, 256)])
+                                           (65, 64, 256), (131, 17, 256), (2, 40, 2304)])
 def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m, n, k):
-    """K-quants and Q5 types, converted: the same check as above (Q6_K's scale per 16 weights takes its own
-    tile, which sums each half of a block apart)."""
+    """K-quants and Q5 types, converted or (Q4_K) in their superblocks: the same check as above (Q6_K's scale
+    per 16 weights takes its own tile, which sums each half of a block apart)."""
     q, w = quantized(n, k, qtype, seed=m + n + k)
-    assert q.qtype == kernels.ops._native.converted_type(qtype.value)
+    assert q.qtype == (qtype.value if qtype in SUPERBLOCK else kernels.ops._native.converted_type(qtype.value))
     packed = q.pack(activations)
     x = torch.randn(m, k)
     x[0, :32] = 0  # an all-zero block
@@ -170,9 +172,14 @@ def test_mixed_types_widen_exactly_and_fuse(isa, activations):
 
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():
-    for qtype, bits in ((GT.Q4_K, 6), (GT.Q5_K, 10), (GT.Q6_K, 10), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
+    for qtype, bits in ((GT.Q4_K, 4.5), (GT.Q5_K, 10), (GT.Q6_K, 10), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
+    q4k, _ = quantized(3, 512, GT.Q4_K)
+    assert q4k.in_blocks_of_32().nbytes * 8 == 6 * 3 * 512  # Q4_M32
+    # packed: per 16 rows and 256 weights, 8 blocks of nibbles and a byte code each for scale and min, and
+    # a head of fp16 d and -dmin: 4.625 bits a weight (Q4_M32: 6)
+    assert kernels.ops._native.packed_bytes(12, 64, 512) * 8 == 4.625 * 64 * 512
     raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
     with pytest.raises(ValueError, match="is not converted"):
         kernels.convert_quant(raw, GT.Q2_K.value, 256)
@@ -236,6 +243,21 @@ def test_a_row_gives_the_same_result_in_any_batch(isa):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
+def test_q4_k_cut_within_its_superblocks_comes_back_in_blocks_of_32(isa):
+    """A tensor-parallel shard of a Q4_K weight's input features that does not fall on 256 (here 576 / 2)
+    is the same values as Q4_M32; one that does stays Q4_K."""
+    q, w = quantized(20, 1536, GT.Q4_K)
+    aligned = q.columns(range(768, 1536))
+    assert aligned.type_name == "Q4_K" and torch.equal(aligned.dequantize(), w[:, 768:])
+    cut = q.columns(range(288, 576))
+    assert cut.type_name == "Q4_M32" and torch.equal(cut.dequantize(), w[:, 288:576])
+    assert q.columns(range(16, 256)) is None
+    x = torch.randn(3, 288)
+    expected = (quantize_activations(x, "int16").double() @ w[:, 288:576].double().T).float()
+    torch.testing.assert_close(cut.pack("int16").linear(x), expected, atol=2e-5, rtol=2e-5)
+    assert torch.equal(q.rows(torch.tensor([19, 2])).dequantize(), w[[19, 2]])
+
+
 def test_rows_columns_and_fusion_keep_the_blocks():
     q, w = quantized(48, 128, gguf.GGMLQuantizationType.Q4_1)
     assert torch.equal(q.rows(range(8, 20)).dequantize(), w[8:20])
@@ -271,6 +293,8 @@ def test_bad_arguments_are_errors_not_crashes():
     q, _ = quantized(4, 64, gguf.GGMLQuantizationType.Q4_0)
     packed = q.pack("int16")
     with pytest.raises(ValueError, match="not a packed weight type"):
+        kernels.pack_quant(q.data, 13, 64)  # Q5_K: converted at load, never packed as stored
+    with pytest.raises(ValueError, match="multiple of 256"):
         kernels.pack_quant(q.data, 12, 64)  # Q4_K
     with pytest.raises(ValueError, match="rows must be 36 bytes"):
         kernels.pack_quant(q.data[:, :20].contiguous(), 2, 64)
