@@ -163,10 +163,11 @@ void widen_quant(const WidenArgs&);
 // stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
-//   Q4_K: superblocks of 8 blocks: first a head of 16 fp16 d and 16 fp16 -dmin (64 bytes), then the 8
-//           blocks, each the 4-bit quants above and 16 scale codes sc, 16 min codes m (a byte each). Block
-//           s of a superblock scales by d sc[s] and offsets by -dmin m[s]: products the tile forms in
-//           float32, exactly (fp16 times a 6-bit integer), so every weight is the file's.
+//   Q4_K: superblocks of 8 blocks: first a head of 16 fp16 d, 16 fp16 -dmin, then per block 16 scale
+//           codes sc and 16 min codes m (a byte each): 320 bytes; then the 8 blocks' 4-bit quants as above
+//           (every vector on a cache line of its own: split loads cost the tile a third). Block s of a
+//           superblock scales by d sc[s] and offsets by -dmin m[s]: products the tile forms in float32,
+//           exactly (fp16 times a 6-bit integer), so every weight is the file's.
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
@@ -189,7 +190,7 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_0: return {4, 8, false, false, 2, 256, 256 + 32};
     case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
     case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
-    case QType::q4_k: return {4, 0, true, false, 1, 256, 256 + 32, 64};
+    case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
     case QType::q8_hm32: return {8, 0, true, true, 4, 512, 512 + 256};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32

@@ -298,9 +298,10 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
     d = F32x16::load(scales);
     m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
   } else if constexpr (SCALES == 1) {
-    const uint16_t* head = reinterpret_cast<const uint16_t*>(blk - b % kSuperBlocks * L.block_bytes - L.super_head);
-    d = F32x16::load_half(head) * F32x16::load_u8(blk + L.quant_bytes);
-    m = F32x16::load_half(head + kPanelRows) * F32x16::load_u8(blk + L.quant_bytes + kPanelRows);
+    const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
+    const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
+    d = F32x16::load_half(reinterpret_cast<const uint16_t*>(head)) * F32x16::load_u8(codes);
+    m = F32x16::load_half(reinterpret_cast<const uint16_t*>(head) + kPanelRows) * F32x16::load_u8(codes + kPanelRows);
   } else {
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
     d = F32x16::load_half(scales);
@@ -694,9 +695,10 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + (b / kSuperBlocks + 1) * L.super_head + b * L.block_bytes;
     float d = 0.f, m = 0.f, mins[2] = {0.f, 0.f};  // with halves, m is d1 (and mins m0, m1)
     if (L.scale_bytes == 1) {  // Q4_K: codes times the superblock's d and -dmin (as block_scales<1>)
-      const uint16_t* head = reinterpret_cast<const uint16_t*>(blk - b % kSuperBlocks * L.block_bytes - L.super_head);
-      d = fp16_to_float(head[j]) * static_cast<float>(blk[L.quant_bytes + j]);
-      m = fp16_to_float(head[kPanelRows + j]) * static_cast<float>(blk[L.quant_bytes + kPanelRows + j]);
+      const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
+      const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
+      d = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[j]) * static_cast<float>(codes[j]);
+      m = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
     } else if (L.scale_bytes == 4) {
       std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
       if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
@@ -723,7 +725,8 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
 
 }  // namespace
 
-// Q4_K rows: per panel and superblock, the head (16 d, 16 -dmin), then its 8 blocks' quants and codes.
+// Q4_K rows: per panel and superblock, the head (16 d, 16 -dmin, each block's 16 sc and 16 m codes), then
+// its 8 blocks' quants.
 void pack_q4_k(const PackArgs& a) {
   const PackedLayout L = packed_layout(QType::q4_k);
   const int64_t blocks = a.in_features / kQuantBlock, supers = blocks / kSuperBlocks;
@@ -742,7 +745,8 @@ void pack_q4_k(const PackArgs& a) {
         for (int i = 0; i < kSuperBlocks; ++i) {
           uint8_t* blk = dst + L.super_head + i * L.block_bytes;
           for (int g = 0; g < 4; ++g) std::memcpy(blk + 64 * g + 4 * j, parts.nibbles[i] + 4 * g, 4);
-          blk[L.quant_bytes + j] = parts.sc[i], blk[L.quant_bytes + kPanelRows + j] = parts.m[i];
+          uint8_t* codes = dst + 4 * kPanelRows + i * 2 * kPanelRows;
+          codes[j] = parts.sc[i], codes[kPanelRows + j] = parts.m[i];
         }
       }
     }
