@@ -1,12 +1,13 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
 Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
-(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K stays as the file stores it, superblocks of
-256 weights, and runs packed with its superblock scales (4.6 bits a weight; the file's are 4.5). Q5_K,
-Q6_K, Q5_0 and Q5_1 stay quantized too, converted at load (`kernels.convert_quant`) into blocks of 32
-that keep every weight's value: Q5_K and Q5_1 as bytes with float32 scale and min (10 bits), Q6_K as
-bytes with a float32 scale per 16 (10 bits), Q5_0 as Q8_0 (8.5 bits); Q4_K too (as Q4_M32: 4-bit quants
-with float32 scale and min per 32, 6 bits) where a tensor-parallel cut does not fall on 256. A fused
+(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K and Q6_K stay as the file stores them,
+superblocks of 256 weights, and run packed with their superblock scales (4.6 and 8.6 bits a weight; the
+file's are 4.5 and 6.6: Q6_K's quants run as bytes). Q5_K, Q5_0 and Q5_1 stay quantized too, converted at
+load (`kernels.convert_quant`) into blocks of 32 that keep every weight's value: Q5_K and Q5_1 as bytes
+with float32 scale and min (10 bits), Q5_0 as Q8_0 (8.5 bits); Q4_K and Q6_K too (as Q4_M32, 4-bit
+quants with float32 scale and min per 32, 6 bits; Q8_H32, bytes with a float32 scale per 16, 10 bits)
+where a tensor-parallel cut does not fall on 256. A fused
 projection whose parts differ in type becomes Q8_HM32 (12 bits: bytes with float32 scale and min per
 16, which holds any of the others exactly). At load they are `QuantizedTensor`s, which TP sharding
 cuts and fused projections stack; the model then packs each into a
@@ -77,8 +78,8 @@ class QuantizedTensor:
         return QuantizedTensor(picked.clone(), self.qtype, self.in_features)
 
     def columns(self, columns: range) -> QuantizedTensor | None:
-        """A copy of the input features `columns`, or None when they do not fall on blocks of 32 (a Q4_K
-        weight cut within its superblocks of 256 comes back as Q4_M32, the same values in blocks of 32)."""
+        """A copy of the input features `columns`, or None when they do not fall on blocks of 32 (a Q4_K or
+        Q6_K weight cut within its superblocks of 256 comes back in blocks of 32 that hold the same values)."""
         if columns.start % BLOCK or columns.stop % BLOCK:
             return None
         _, per, size, _ = PACKED_TYPES[self.qtype]
@@ -88,7 +89,7 @@ class QuantizedTensor:
         return QuantizedTensor(part.contiguous().clone(), self.qtype, len(columns))
 
     def in_blocks_of_32(self) -> QuantizedTensor:
-        """The same values in blocks of 32: a Q4_K weight as Q4_M32, any other as it is."""
+        """The same values in blocks of 32: a Q4_K weight as Q4_M32, Q6_K as Q8_H32, any other as it is."""
         if PACKED_TYPES[self.qtype].weights == BLOCK:
             return self
         return QuantizedTensor(*kernels.convert_quant(self.data, self.qtype, self.in_features), self.in_features)

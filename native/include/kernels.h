@@ -98,17 +98,22 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) is widened (widen_quant) into
 //   Q8_HM32 (any of the above) = f32 d0, d1, m0, m1 + 32 bytes u (w = d u + m, d and m per 16 weights).
 //
-// Q4_K (GGML's 12) is kept as the file stores it, superblocks of 256 weights (144 bytes: fp16 d and dmin,
-// 6-bit scale and min codes per 32, nibbles), and packed with its superblock scales (below): 4.6 bits a
-// weight where Q4_M32 takes 6. Its rows convert to Q4_M32 (convert_quant) where a cut does not fall on
-// 256 (a tensor-parallel shard), and to Q8_HM32 (widen_quant) to fuse with another type.
-enum class QType : int { q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, q8_hm32 = 103 };
+// Q4_K and Q6_K (GGML's 12 and 14) are kept as the file stores them, superblocks of 256 weights (Q4_K:
+// 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q6_K: 210 bytes, 6-bit quants,
+// an int8 scale code per 16, fp16 d), and packed with their superblock scales (below): 4.6 and 8.6 bits
+// a weight where Q4_M32 and Q8_H32 take 6 and 10. Their rows convert to those (convert_quant) where a cut
+// does not fall on 256 (a tensor-parallel shard), and to Q8_HM32 (widen_quant) to fuse with another type.
+enum class QType : int {
+  q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, q8_hm32 = 103
+};
 constexpr int64_t kQuantBlock = 32;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
-inline int64_t quant_block_weights(QType t) { return t == QType::q4_k ? kSuperBlocks * kQuantBlock : kQuantBlock; }
+inline bool superblocks(QType t) { return t == QType::q4_k || t == QType::q6_k; }
+inline int64_t quant_block_weights(QType t) { return superblocks(t) ? kSuperBlocks * kQuantBlock : kQuantBlock; }
 inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t) weights
   switch (t) {
     case QType::q4_k: return 144;
+    case QType::q6_k: return 210;
     case QType::bf16: return 64;
     case QType::q8_0: return 34;
     case QType::q4_1: return 20;
@@ -140,6 +145,12 @@ struct Q4KParts {  // one Q4_K superblock: w = d sc[s] q - dmin m[s] for the 32 
   uint8_t nibbles[8][16];  // per sub-block, Q4_1's order: byte i holds weight i (low) and i + 16 (high)
 };
 void q4_k_parts(const uint8_t* block, Q4KParts& out);
+struct Q6KParts {  // one Q6_K superblock: w = d sc[h] (u - 32) for the 16 weights of half h
+  uint16_t d;        // fp16 bits
+  int8_t sc[16];
+  uint8_t u[256];    // 6-bit quants in weight order
+};
+void q6_k_parts(const uint8_t* block, Q6KParts& out);
 
 struct WidenArgs {  // out = rows [R, K / 32 * 48] of Q8_HM32 holding the same values as rows of `from`
   QType from;           // any quantized type above (not BF16)
@@ -168,6 +179,8 @@ void widen_quant(const WidenArgs&);
 //           (every vector on a cache line of its own: split loads cost the tile a third). Block s of a
 //           superblock scales by d sc[s] and offsets by -dmin m[s]: products the tile forms in float32,
 //           exactly (fp16 times a 6-bit integer), so every weight is the file's.
+//   Q6_K: the same with a head of 16 f32 d and per block 16 int8 codes for each half (sc0, sc1), then
+//           the 8 blocks' bytes u as Q8_H32's: w = d sc_h (u - 32), exact in float32 likewise.
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
@@ -176,10 +189,10 @@ struct PackedLayout {
   int zero;              // subtracted from every u
   bool has_min;          // 16 m follow the 16 d (with halves: 16 m0, 16 m1 follow d0 and d1)
   bool halves;           // 16 d1 follow the 16 d: d scales weights 0..15 of a block, d1 16..31
-  int scale_bytes;       // 2 (fp16), 4 (f32), or 1 (a code per block, times its superblock's fp16 scalars)
+  int scale_bytes;       // 2 (fp16), 4 (f32), or 1 (a code per block, times its superblock's scalars)
   int64_t quant_bytes;   // per panel and block
   int64_t block_bytes;   // quants and scales, per panel and block
-  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (Q4_K), or none
+  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (Q4_K, Q6_K), or none
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 
@@ -191,6 +204,7 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
     case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
     case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
+    case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
     case QType::q8_hm32: return {8, 0, true, true, 4, 512, 512 + 256};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32

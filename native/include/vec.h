@@ -296,6 +296,7 @@ struct F32x16 {
   static F32x16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static F32x16 load_half(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   static F32x16 load_u8(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
+  static F32x16 load_i8(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
   static F32x16 fmadd(F32x16 a, F32x16 b, F32x16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   friend F32x16 operator*(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
@@ -345,6 +346,10 @@ struct F32x16 {
   static F32x16 load_u8(const uint8_t* p) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+  }
+  static F32x16 load_i8(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
   }
   static F32x16 fmadd(F32x16 x, F32x16 y, F32x16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   friend F32x16 operator*(F32x16 x, F32x16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
@@ -400,6 +405,7 @@ struct F32x16 {
   static F32x16 load(const float* p) { APPLIANCE_LANES(p[i]) }
   static F32x16 load_half(const uint16_t* p) { APPLIANCE_LANES(fp16_to_float(p[i])) }
   static F32x16 load_u8(const uint8_t* p) { APPLIANCE_LANES(static_cast<float>(p[i])) }
+  static F32x16 load_i8(const int8_t* p) { APPLIANCE_LANES(static_cast<float>(p[i])) }
   static F32x16 fmadd(F32x16 a, F32x16 b, F32x16 c) { APPLIANCE_LANES(a.v[i] * b.v[i] + c.v[i]) }
   friend F32x16 operator*(F32x16 a, F32x16 b) { APPLIANCE_LANES(a.v[i] * b.v[i]) }
 #undef APPLIANCE_LANES

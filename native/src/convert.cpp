@@ -61,20 +61,13 @@ void q5_k(const uint8_t* b, uint8_t* out) {
 // weights), fp16 d; w = d sc (q - 32). Within each half of 128: weight l + 32 t (t < 4) is nibble t / 2 of
 // ql[l + 32 (t % 2)] with bits 2t..2t+1 of qh[l] above it.
 void q6_k(const uint8_t* b, uint8_t* out) {
-  const float d = half(b + 208);
-  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-  uint8_t u[256];
-  for (int n = 0; n < 2; ++n) {
-    const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
-    for (int l = 0; l < 32; ++l)
-      for (int t = 0; t < 4; ++t)
-        u[128 * n + l + 32 * t] = static_cast<uint8_t>(((ql[l + 32 * (t % 2)] >> (4 * (t / 2))) & 15) |
-                                                       (((qh[l] >> (2 * t)) & 3) << 4));
-  }
+  Q6KParts parts;
+  q6_k_parts(b, parts);
+  const float d = fp16_to_float(parts.d);
   for (int s = 0; s < 8; ++s, out += 40) {
-    put_f32(out, d * static_cast<float>(scales[2 * s]));
-    put_f32(out + 4, d * static_cast<float>(scales[2 * s + 1]));
-    std::memcpy(out + 8, u + 32 * s, 32);
+    put_f32(out, d * static_cast<float>(parts.sc[2 * s]));
+    put_f32(out + 4, d * static_cast<float>(parts.sc[2 * s + 1]));
+    std::memcpy(out + 8, parts.u + 32 * s, 32);
   }
 }
 
@@ -140,18 +133,32 @@ void q4_k_parts(const uint8_t* b, Q4KParts& out) {
   }
 }
 
+void q6_k_parts(const uint8_t* b, Q6KParts& out) {
+  out.d = static_cast<uint16_t>(b[208] | (b[209] << 8));
+  std::memcpy(out.sc, b + 192, 16);
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+    for (int l = 0; l < 32; ++l)
+      for (int t = 0; t < 4; ++t)
+        out.u[128 * n + l + 32 * t] = static_cast<uint8_t>(((ql[l + 32 * (t % 2)] >> (4 * (t / 2))) & 15) |
+                                                           (((qh[l] >> (2 * t)) & 3) << 4));
+  }
+}
+
 void widen_quant(const WidenArgs& a) {
   const int64_t blocks = a.in_features / kQuantBlock, out_bytes = quant_block_bytes(QType::q8_hm32);
-  // Q4_K: each superblock's 8 blocks as Q4_M32 first (the same values, blocks of 32)
-  const QType from = a.from == QType::q4_k ? QType::q4_m32 : a.from;
+  // Q4_K, Q6_K: each superblock's 8 blocks in blocks of 32 first (Q4_M32, Q8_H32: the same values)
+  const bool super = superblocks(a.from);
+  const QType from = super ? converted_type(static_cast<FileType>(a.from)) : a.from;
   const int64_t in_bytes = quant_block_bytes(from);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows_count; ++r) {
-    uint8_t converted[kSuperBlocks * 24];
+    uint8_t converted[kSuperBlocks * 40];
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* in = a.rows + (r * blocks + b) * in_bytes;
-      if (a.from == QType::q4_k) {
-        if (b % kSuperBlocks == 0) q4_k(a.rows + r * quant_row_bytes(QType::q4_k, a.in_features) + b / kSuperBlocks * 144, converted);
+      if (super) {
+        const uint8_t* block = a.rows + r * quant_row_bytes(a.from, a.in_features) + b / kSuperBlocks * quant_block_bytes(a.from);
+        if (b % kSuperBlocks == 0) a.from == QType::q4_k ? q4_k(block, converted) : q6_k(block, converted);
         in = converted + b % kSuperBlocks * in_bytes;
       }
       uint8_t* out = a.out + (r * blocks + b) * out_bytes;

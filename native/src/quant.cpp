@@ -287,17 +287,25 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
   return t.weight + panel * t.panel_bytes + (b / kSuperBlocks + 1) * t.layout.super_head + b * t.layout.block_bytes;
 }
-// SCALES: the scales' kind, known at compile time in the integer tiles (a test per block in Q4_1's decode
-// tile cost it 4%, A/B on Zen 5): 2 fp16 (GGML's types), 4 float32 (ours), 1 Q4_K's codes (a byte a row)
-// times its superblock's fp16 d and -dmin, in the head before block b's superblock. Products of fp16 and a
-// 6-bit integer: exact in float32, the same scales Q4_M32 holds.
+// The scales' kind, known at compile time in the integer tiles (a test per block in Q4_1's decode tile cost
+// it 4%, A/B on Zen 5): fp16 (GGML's types), float32 (ours), or codes in the head of block b's superblock:
+// Q4_K's (a byte a row for the scale, one for the min) times its fp16 d and -dmin, Q6_K's (a signed byte a
+// row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in float32, the same
+// scales Q4_M32 and Q8_H32 hold.
+constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3;
 template <int SCALES>
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
-  if constexpr (SCALES == 4) {
+  if constexpr (SCALES == kHalfCodes) {  // m is d1
+    const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
+    const int8_t* codes = reinterpret_cast<const int8_t*>(head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows);
+    const F32x16 scale = F32x16::load(reinterpret_cast<const float*>(head));
+    d = scale * F32x16::load_i8(codes);
+    m = scale * F32x16::load_i8(codes + kPanelRows);
+  } else if constexpr (SCALES == kF32) {
     const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
     d = F32x16::load(scales);
     m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
-  } else if constexpr (SCALES == 1) {
+  } else if constexpr (SCALES == kCodes) {
     const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
     const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
     d = F32x16::load_half(reinterpret_cast<const uint16_t*>(head)) * F32x16::load_u8(codes);
@@ -309,9 +317,10 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
   }
 }
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
-  if (L.scale_bytes == 4) block_scales<4>(L, blk, b, d, m);
-  else if (L.scale_bytes == 1) block_scales<1>(L, blk, b, d, m);
-  else block_scales<2>(L, blk, b, d, m);
+  if (L.scale_bytes == 4) block_scales<kF32>(L, blk, b, d, m);
+  else if (L.scale_bytes == 1 && L.halves) block_scales<kHalfCodes>(L, blk, b, d, m);
+  else if (L.scale_bytes == 1) block_scales<kCodes>(L, blk, b, d, m);
+  else block_scales<kFp16>(L, blk, b, d, m);
 }
 F32x16 half_min(const PackedLayout& L, const uint8_t* blk, int h) {  // Q8_HM32's m0 (h = 0) or m1
   return F32x16::load(reinterpret_cast<const float*>(blk + L.quant_bytes) + (2 + h) * kPanelRows);
@@ -390,7 +399,7 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
-  constexpr bool kSmall = BITS == 4 || SCALES == 4;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
+  constexpr bool kSmall = BITS == 4 || SCALES == kF32;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -441,11 +450,11 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q8_HM32): as int_tile, each half of a block
-// folded into the float accumulators under its own scale, with its own share of the zero correction or
-// (kMin: Q8_HM32) of m * sum(x). Q8_H32's u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate
-// (kSmall); Q8_HM32's u can be any byte (widened from Q8_0).
-template <int MR, int NP, int PLANES, bool kMin>
+// Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q6_K, Q8_HM32): as int_tile, each half of a
+// block folded into the float accumulators under its own scale, with its own share of the zero correction
+// or (kMin: Q8_HM32) of m * sum(x). Q8_H32's and Q6_K's u < 64, so the 16-bit pairs of the emulated dot4
+// cannot saturate (kSmall); Q8_HM32's u can be any byte (widened from Q8_0).
+template <int MR, int NP, int PLANES, int SCALES, bool kMin>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   constexpr bool kSmall = !kMin;
   const PackedLayout& L = t.layout;
@@ -460,7 +469,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     F32x16 d[2][NP];
-    for (int j = 0; j < NP; ++j) block_scales<4>(L, blk[j], b, d[0][j], d[1][j]);
+    for (int j = 0; j < NP; ++j) block_scales<SCALES>(L, blk[j], b, d[0][j], d[1][j]);
     for (int h = 0; h < 2; ++h) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
@@ -591,16 +600,17 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
   } else if (BITS == 8 && t.layout.halves) {  // (only 8-bit types have a scale per 16)
-    if (t.layout.has_min) halves_tile<MR, NP, PLANES, true>(t, r0, p0);
-    else halves_tile<MR, NP, PLANES, false>(t, r0, p0);
+    if (t.layout.has_min) halves_tile<MR, NP, PLANES, kF32, true>(t, r0, p0);  // Q8_HM32
+    else if (t.layout.scale_bytes == 1) halves_tile<MR, NP, PLANES, kHalfCodes, false>(t, r0, p0);  // Q6_K
+    else halves_tile<MR, NP, PLANES, kF32, false>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
-    int_tile_pre<MR, NP, BITS, PLANES, 4, true>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
   } else if (BITS == 4 && t.layout.scale_bytes == 1) {  // Q4_K: a min too
-    int_tile_pre<MR, NP, BITS, PLANES, 1, true>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
   } else if (t.layout.has_min) {  // Q4_1
-    int_tile_pre<MR, NP, BITS, PLANES, 2, true>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, kFp16, true>(t, r0, p0, pre);
   } else {  // Q4_0, Q8_0
-    int_tile_pre<MR, NP, BITS, PLANES, 2, false>(t, r0, p0, pre);
+    int_tile_pre<MR, NP, BITS, PLANES, kFp16, false>(t, r0, p0, pre);
   }
 }
 
@@ -694,11 +704,18 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
   for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + (b / kSuperBlocks + 1) * L.super_head + b * L.block_bytes;
     float d = 0.f, m = 0.f, mins[2] = {0.f, 0.f};  // with halves, m is d1 (and mins m0, m1)
-    if (L.scale_bytes == 1) {  // Q4_K: codes times the superblock's d and -dmin (as block_scales<1>)
+    if (L.scale_bytes == 1) {  // codes times the superblock's scalars (as block_scales)
       const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
       const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
-      d = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[j]) * static_cast<float>(codes[j]);
-      m = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
+      if (L.halves) {  // Q6_K: f32 d, signed codes per half (m is d1)
+        float scale;
+        std::memcpy(&scale, head + 4 * j, 4);
+        d = scale * static_cast<float>(static_cast<int8_t>(codes[j]));
+        m = scale * static_cast<float>(static_cast<int8_t>(codes[kPanelRows + j]));
+      } else {  // Q4_K: fp16 d and -dmin, unsigned codes
+        d = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[j]) * static_cast<float>(codes[j]);
+        m = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
+      }
     } else if (L.scale_bytes == 4) {
       std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
       if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
@@ -753,8 +770,37 @@ void pack_q4_k(const PackArgs& a) {
   }
 }
 
+// Q6_K rows: per panel and superblock, the head (16 f32 d, each block's 16 sc0 and 16 sc1 codes), then its 8
+// blocks' bytes u.
+void pack_q6_k(const PackArgs& a) {
+  const PackedLayout L = packed_layout(QType::q6_k);
+  const int64_t blocks = a.in_features / kQuantBlock, supers = blocks / kSuperBlocks;
+  const int64_t row_bytes = quant_row_bytes(QType::q6_k, a.in_features), super_bytes = L.super_head + kSuperBlocks * L.block_bytes;
+  const int64_t panels = packed_panels(a.rows);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* dst = a.out + p * supers * super_bytes + s * super_bytes;
+      std::memset(dst, 0, super_bytes);  // rows past the end: d = 0
+      for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j) {
+        Q6KParts parts;
+        q6_k_parts(a.gguf + (p * kPanelRows + j) * row_bytes + s * quant_block_bytes(QType::q6_k), parts);
+        const float d = fp16_to_float(parts.d);
+        std::memcpy(dst + 4 * j, &d, 4);
+        for (int i = 0; i < kSuperBlocks; ++i) {
+          uint8_t* blk = dst + L.super_head + i * L.block_bytes;
+          for (int g = 0; g < 8; ++g) std::memcpy(blk + 64 * g + 4 * j, parts.u + 32 * i + 4 * g, 4);
+          uint8_t* codes = dst + 4 * kPanelRows + i * 2 * kPanelRows;
+          codes[j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
+        }
+      }
+    }
+  }
+}
+
 void pack_quant(const PackArgs& a) {
   if (a.qtype == QType::q4_k) return pack_q4_k(a);
+  if (a.qtype == QType::q6_k) return pack_q6_k(a);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
   const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;

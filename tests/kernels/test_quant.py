@@ -22,8 +22,8 @@ from tests.kernels.isas import running, variants
 ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
 TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
-CONVERTED = [GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
-SUPERBLOCK = [GT.Q4_K]  # kept as stored, in superblocks of 256
+CONVERTED = [GT.Q5_K, GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
+SUPERBLOCK = [GT.Q4_K, GT.Q6_K]  # kept as stored, in superblocks of 256
 # where a K block's float16 d (and dmin) sit, and their range: weights then within about +-0.3, as real ones
 K_SCALES = {GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5)}
 
@@ -172,14 +172,15 @@ def test_mixed_types_widen_exactly_and_fuse(isa, activations):
 
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():
-    for qtype, bits in ((GT.Q4_K, 4.5), (GT.Q5_K, 10), (GT.Q6_K, 10), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
+    for qtype, bits in ((GT.Q4_K, 4.5), (GT.Q5_K, 10), (GT.Q6_K, 6.5625), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
-    q4k, _ = quantized(3, 512, GT.Q4_K)
-    assert q4k.in_blocks_of_32().nbytes * 8 == 6 * 3 * 512  # Q4_M32
-    # packed: per 16 rows and 256 weights, 8 blocks of nibbles and a byte code each for scale and min, and
-    # a head of fp16 d and -dmin: 4.625 bits a weight (Q4_M32: 6)
-    assert kernels.ops._native.packed_bytes(12, 64, 512) * 8 == 4.625 * 64 * 512
+    for qtype, bits, packed in ((GT.Q4_K, 6, 4.625), (GT.Q6_K, 10, 8.625)):
+        q, _ = quantized(3, 512, qtype)
+        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q4_M32, Q8_H32
+        # packed: per 16 rows and 256 weights, 8 blocks of quants, a byte code each for scale and min (Q6_K:
+        # the scales of both halves) and a head of fp16 d and -dmin (Q6_K: f32 d)
+        assert kernels.ops._native.packed_bytes(qtype.value, 64, 512) * 8 == packed * 64 * 512
     raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
     with pytest.raises(ValueError, match="is not converted"):
         kernels.convert_quant(raw, GT.Q2_K.value, 256)
@@ -243,14 +244,15 @@ def test_a_row_gives_the_same_result_in_any_batch(isa):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
-def test_q4_k_cut_within_its_superblocks_comes_back_in_blocks_of_32(isa):
-    """A tensor-parallel shard of a Q4_K weight's input features that does not fall on 256 (here 576 / 2)
-    is the same values as Q4_M32; one that does stays Q4_K."""
-    q, w = quantized(20, 1536, GT.Q4_K)
+@pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q4_K, "Q4_M32"), (GT.Q6_K, "Q8_H32")], ids=["Q4_K", "Q6_K"])
+def test_k_quants_cut_within_their_superblocks_come_back_in_blocks_of_32(isa, qtype, cut_type):
+    """A tensor-parallel shard of a K-quant weight's input features that does not fall on 256 (here 576 / 2)
+    is the same values in blocks of 32; one that does stays as it was."""
+    q, w = quantized(20, 1536, qtype)
     aligned = q.columns(range(768, 1536))
-    assert aligned.type_name == "Q4_K" and torch.equal(aligned.dequantize(), w[:, 768:])
+    assert aligned.type_name == qtype.name and torch.equal(aligned.dequantize(), w[:, 768:])
     cut = q.columns(range(288, 576))
-    assert cut.type_name == "Q4_M32" and torch.equal(cut.dequantize(), w[:, 288:576])
+    assert cut.type_name == cut_type and torch.equal(cut.dequantize(), w[:, 288:576])
     assert q.columns(range(16, 256)) is None
     x = torch.randn(3, 288)
     expected = (quantize_activations(x, "int16").double() @ w[:, 288:576].double().T).float()
