@@ -740,67 +740,54 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
   }
 }
 
+// K-quant rows in their superblocks: per panel and superblock, the head (the 16 rows' superblock scalars,
+// then each block's codes, 2 x 16 bytes), then the 8 blocks' quants. `row(src, j, head, codes, blocks)`
+// writes row j's share of one superblock from the file's `src`.
+template <typename Row>
+void pack_superblocks(const PackArgs& a, Row row) {
+  const PackedLayout L = packed_layout(a.qtype);
+  const int64_t supers = a.in_features / (kSuperBlocks * kQuantBlock), row_bytes = quant_row_bytes(a.qtype, a.in_features);
+  const int64_t super_bytes = L.super_head + kSuperBlocks * L.block_bytes, panels = packed_panels(a.rows);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* head = a.out + (p * supers + s) * super_bytes;
+      std::memset(head, 0, super_bytes);  // rows past the end: zero scales
+      for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j)
+        row(a.gguf + (p * kPanelRows + j) * row_bytes + s * quant_block_bytes(a.qtype), j, head, head + 4 * kPanelRows,
+            head + L.super_head);
+    }
+}
+
+// Q4_K: fp16 d and -dmin (the sign bit flipped), a byte each for block i's scale and min code, nibbles.
+void pack_q4_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  Q4KParts parts;
+  q4_k_parts(src, parts);
+  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
+  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
+  for (int i = 0; i < kSuperBlocks; ++i) {
+    for (int g = 0; g < 4; ++g) std::memcpy(blocks + 256 * i + 64 * g + 4 * j, parts.nibbles[i] + 4 * g, 4);
+    codes[32 * i + j] = parts.sc[i], codes[32 * i + kPanelRows + j] = parts.m[i];
+  }
+}
+
+// Q6_K: f32 d, a signed byte for each half's scale code, bytes u.
+void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  Q6KParts parts;
+  q6_k_parts(src, parts);
+  const float d = fp16_to_float(parts.d);
+  std::memcpy(head + 4 * j, &d, 4);
+  for (int i = 0; i < kSuperBlocks; ++i) {
+    for (int g = 0; g < 8; ++g) std::memcpy(blocks + 512 * i + 64 * g + 4 * j, parts.u + 32 * i + 4 * g, 4);
+    codes[32 * i + j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[32 * i + kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
+  }
+}
+
 }  // namespace
 
-// Q4_K rows: per panel and superblock, the head (16 d, 16 -dmin, each block's 16 sc and 16 m codes), then
-// its 8 blocks' quants.
-void pack_q4_k(const PackArgs& a) {
-  const PackedLayout L = packed_layout(QType::q4_k);
-  const int64_t blocks = a.in_features / kQuantBlock, supers = blocks / kSuperBlocks;
-  const int64_t row_bytes = quant_row_bytes(QType::q4_k, a.in_features), super_bytes = L.super_head + kSuperBlocks * L.block_bytes;
-  const int64_t panels = packed_panels(a.rows);
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    for (int64_t s = 0; s < supers; ++s) {
-      uint8_t* dst = a.out + p * supers * super_bytes + s * super_bytes;
-      std::memset(dst, 0, super_bytes);  // rows past the end: d = dmin = 0
-      for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j) {
-        Q4KParts parts;
-        q4_k_parts(a.gguf + (p * kPanelRows + j) * row_bytes + s * quant_block_bytes(QType::q4_k), parts);
-        const uint16_t head[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};  // -dmin: the sign bit
-        for (int c = 0; c < 2; ++c) std::memcpy(dst + 2 * (c * kPanelRows + j), &head[c], 2);
-        for (int i = 0; i < kSuperBlocks; ++i) {
-          uint8_t* blk = dst + L.super_head + i * L.block_bytes;
-          for (int g = 0; g < 4; ++g) std::memcpy(blk + 64 * g + 4 * j, parts.nibbles[i] + 4 * g, 4);
-          uint8_t* codes = dst + 4 * kPanelRows + i * 2 * kPanelRows;
-          codes[j] = parts.sc[i], codes[kPanelRows + j] = parts.m[i];
-        }
-      }
-    }
-  }
-}
-
-// Q6_K rows: per panel and superblock, the head (16 f32 d, each block's 16 sc0 and 16 sc1 codes), then its 8
-// blocks' bytes u.
-void pack_q6_k(const PackArgs& a) {
-  const PackedLayout L = packed_layout(QType::q6_k);
-  const int64_t blocks = a.in_features / kQuantBlock, supers = blocks / kSuperBlocks;
-  const int64_t row_bytes = quant_row_bytes(QType::q6_k, a.in_features), super_bytes = L.super_head + kSuperBlocks * L.block_bytes;
-  const int64_t panels = packed_panels(a.rows);
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    for (int64_t s = 0; s < supers; ++s) {
-      uint8_t* dst = a.out + p * supers * super_bytes + s * super_bytes;
-      std::memset(dst, 0, super_bytes);  // rows past the end: d = 0
-      for (int64_t j = 0; j < kPanelRows && p * kPanelRows + j < a.rows; ++j) {
-        Q6KParts parts;
-        q6_k_parts(a.gguf + (p * kPanelRows + j) * row_bytes + s * quant_block_bytes(QType::q6_k), parts);
-        const float d = fp16_to_float(parts.d);
-        std::memcpy(dst + 4 * j, &d, 4);
-        for (int i = 0; i < kSuperBlocks; ++i) {
-          uint8_t* blk = dst + L.super_head + i * L.block_bytes;
-          for (int g = 0; g < 8; ++g) std::memcpy(blk + 64 * g + 4 * j, parts.u + 32 * i + 4 * g, 4);
-          uint8_t* codes = dst + 4 * kPanelRows + i * 2 * kPanelRows;
-          codes[j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
-        }
-      }
-    }
-  }
-}
-
 void pack_quant(const PackArgs& a) {
-  if (a.qtype == QType::q4_k) return pack_q4_k(a);
-  if (a.qtype == QType::q6_k) return pack_q6_k(a);
+  if (a.qtype == QType::q4_k) return pack_superblocks(a, pack_q4_k_row);
+  if (a.qtype == QType::q6_k) return pack_superblocks(a, pack_q6_k_row);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
   const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;
