@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.model.gguf_header import KEPT_QUANT_TYPES, MIXED_QUANT_TYPE, PACKED_QUANT_TYPES, read_gguf_header
+from app.model.gguf_header import (IN_BLOCKS_OF_32, KEPT_QUANT_TYPES, MIXED_QUANT_TYPE, PACKED_QUANT_TYPES,
+                                   read_gguf_header)
 from app.model.source import ModelSource
 from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
@@ -62,10 +63,13 @@ class ModelFootprint:
     params: ParamCounts | None = None  # None: only the total is known, split evenly
     kept: ParamCounts | None = None  # of the params, those in GGUF blocks that stay quantized at load
     kept_bytes: ParamCounts | None = None  # and their bytes
+    # the bytes row-parallel K-quant weights (attn_output, ffn_down) add when a rank's cut of their input
+    # features does not fall on their superblocks of 256 and they load in blocks of 32 (QuantizedTensor.columns)
+    cut_bytes: ParamCounts | None = None
 
     def dequantized(self) -> ModelFootprint:
         """The footprint when every weight is expanded to the compute dtype (model.quantized: dequantize)."""
-        return replace(self, kept=None, kept_bytes=None)
+        return replace(self, kept=None, kept_bytes=None, cut_bytes=None)
 
     def weight_bytes(self, dtype: str, tp: int = 1, rank: int = 0) -> int:
         """Resident weights of one TP rank: kept-quantized blocks as stored, the rest at the compute dtype;
@@ -73,7 +77,21 @@ class ModelFootprint:
         if self.params is None or (tp > 1 and self.intermediate_size <= 0):
             return self.num_params * DTYPE_BYTES[dtype] // tp
         expanded = self._share(self.params, tp, rank) - (self._share(self.kept, tp, rank) if self.kept else 0)
-        return expanded * DTYPE_BYTES[dtype] + (self._share(self.kept_bytes, tp, rank) if self.kept_bytes else 0)
+        kept = self._share(self.kept_bytes, tp, rank) if self.kept_bytes else 0
+        return expanded * DTYPE_BYTES[dtype] + kept + (self._cut_share(tp, rank) if self.cut_bytes else 0)
+
+    def _cut_share(self, tp: int, rank: int) -> int:
+        """What this rank's row-parallel K-quant weights add in blocks of 32, where its cut is off 256."""
+        if tp == 1:
+            return 0
+        heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank].q_heads
+        features = split_evenly(self.intermediate_size, tp)[rank]
+        extra = 0
+        if heads.start * self.head_dim % 256 or heads.stop * self.head_dim % 256:
+            extra += self.cut_bytes.attention_q * len(heads) // self.num_heads
+        if features.start % 256 or features.stop % 256:
+            extra += self.cut_bytes.mlp * len(features) // self.intermediate_size
+        return extra
 
     def _share(self, p: ParamCounts, tp: int, rank: int) -> int:
         if tp == 1:
@@ -114,8 +132,10 @@ def _from_gguf(path: Path) -> ModelFootprint:
     params = ParamCounts.of(header.tensor_shapes)
     kept_as = _kept_as(header)
     kept = {name: shape for name, shape in header.tensor_shapes.items() if kept_as[name] is not None}
-    kept_bytes = {name: (_product(shape) // PACKED_QUANT_TYPES[kept_as[name]].weights
-                         * PACKED_QUANT_TYPES[kept_as[name]].packed_bytes,) for name, shape in kept.items()}
+    kept_bytes = {name: (_packed_bytes(shape, kept_as[name]),) for name, shape in kept.items()}
+    cut_bytes = {name: (_packed_bytes(shape, IN_BLOCKS_OF_32[kept_as[name]]) - kept_bytes[name][0],)
+                 for name, shape in kept.items() if kept_as[name] in IN_BLOCKS_OF_32
+                 and any(part in f".{name}" for part in (".attn_output.", ".ffn_down."))}
     return ModelFootprint(
         architecture=arch,
         num_params=params.total,
@@ -128,6 +148,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
         params=params,
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of(kept_bytes) if kept else None,
+        cut_bytes=ParamCounts.of(cut_bytes) if cut_bytes else None,
     )
 
 
@@ -176,6 +197,11 @@ def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
 
     with safe_open(str(file), framework="numpy") as tensors:
         return {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
+
+
+def _packed_bytes(shape: tuple[int, ...] | list[int], qtype: int) -> int:
+    kind = PACKED_QUANT_TYPES[qtype]
+    return _product(shape) // kind.weights * kind.packed_bytes
 
 
 def _product(shape: tuple[int, ...] | list[int]) -> int:

@@ -38,6 +38,8 @@ PACKED_QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 18), 3: QuantType("Q4_1", 32,
                       100: QuantType("Q4_M32", 32, 24, 24), 101: QuantType("Q8_M32", 32, 40, 40),
                       102: QuantType("Q8_H32", 32, 40, 40), 103: QuantType("Q8_HM32", 32, 48, 48)}
 MIXED_QUANT_TYPE = 103
+# Superblock types, and the blocks of 32 they load as where a tensor-parallel cut does not fall on 256.
+IN_BLOCKS_OF_32 = {12: 100, 14: 102}
 # The GGUF types kept quantized, by GGML id: (name, the packed type above they run as). Here, torch-free,
 # so that placement can size them without importing torch.
 KEPT_QUANT_TYPES = {2: ("Q4_0", 2), 3: ("Q4_1", 3), 8: ("Q8_0", 8), 6: ("Q5_0", 8), 7: ("Q5_1", 101),

@@ -54,7 +54,7 @@ class RowParallelLinear:
             part = full.columns(columns)
             if part is not None:
                 return part
-            log.info("input features %d..%d do not fall on %s block boundaries: that shard is dequantized",
+            log.info("input features %d..%d do not fall on blocks of 32 (%s): that shard is dequantized",
                      columns.start, columns.stop, full.type_name)
             full = full.dequantize()
         return full[:, columns.start:columns.stop].contiguous().clone()

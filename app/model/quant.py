@@ -47,7 +47,7 @@ BF16 = 30  # GGML's type id for bfloat16: dense weights in the packed layout (ac
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A [rows, in_features] weight as blocks of a packed type (`qtype`, a key of PACKED_TYPES: 32 weights a
-    block, or Q4_K's 256): `data` is uint8 [rows, in_features / block weights * block bytes]."""
+    block, or a K-quant superblock's 256): `data` is uint8 [rows, in_features / block weights * block bytes]."""
 
     data: torch.Tensor
     qtype: int

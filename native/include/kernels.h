@@ -81,8 +81,8 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
   int64_t rows, in_features, out_features, x_stride;
 };
 
-// GGUF block types kept quantized (the values are GGML's type ids). Every block holds 32 weights along
-// a row: Q8_0 = fp16 d + 32 int8 (w = d q); Q4_0 = fp16 d + 16 bytes of nibbles (w = d (q - 8));
+// GGUF block types kept quantized (the values are GGML's type ids). Each of these blocks holds 32 weights
+// along a row: Q8_0 = fp16 d + 32 int8 (w = d q); Q4_0 = fp16 d + 16 bytes of nibbles (w = d (q - 8));
 // Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles (w = d q + m). Low nibbles are weights 0..15, high 16..31.
 // BF16 (GGML's 30) is the dense case: rows of bfloat16 weights, 64 bytes per 32, no scales; packed the
 // same way so that the same tiles, threads and layer stack run them (the model packs bfloat16 weights).
@@ -90,9 +90,10 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // The other common GGUF types are converted once at load (convert_quant) into one of three blocks of 32
 // of our own, exactly: every weight keeps its value, because a K-quant's sub-block scale d * sc and
 // min dmin * m (fp16 times a 6-bit integer) are exact in float32. Ids past GGML's:
-//   Q4_M32 (from Q4_K)       = f32 d, f32 m + 16 bytes of nibbles as Q4_1 (w = d q + m);
+//   Q4_M32 (from Q4_K, where a tensor-parallel cut is off its superblocks; else Q4_K runs as stored)
+//                            = f32 d, f32 m + 16 bytes of nibbles as Q4_1 (w = d q + m);
 //   Q8_M32 (from Q5_K, Q5_1) = f32 d, f32 m + 32 bytes u (w = d u + m);
-//   Q8_H32 (from Q6_K)       = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1 for
+//   Q8_H32 (from Q6_K, likewise) = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1 for
 //                              16..31: Q6_K scales every 16 weights).
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) is widened (widen_quant) into
@@ -154,7 +155,7 @@ void q6_k_parts(const uint8_t* block, Q6KParts& out);
 
 struct WidenArgs {  // out = rows [R, K / 32 * 48] of Q8_HM32 holding the same values as rows of `from`
   QType from;           // any quantized type above (not BF16)
-  const uint8_t* rows;  // [R, K / 32 * quant_block_bytes(from)] contiguous
+  const uint8_t* rows;  // [R, quant_row_bytes(from, K)] contiguous
   uint8_t* out;
   int64_t rows_count, in_features;
 };
@@ -170,7 +171,7 @@ void widen_quant(const WidenArgs&);
 //           unsigned u (Q8_0: u = q + 128).
 //   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1, or (Q8_HM32) 16 each of d0, d1, m0, m1:
 //           fp16 for GGML's types, f32 for ours (in a row's block, the same scalars in the same order).
-// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32, else 0 (m is
+// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32 and Q6_K, else 0 (m is
 // stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
@@ -226,9 +227,9 @@ inline int64_t packed_bytes(QType t, int64_t rows, int64_t k) {
 // about 16 bits) and multiplied with int8 dot products, then scaled in float32.
 enum class ActQuant : int { none = 0, int8 = 1, int16 = 2 };
 
-struct PackArgs {  // out = the packed layout above of rows [R, K / 32 GGUF blocks]
+struct PackArgs {  // out = the packed layout above of rows [R, K / block weights GGUF blocks]
   QType qtype;
-  const uint8_t* gguf;  // [R, K / 32 * block bytes] contiguous
+  const uint8_t* gguf;  // [R, quant_row_bytes(qtype, K)] contiguous
   uint8_t* out;         // packed_bytes(qtype, R, K)
   int64_t rows, in_features;
 };

@@ -155,9 +155,10 @@ void widen_quant(const WidenArgs& a) {
   for (int64_t r = 0; r < a.rows_count; ++r) {
     uint8_t converted[kSuperBlocks * 40];
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* in = a.rows + (r * blocks + b) * in_bytes;
+      const uint8_t* row = a.rows + r * quant_row_bytes(a.from, a.in_features);
+      const uint8_t* in = row + b * in_bytes;
       if (super) {
-        const uint8_t* block = a.rows + r * quant_row_bytes(a.from, a.in_features) + b / kSuperBlocks * quant_block_bytes(a.from);
+        const uint8_t* block = row + b / kSuperBlocks * quant_block_bytes(a.from);
         if (b % kSuperBlocks == 0) a.from == QType::q4_k ? q4_k(block, converted) : q6_k(block, converted);
         in = converted + b % kSuperBlocks * in_bytes;
       }

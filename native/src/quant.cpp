@@ -1,5 +1,6 @@
-// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, and the K-quants
-// and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32), and on bfloat16 weights
+// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K as
+// stored, the other K-quants and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32,
+// and Q8_HM32 for a fused weight of mixed types), and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
 //
@@ -132,6 +133,7 @@ void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* 
   }
 }
 
+// Blocks of 32 only: module.cpp converts Q4_K and Q6_K rows into those first.
 void dequant_rows(QType q, const uint8_t* w, int64_t rows, int64_t k, float* out) {
   const int64_t blocks = k / kQuantBlock, bytes = blocks * quant_block_bytes(q);
   for (int64_t r = 0; r < rows; ++r) {
@@ -150,7 +152,7 @@ struct Activations {
   std::vector<int8_t> q;      // [rows][blocks][planes][32]
   std::vector<float> scale;   // [rows][blocks]
   std::vector<int32_t> isum;  // [rows][blocks]: the sum of the block's combined integers
-  bool halves = false;        // weights with a scale per 16 (Q8_H32, Q8_HM32): the first-half sums too
+  bool halves = false;        // weights with a scale per 16 (Q6_K, Q8_H32, Q8_HM32): the first-half sums too
   std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
   std::vector<float> fsum_first;    // [rows][blocks]: and of x's (halves with mins: Q8_HM32)
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
@@ -364,6 +366,8 @@ template <int NP>
 inline void prefetch_next(const Tiles& t, int64_t pre, int64_t b) {
   for (int j = 0; j < NP; ++j) {
     const uint8_t* block = panel_block(t, pre + j, b);
+    if (t.layout.super_head && b % kSuperBlocks == 0)  // a superblock's head, as its first block is asked for
+      for (int64_t line = 0; line < t.layout.super_head; line += 64) __builtin_prefetch(block - t.layout.super_head + line, 0, 2);
     for (int64_t line = 0; line < t.layout.block_bytes; line += 64) __builtin_prefetch(block + line, 0, 2);
   }
   asm volatile("" ::: "memory");  // as in prefetch_blocks
@@ -393,8 +397,8 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
-// kMin: the type has a min per block and no zero point (Q4_1 and our float32-scale types), else a zero
-// point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
+// kMin: the type has a min per block and no zero point (Q4_1, Q4_K and our float32-scale types), else a
+// zero point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre>

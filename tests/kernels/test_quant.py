@@ -134,8 +134,8 @@ def test_float32_weights_stay_torch_tensors():
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 256), (1, 130, 512), (3, 7, 256), (4, 33, 768), (17, 67, 256),
                                            (65, 64, 256), (131, 17, 256), (2, 40, 2304)])
 def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m, n, k):
-    """K-quants and Q5 types, converted or (Q4_K) in their superblocks: the same check as above (Q6_K's scale
-    per 16 weights takes its own tile, which sums each half of a block apart)."""
+    """K-quants and Q5 types, converted or (Q4_K, Q6_K) in their superblocks: the same check as above (Q6_K's
+    scale per 16 weights takes its own tile, which sums each half of a block apart)."""
     q, w = quantized(n, k, qtype, seed=m + n + k)
     assert q.qtype == (qtype.value if qtype in SUPERBLOCK else kernels.ops._native.converted_type(qtype.value))
     packed = q.pack(activations)
@@ -155,7 +155,7 @@ def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m
 def test_mixed_types_widen_exactly_and_fuse(isa, activations):
     """A fused weight whose parts differ in type (Q4_K_M: V as Q6_K, Q and K as Q4_K) is widened to Q8_HM32
     (a byte a weight, float32 scale and min per 16), which holds each part's values exactly."""
-    parts = [quantized(n, 256, qtype, seed=n) for n, qtype in
+    parts = [quantized(n, 768, qtype, seed=n) for n, qtype in  # three superblocks a K-quant row
              ((64, GT.Q4_K), (19, GT.Q6_K), (16, GT.Q8_0), (5, GT.Q4_0), (33, GT.Q4_1), (7, GT.Q5_K))]
     for q, w in parts:
         assert q.widen().type_name == "Q8_HM32" and torch.equal(q.widen().dequantize(), w)
@@ -165,7 +165,7 @@ def test_mixed_types_widen_exactly_and_fuse(isa, activations):
     packed = fused.pack(activations)
     assert torch.equal(packed.dequantize(), w)
     for m in (1, 3, 70):
-        x = torch.randn(m, 256)
+        x = torch.randn(m, 768)
         x[0, 16:32] = 0  # an all-zero half block
         expected = (quantize_activations(x, activations).double() @ w.double().T).float()
         torch.testing.assert_close(packed.linear(x), expected, atol=2e-5, rtol=2e-5)
@@ -280,11 +280,12 @@ def test_unpermute_moves_whole_rows_like_the_float_path():
     assert torch.equal(_unpermute(q, heads=4).dequantize(), _unpermute(w, heads=4))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK, ids=lambda t: t.name)
 def test_packed_rows_dequantize_exactly(isa, qtype):
-    q, w = quantized(100, 64, qtype)
+    features = 64 if qtype in TYPES else 768
+    q, w = quantized(100, features, qtype)
     packed = q.pack("int16")
-    assert isinstance(packed, PackedWeight) and packed.shape == (100, 64)
+    assert isinstance(packed, PackedWeight) and packed.shape == (100, features)
     ids = torch.tensor([3, 99, 3, 0, 16, 17])
     assert torch.equal(packed.embedding(ids, torch.float32), w[ids])
     assert torch.equal(packed.embedding(ids, torch.bfloat16), w[ids].to(torch.bfloat16))

@@ -129,6 +129,21 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
     assert held == read_footprint(ModelSource(k_mix, "gguf", "tiny")).weight_bytes("float32")
 
 
+def test_the_plan_sizes_k_quant_shards_cut_off_their_superblocks(k_mix):
+    """At tp=2 each rank's attn_output holds 128 of 256 input features: its Q4_K superblocks are cut, so
+    that shard loads as Q4_M32 (6 bits a weight, not 4.6); the plan counts it so."""
+    from app.model.footprint import read_footprint
+
+    source = ModelSource(k_mix, "gguf", "tiny")
+    footprint = read_footprint(source)
+    assert footprint.cut_bytes is not None and footprint.cut_bytes.attention_q > 0
+    for rank in range(2):
+        loaded = load_model(source, "float32", tokenizer=False, rank=rank, size=2).model
+        assert loaded.layers[0].attention.o.weight.type_name == "Q4_M32"
+        held = loaded.resident_bytes() - loaded.cos_sin.numel() * loaded.cos_sin.element_size()
+        assert held == footprint.weight_bytes("float32", 2, rank), rank
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     import gguf
 
