@@ -163,14 +163,15 @@ def pack_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tens
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int, out_features: int,
-                  activations: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  activations: int, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     # x: [..., K] float; weight: packed [V, K] (pack_quant) -> x @ W^T: [..., V] in out_dtype (default x's),
-    # accumulated in float32; activations: 0 float32 FMAs, 1 int8 per block of 32, 2 int16 (two int8 planes)
+    # accumulated in float32; activations: 0 float32 FMAs, 1 int8 per block of 32, 2 int16 (two int8 planes).
+    # out: [rows of x, V] to write into (rows at any stride: some columns of a wider output), or None
     rows = _rows(x, "x")
-    out = torch.empty(rows.shape[0], out_features, dtype=out_dtype or x.dtype)
-    _native.packed_linear(_ref(out, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 1),
+    target = torch.empty(rows.shape[0], out_features, dtype=out_dtype or x.dtype) if out is None else out
+    _native.packed_linear(_ref(target, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 1),
                           int(qtype), int(in_features), int(out_features), int(activations))
-    return out.view(*x.shape[:-1], out_features)
+    return target.view(*x.shape[:-1], out_features) if out is None else out
 
 
 def packed_rows(weight: torch.Tensor, ids: torch.Tensor, qtype: int, in_features: int, out_features: int,
@@ -274,6 +275,9 @@ def describe() -> str:
     return f"{name} (bfloat16 pairs on {how}; vdpbf16ps issues at {ratio:.2f}x an FMA's rate here)"
 
 
+Parts = list[tuple[torch.Tensor, int, int]]  # a packed linear's parts: (uint8 data, type id, rows)
+
+
 class DecoderStack:
     """A Llama-family layer stack run in one native call a step (native/include/decoder.h): kept-quantized
     linears with quantized activations, on this rank's heads; `group` is the native tensor-parallel group
@@ -287,14 +291,15 @@ class DecoderStack:
                                            float(eps), float(scale), _ref(cos_sin, "cos_sin", (torch.float32,), 2),
                                            _ref(final_norm, "final_norm", dims=1), group)
 
-    def add_layer(self, qkv: tuple[torch.Tensor, int], o: tuple[torch.Tensor, int], gate_up: tuple[torch.Tensor, int],
-                  down: tuple[torch.Tensor, int], input_norm: torch.Tensor, post_norm: torch.Tensor,
-                  qkv_bias: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-        # each linear: (packed uint8 data, GGML type id); caches as write_kv_cache takes them
-        def packed(w, name):
-            return _ref(w[0], name, (torch.uint8,), 1), int(w[1])
+    def add_layer(self, qkv: Parts, o: Parts, gate_up: Parts, down: Parts, input_norm: torch.Tensor,
+                  post_norm: torch.Tensor, qkv_bias: torch.Tensor | None, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor) -> None:
+        # each linear: its parts, (packed uint8 data, type id, rows) each, stacked by rows (one part but for a
+        # fused projection whose parts differ in type); caches as write_kv_cache takes them
+        def packed(parts, name):
+            return [(_ref(data, name, (torch.uint8,), 1), int(qtype), int(rows)) for data, qtype, rows in parts]
 
-        self._stack.add_layer(*packed(qkv, "qkv"), *packed(o, "o"), *packed(gate_up, "gate_up"), *packed(down, "down"),
+        self._stack.add_layer(packed(qkv, "qkv"), packed(o, "o"), packed(gate_up, "gate_up"), packed(down, "down"),
                               _ref(input_norm, "input_norm", dims=1), _ref(post_norm, "post_norm", dims=1),
                               None if qkv_bias is None else _ref(qkv_bias, "qkv_bias", dims=1),
                               _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4))

@@ -10,8 +10,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.model.gguf_header import (IN_BLOCKS_OF_32, KEPT_QUANT_TYPES, MIXED_QUANT_TYPE, PACKED_QUANT_TYPES,
-                                   read_gguf_header)
+from app.model.gguf_header import IN_BLOCKS_OF_32, KEPT_QUANT_TYPES, PACKED_QUANT_TYPES, read_gguf_header
 from app.model.source import ModelSource
 from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
@@ -157,7 +156,8 @@ FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # projections 
 
 def _kept_as(header) -> dict[str, int | None]:
     """The packed type each tensor runs as, None for one expanded to the compute dtype: as app/model/quant.py's
-    fuse_rows decides, a fused group with a float part is expanded and one of mixed quantized types widened."""
+    fuse_rows decides, a fused group with a float part is expanded (one of mixed quantized types runs as its
+    parts, each in its own type)."""
     kept_as = {name: KEPT_QUANT_TYPES[header.tensor_types[name]][1]
                if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2 else None
                for name, shape in header.tensor_shapes.items()}
@@ -165,10 +165,9 @@ def _kept_as(header) -> dict[str, int | None]:
     for layer in layers:
         for group in FUSED:
             names = [f"blk.{layer}.{part}.weight" for part in group if f"blk.{layer}.{part}.weight" in kept_as]
-            types = {kept_as[name] for name in names}
-            if len(types) > 1:
+            if None in {kept_as[name] for name in names}:
                 for name in names:
-                    kept_as[name] = None if None in types else MIXED_QUANT_TYPE
+                    kept_as[name] = None
     return kept_as
 
 

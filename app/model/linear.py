@@ -38,7 +38,7 @@ class ColumnParallelLinear:
         return linear(x, self.weight, self.bias)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [storage(self.weight)] + ([self.bias] if self.bias is not None else [])
+        return storage(self.weight) + ([self.bias] if self.bias is not None else [])
 
 
 class RowParallelLinear:
@@ -70,7 +70,7 @@ class RowParallelLinear:
         return self.group.all_reduce(linear(x, self.weight))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [storage(self.weight)]
+        return storage(self.weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

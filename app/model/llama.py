@@ -15,7 +15,7 @@ from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
 from app.model.layers import MLP, Attention, DecoderLayer, KVCache
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from app.model.quant import PackedWeight, Weight, pack, storage
+from app.model.quant import Packed, PackedWeight, Weight, pack, storage
 from app.model.rope import cos_sin_table, inverse_frequencies
 from app.parallel.group import SingleRank
 from app.parallel.shard import ShardSpec
@@ -98,8 +98,8 @@ class LlamaForCausalLM:
         linears = [(lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down) for lay in self.layers]
         weights = [lin.weight for group in linears for lin in group]
         # quantized weights under "float" activations take torch's GEMM for prompts: the Python layers
-        if (self.cfg.qk_norm or not all(isinstance(w, PackedWeight) for w in weights)
-                or self.activations not in ("int8", "int16") and any(w.qtype != BF16 for w in weights)
+        if (self.cfg.qk_norm or not all(isinstance(w, Packed) for w in weights)
+                or self.activations not in ("int8", "int16") and any(p.qtype != BF16 for w in weights for p in w.parts)
                 or self.group.size > 1 and getattr(self.group, "native", None) is None):
             return None
         native_group = self.group.native if self.group.size > 1 else None
@@ -109,7 +109,7 @@ class LlamaForCausalLM:
                                      self.cfg.head_dim ** -0.5, self.cos_sin, self.norm, native_group)
         for layer, cache in zip(self.layers, caches, strict=True):
             a, m = layer.attention, layer.mlp
-            stack.add_layer(*((lin.weight.data, lin.weight.qtype) for lin in (a.qkv, a.o, m.gate_up, m.down)),
+            stack.add_layer(*([(p.data, p.qtype, p.rows) for p in lin.weight.parts] for lin in (a.qkv, a.o, m.gate_up, m.down)),
                             layer.input_norm, layer.post_norm, a.qkv.bias, *cache)
         return stack
 
@@ -140,7 +140,7 @@ class LlamaForCausalLM:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [storage(t) for t in (self.embed, self.norm, self.lm_head, self.cos_sin) if t is not None]
+        out = [s for t in (self.embed, self.norm, self.lm_head, self.cos_sin) if t is not None for s in storage(t)]
         for layer in self.layers:
             a = layer.attention
             for linear in (a.qkv, a.o, layer.mlp.gate_up, layer.mlp.down):

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from app.model.config import ModelConfig
-from app.model.gguf_header import MIXED_QUANT_TYPE
 from app.model.llama import LlamaForCausalLM
 from app.model.source import ModelSource
 from app.model.tokenizer import load_tokenizer
@@ -73,10 +72,10 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
 
 def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -> str:
     """What became of the file's weight types: kept quantized (as stored, or converted into our blocks of
-    32), or dequantized (and why); and the fused projections of mixed types, widened."""
+    32), or dequantized (and why); and the fused projections of mixed types, run as their parts."""
     if not isinstance(checkpoint, GGUFCheckpoint):
         return ""
-    from app.model.quant import KEPT_TYPES, PACKED_TYPES
+    from app.model.quant import KEPT_TYPES, PACKED_TYPES, PackedParts
 
     packed_as = dict(KEPT_TYPES.values())  # file type name -> the packed type id it runs as
     types = checkpoint.types()
@@ -87,9 +86,9 @@ def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -
     if converted:
         said += f"; converted: {', '.join(converted)}"
     fused = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.mlp.gate_up)]
-    widened = sum(getattr(w, "qtype", None) == MIXED_QUANT_TYPE for w in fused)
-    if widened:
-        said += f"; {widened} fused projection(s) of mixed types widened to Q8_HM32 (12 bits a weight)"
+    mixed = sum(isinstance(w, PackedParts) for w in fused)
+    if mixed:
+        said += f"; {mixed} fused projection(s) of mixed types run as their parts"
     if expanded:
         why = "no kernel for them yet" if keep else "model.quantized is dequantize"
         said += f"; dequantized to {dtype} at load: {', '.join(expanded)} ({why})"

@@ -136,13 +136,19 @@ class PackedWeight:
     def type_name(self) -> str:
         return "BF16" if self.qtype == BF16 else PACKED_TYPES[self.qtype].name
 
-    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's)."""
+    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's); or
+        into `out` ([rows of x, rows], at any row stride: some columns of a fused weight's output)."""
         rows = x.numel() // self.in_features
         if self.activations == "float" and self.qtype != BF16 and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
-            return torch.nn.functional.linear(x, self.dequantize(x.dtype))
+            result = torch.nn.functional.linear(x, self.dequantize(x.dtype))
+            return result if out is None else out.copy_(result.view(-1, self.rows))
         return kernels.packed_linear(x, self.data, self.qtype, self.in_features, self.rows,
-                                     ACTIVATIONS[self.activations], out_dtype)
+                                     ACTIVATIONS[self.activations], out_dtype, out)
+
+    @property
+    def parts(self) -> tuple[PackedWeight, ...]:
+        return (self,)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rows `ids` (token ids), dequantized: an embedding lookup."""
@@ -152,12 +158,79 @@ class PackedWeight:
         return self.embedding(torch.arange(self.rows), dtype)
 
 
-Weight = torch.Tensor | QuantizedTensor | PackedWeight
+@dataclass(frozen=True)
+class QuantizedParts:
+    """A fused weight whose stacked parts differ in type (Q4_K_M files store some layers' V as Q6_K, their Q
+    and K as Q4_K): each part keeps its own blocks and runs as its own packed weight, into its own columns
+    of the output."""
+
+    parts: tuple[QuantizedTensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].in_features
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(p.type_name for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def pack(self, activations: str) -> PackedParts:
+        return PackedParts(tuple(p.pack(activations) for p in self.parts))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
+@dataclass(frozen=True)
+class PackedParts:
+    """QuantizedParts packed: a linear whose parts each fill their own columns of one output."""
+
+    parts: tuple[PackedWeight, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.in_features
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(p.type_name for p in self.parts)
+
+    @property
+    def activations(self) -> str:
+        return self.parts[0].activations
+
+    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = torch.empty(*x.shape[:-1], self.rows, dtype=out_dtype or x.dtype)
+        columns = out.view(-1, self.rows)
+        start = 0
+        for part in self.parts:
+            part.linear(x, out_dtype, out=columns[:, start:start + part.rows])
+            start += part.rows
+        return out
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
+Weight = torch.Tensor | QuantizedTensor | QuantizedParts | PackedWeight | PackedParts
+Packed = (PackedWeight, PackedParts)  # what the native kernels run
 
 
 def pack(weight: Weight, activations: str) -> Weight:
     """A file's quantized weight, or a bfloat16 one, in the kernels' layout; float32 weights as they are."""
-    if isinstance(weight, QuantizedTensor):
+    if isinstance(weight, QuantizedTensor | QuantizedParts):
         return weight.pack(activations)
     if weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % BLOCK == 0:
         rows, features = weight.shape
@@ -167,25 +240,31 @@ def pack(weight: Weight, activations: str) -> Weight:
 
 
 def fuse_rows(parts: Sequence[Weight]) -> Weight:
-    """Stack weights by rows; quantized ones stay quantized: as they are when they share one type, else
-    widened to Q8_HM32, which holds any of them exactly (Q4_K_M files store some layers' V projection as
-    Q6_K, their Q and K as Q4_K). With a float part among them, every part is expanded to the float
-    parts' dtype."""
+    """Stack weights by rows; quantized ones stay quantized: one weight when they share one type, else the
+    runs of one type as the parts of one (Q4_K_M files store some layers' V projection as Q6_K, their Q
+    and K as Q4_K). With a float part among them, every part is expanded to the float parts' dtype."""
     if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.in_features for p in parts}) == 1:
-        if len({p.qtype for p in parts}) > 1:
-            parts = [p.widen() for p in parts]
-        return QuantizedTensor.cat(parts)
+        runs: list[list[QuantizedTensor]] = []
+        for part in parts:
+            if runs and runs[-1][0].qtype == part.qtype:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        fused = tuple(QuantizedTensor.cat(run) if len(run) > 1 else run[0] for run in runs)
+        return fused[0] if len(fused) == 1 else QuantizedParts(fused)
     dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
     return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts])
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, Packed):
         out = weight.linear(x)
         return out.add_(bias) if bias is not None else out
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def storage(weight: Weight) -> torch.Tensor:
-    """The tensor that holds a weight's bytes."""
-    return weight.data if isinstance(weight, QuantizedTensor | PackedWeight) else weight
+def storage(weight: Weight) -> list[torch.Tensor]:
+    """The tensors that hold a weight's bytes."""
+    if isinstance(weight, QuantizedParts | PackedParts):
+        return [p.data for p in weight.parts]
+    return [weight.data if isinstance(weight, QuantizedTensor | PackedWeight) else weight]

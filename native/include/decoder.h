@@ -15,9 +15,14 @@
 
 namespace appliance {
 
-struct PackedMatrix {  // a packed [rows, in_features] weight (see PackedLayout)
+struct PackedPart {  // rows of a packed weight (see PackedLayout)
   const uint8_t* data;
   QType qtype;
+  int64_t rows;
+};
+
+struct PackedMatrix {  // a [rows, in_features] weight: one part, or a fused projection's parts that differ in type
+  std::vector<PackedPart> parts;  // stacked by rows: each fills its own columns of the output
   int64_t rows, in_features;
 };
 

@@ -45,6 +45,17 @@ void add_bias(DType dt, void* x, const void* bias, int64_t tokens, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[t * n + i] = float_to_bf16(bf16_to_float(y[t * n + i]) + bf16_to_float(b[i]));
 }
 
+// out[t, :w.rows] = in[t, :] @ w^T (in: rows of w.in_features), each part into its own columns of out's rows
+void linear(const PackedMatrix& w, ActQuant act, DType in_dt, DType out_dt, void* out, const void* in, int64_t tokens,
+            int64_t out_stride) {
+  int64_t column = 0;
+  for (const PackedPart& p : w.parts) {
+    kernels().packed_linear({p.qtype, act, in_dt, out_dt, static_cast<uint8_t*>(out) + column * element_bytes(out_dt), in,
+                             p.data, tokens, w.in_features, p.rows, w.in_features, out_stride});
+    column += p.rows;
+  }
+}
+
 }  // namespace
 
 void* DecoderStack::buffer(size_t index, int64_t bytes) {
@@ -58,13 +69,12 @@ void DecoderStack::row_parallel(const PackedMatrix& w, const void* in, void* x, 
   const DType dt = shape_.dtype;
   const int64_t H = shape_.hidden;
   if (!group_ || dt == DType::f32) {
-    kernels().packed_linear({w.qtype, shape_.act, dt, dt, x, in, w.data, tokens, w.in_features, H, w.in_features, H});
+    linear(w, shape_.act, dt, dt, x, in, tokens, H);
     if (group_) group_->all_reduce(x, tokens * H, 0);
     return;
   }
   float* partial = static_cast<float*>(buffer(5, tokens * H * 4));
-  kernels().packed_linear({w.qtype, shape_.act, dt, DType::f32, partial, in, w.data, tokens, w.in_features, H,
-                           w.in_features, H});
+  linear(w, shape_.act, dt, DType::f32, partial, in, tokens, H);
   group_->all_reduce(partial, tokens * H, 0);
   uint16_t* y = static_cast<uint16_t*>(x);
   for (int64_t i = 0; i < tokens * H; ++i) y[i] = float_to_bf16(partial[i]);
@@ -84,7 +94,7 @@ void DecoderStack::run(void* x, const StepBatch& b) {
   std::memset(residual, 0, T * H * E);  // so the first layer's add_rms_norm makes residual = x (zero bits are 0.0)
   for (const DecoderLayerWeights& l : layers_) {
     kernels().add_rms_norm({dt, x, residual, l.input_norm, T, H, H, H, s.eps});
-    kernels().packed_linear({l.qkv.qtype, s.act, dt, dt, qkv, x, l.qkv.data, T, H, qkv_width, H, qkv_width});
+    linear(l.qkv, s.act, dt, dt, qkv, x, T, qkv_width);
     if (l.qkv_bias) add_bias(dt, qkv, l.qkv_bias, T, qkv_width);
     void* q = qkv;
     void* k = qkv + q_width * E;
@@ -101,8 +111,7 @@ void DecoderStack::run(void* x, const StepBatch& b) {
       uint8_t* xs = static_cast<uint8_t*>(x) + t0 * H * E;
       row_parallel(l.o, static_cast<uint8_t*>(attn) + t0 * q_width * E, xs, n);
       kernels().add_rms_norm({dt, xs, residual + t0 * H * E, l.post_norm, n, H, H, H, s.eps});
-      kernels().packed_linear({l.gate_up.qtype, s.act, dt, dt, gate_up, xs, l.gate_up.data, n, H, 2 * s.inter, H,
-                               2 * s.inter});
+      linear(l.gate_up, s.act, dt, dt, gate_up, xs, n, 2 * s.inter);
       kernels().silu_and_mul({dt, act, gate_up, n, s.inter, 2 * s.inter, s.inter});
       row_parallel(l.down, act, xs, n);
     }

@@ -336,15 +336,24 @@ void use_bf16_dot(const std::string& mode) {
 
 // ---- DecoderStack: the whole layer stack in one call (native/include/decoder.h) ----
 
-PackedMatrix packed_matrix(const Ref& ref, int qtype, int64_t n, int64_t k, const std::string& name) {
-  T w = tensor(ref, "weight", 1);
-  const QType q = quant_type(qtype);
-  try {
-    packed_weight(w, q, n, k);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(name + " " + e.what());
+using Parts = std::vector<std::tuple<Ref, int, int64_t>>;  // (packed data, type id, rows), stacked by rows
+
+PackedMatrix packed_matrix(const Parts& parts, int64_t n, int64_t k, const std::string& name) {
+  PackedMatrix m{{}, n, k};
+  int64_t rows = 0;
+  for (const auto& [ref, qtype, part_rows] : parts) {
+    T w = tensor(ref, "weight", 1);
+    const QType q = quant_type(qtype);
+    try {
+      packed_weight(w, q, part_rows, k);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(name + " " + e.what());
+    }
+    m.parts.push_back({static_cast<const uint8_t*>(w.ptr), q, part_rows});
+    rows += part_rows;
   }
-  return {static_cast<const uint8_t*>(w.ptr), q, n, k};
+  require(!parts.empty() && rows == n, name + ": its parts must hold " + std::to_string(n) + " rows, got " + std::to_string(rows));
+  return m;
 }
 
 const void* vector_of(const Ref& ref, const char* name, int code, int64_t n) {
@@ -372,9 +381,9 @@ std::unique_ptr<DecoderStack> make_stack(int dtype, int act, int64_t hidden, int
   return std::make_unique<DecoderStack>(shape, group);
 }
 
-void stack_add_layer(DecoderStack& stack, const Ref& qkv, int qkv_type, const Ref& o, int o_type, const Ref& gu,
-                     int gu_type, const Ref& down, int down_type, const Ref& in_norm, const Ref& post_norm,
-                     const std::optional<Ref>& bias, const Ref& kc_r, const Ref& vc_r) {
+void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, const Parts& gu, const Parts& down,
+                     const Ref& in_norm, const Ref& post_norm, const std::optional<Ref>& bias, const Ref& kc_r,
+                     const Ref& vc_r) {
   DecoderShape s = stack.shape();
   const int code = s.dtype == DType::f32 ? F32 : BF16;
   const int64_t H = s.hidden, qw = s.q_heads * s.head_dim, qkvw = qw + 2 * s.kv_heads * s.head_dim;
@@ -390,10 +399,10 @@ void stack_add_layer(DecoderStack& stack, const Ref& qkv, int qkv_type, const Re
     require(float_type(kc) == s.cache_dtype && vc.dim(2) == s.block_size && vc.dim(0) == s.num_blocks,
             "key_cache: every layer's cache must have the first layer's dtype and shape");
   }
-  DecoderLayerWeights l{packed_matrix(qkv, qkv_type, qkvw, H, "qkv"),
-                        packed_matrix(o, o_type, H, qw, "o"),
-                        packed_matrix(gu, gu_type, 2 * s.inter, H, "gate_up"),
-                        packed_matrix(down, down_type, H, s.inter, "down"),
+  DecoderLayerWeights l{packed_matrix(qkv, qkvw, H, "qkv"),
+                        packed_matrix(o, H, qw, "o"),
+                        packed_matrix(gu, 2 * s.inter, H, "gate_up"),
+                        packed_matrix(down, H, s.inter, "down"),
                         vector_of(in_norm, "input_norm", code, H),
                         vector_of(post_norm, "post_norm", code, H),
                         bias ? vector_of(*bias, "qkv_bias", code, qkvw) : nullptr,

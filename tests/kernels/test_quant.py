@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app import kernels
-from app.model.quant import BF16, PackedWeight, QuantizedTensor, fuse_rows, linear, pack
+from app.model.quant import BF16, PackedParts, PackedWeight, QuantizedParts, QuantizedTensor, fuse_rows, linear, pack
 from app.model.weights import _unpermute
 from tests.kernels.isas import running, variants
 
@@ -152,23 +152,29 @@ def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
-def test_mixed_types_widen_exactly_and_fuse(isa, activations):
-    """A fused weight whose parts differ in type (Q4_K_M: V as Q6_K, Q and K as Q4_K) is widened to Q8_HM32
-    (a byte a weight, float32 scale and min per 16), which holds each part's values exactly."""
+def test_mixed_types_fuse_as_parts(isa, activations):
+    """A fused weight whose parts differ in type (Q4_K_M: V as Q6_K, Q and K as Q4_K) keeps each run of one
+    type as one part in its own blocks; the parts' linear fills each its own columns of one output."""
     parts = [quantized(n, 768, qtype, seed=n) for n, qtype in  # three superblocks a K-quant row
-             ((64, GT.Q4_K), (19, GT.Q6_K), (16, GT.Q8_0), (5, GT.Q4_0), (33, GT.Q4_1), (7, GT.Q5_K))]
-    for q, w in parts:
-        assert q.widen().type_name == "Q8_HM32" and torch.equal(q.widen().dequantize(), w)
+             ((64, GT.Q4_K), (16, GT.Q4_K), (19, GT.Q6_K), (16, GT.Q8_0), (5, GT.Q4_0), (33, GT.Q4_1), (7, GT.Q5_K))]
     fused = fuse_rows([q for q, _ in parts])
     w = torch.cat([w for _, w in parts])
-    assert isinstance(fused, QuantizedTensor) and fused.type_name == "Q8_HM32" and torch.equal(fused.dequantize(), w)
+    assert isinstance(fused, QuantizedParts) and fused.type_name == "Q4_K+Q6_K+Q8_0+Q4_0+Q4_1+Q8_M32"
+    assert fused.shape == (160, 768) and torch.equal(fused.dequantize(), w)
     packed = fused.pack(activations)
+    assert isinstance(packed, PackedParts) and [p.rows for p in packed.parts] == [80, 19, 16, 5, 33, 7]
     assert torch.equal(packed.dequantize(), w)
     for m in (1, 3, 70):
         x = torch.randn(m, 768)
         x[0, 16:32] = 0  # an all-zero half block
         expected = (quantize_activations(x, activations).double() @ w.double().T).float()
         torch.testing.assert_close(packed.linear(x), expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(linear(x.view(1, m, 768), packed), expected.view(1, m, -1), atol=2e-5, rtol=2e-5)
+        xb = x.to(torch.bfloat16)
+        expected_b = (quantize_activations(xb, activations).double() @ w.double().T).float()
+        torch.testing.assert_close(packed.linear(xb, torch.float32), expected_b, atol=2e-5, rtol=2e-5)
+    same = fuse_rows([parts[0][0], parts[1][0]])  # one type: one weight
+    assert isinstance(same, QuantizedTensor) and same.type_name == "Q4_K"
 
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():

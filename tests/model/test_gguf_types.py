@@ -102,7 +102,7 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
     transformers' from the dequantized file."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    from app.model.quant import PackedWeight
+    from app.model.quant import Packed, PackedParts
 
     reference = AutoModelForCausalLM.from_pretrained(
         str(k_mix.parent), gguf_file=k_mix.name, dtype=torch.float32,
@@ -113,8 +113,10 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
     layers = ours.model.layers
     kinds = [(lay.attention.qkv.weight, lay.attention.o.weight, lay.mlp.gate_up.weight, lay.mlp.down.weight)
              for lay in layers]
-    assert all(isinstance(w, PackedWeight) for group in kinds for w in group)
-    assert [w.type_name for w in kinds[0]] == ["Q8_HM32", "Q4_K", "Q4_K", "Q6_K"]  # QKV mixed: widened
+    assert all(isinstance(w, Packed) for group in kinds for w in group)
+    assert [w.type_name for w in kinds[0]] == ["Q4_K+Q6_K", "Q4_K", "Q4_K", "Q6_K"]  # QKV mixed: Q and K, then V
+    assert isinstance(kinds[0][0], PackedParts) and [p.rows for p in kinds[0][0].parts] == [HIDDEN + HIDDEN // 2, HIDDEN // 2]
+    assert ours.model._native_stack(ours.model.new_kv_cache(16, 16)) is not None  # the layer stack runs the parts
     assert [w.type_name for w in kinds[1]] == ["Q8_M32", "Q8_M32", "Q8_M32", "Q8_0"]
     assert ours.model.lm_head.type_name == "Q6_K" and ours.model.embed.type_name == "Q4_K"
     ids = [[5, 17, 300, 2, 511, 64, 9]]
