@@ -154,7 +154,7 @@ def linear_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def pack_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     # weight: [V, K/32 blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q8_0 8, BF16 30, or convert_quant's
-    # Q4_M32 100, Q8_M32 101, Q8_H32 102, widen_quant's Q8_HM32 103), or [V, K/256 superblocks] of Q4_K 12, Q6_K 14
+    # Q4_M32 100, Q8_M32 101, Q8_H32 102), or [V, K/256 superblocks] of Q4_K 12, Q6_K 14
     # -> the packed layout, uint8 [bytes]
     out = torch.empty(_native.packed_bytes(int(qtype), weight.shape[0], int(in_features)), dtype=torch.uint8)
     _native.pack_quant(_ref(out, "out", (torch.uint8,), 1), _ref(weight, "weight", (torch.uint8,), 2), int(qtype),
@@ -191,16 +191,6 @@ def convert_quant(weight: torch.Tensor, file_type: int, in_features: int) -> tup
     _native.convert_quant(_ref(out, "out", (torch.uint8,), 2), _ref(weight, "weight", (torch.uint8,), 2),
                           int(file_type), int(in_features))
     return out, qtype
-
-
-def widen_quant(weight: torch.Tensor, qtype: int, in_features: int) -> tuple[torch.Tensor, int]:
-    # weight: [R, K/32 blocks] (K/256 for Q4_K, Q6_K) uint8 of a quantized packed type -> (the same values as Q8_HM32 blocks, which
-    # every such type widens into exactly: for a fused weight whose parts differ in type; Q8_HM32's id)
-    widened = _native.widened_type()
-    out = torch.empty(weight.shape[0], in_features // 32 * _native.block_bytes(widened), dtype=torch.uint8)
-    _native.widen_quant(_ref(out, "out", (torch.uint8,), 2), _ref(weight, "weight", (torch.uint8,), 2), int(qtype),
-                        int(in_features))
-    return out, widened
 
 
 def dequantize(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

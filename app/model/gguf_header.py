@@ -29,15 +29,13 @@ class QuantType(NamedTuple):
 
 
 # The quantized block types our kernels run (app/model/quant.py, native/include/kernels.h), by id. GGML's
-# ids for the types run as the file stores them (Q4_K and Q6_K in their superblocks of 256); 100-102 for the exact
-# blocks of 32 that the other kept types are converted into at load; 103 for a fused projection whose
-# parts differ in type (MIXED_QUANT_TYPE: every other type widens into it exactly).
+# ids for the types run as the file stores them (Q4_K and Q6_K in their superblocks of 256); 100-102 for
+# the exact blocks of 32 that the other kept types are converted into at load.
 PACKED_QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 18), 3: QuantType("Q4_1", 32, 20, 20),
                       8: QuantType("Q8_0", 32, 34, 34), 12: QuantType("Q4_K", 256, 144, 148),
                       14: QuantType("Q6_K", 256, 210, 276),
                       100: QuantType("Q4_M32", 32, 24, 24), 101: QuantType("Q8_M32", 32, 40, 40),
-                      102: QuantType("Q8_H32", 32, 40, 40), 103: QuantType("Q8_HM32", 32, 48, 48)}
-MIXED_QUANT_TYPE = 103
+                      102: QuantType("Q8_H32", 32, 40, 40)}
 # Superblock types, and the blocks of 32 they load as where a tensor-parallel cut does not fall on 256.
 IN_BLOCKS_OF_32 = {12: 100, 14: 102}
 # The GGUF types kept quantized, by GGML id: (name, the packed type above they run as). Here, torch-free,

@@ -7,10 +7,9 @@ file's are 4.5 and 6.6: Q6_K's quants run as bytes). Q5_K, Q5_0 and Q5_1 stay qu
 load (`kernels.convert_quant`) into blocks of 32 that keep every weight's value: Q5_K and Q5_1 as bytes
 with float32 scale and min (10 bits), Q5_0 as Q8_0 (8.5 bits); Q4_K and Q6_K too (as Q4_M32, 4-bit
 quants with float32 scale and min per 32, 6 bits; Q8_H32, bytes with a float32 scale per 16, 10 bits)
-where a tensor-parallel cut does not fall on 256. A fused
-projection whose parts differ in type becomes Q8_HM32 (12 bits: bytes with float32 scale and min per
-16, which holds any of the others exactly). At load they are `QuantizedTensor`s, which TP sharding
-cuts and fused projections stack; the model then packs each into a
+where a tensor-parallel cut does not fall on 256. At load they are `QuantizedTensor`s, which TP sharding
+cuts and fused projections stack (a fused projection whose parts differ in type runs as its parts,
+`QuantizedParts` and `PackedParts`, each in its own blocks); the model then packs each into a
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot
 products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS`):
   - "int16": each block of 32 activations quantized to about 16 bits (two int8 planes) and multiplied
@@ -35,7 +34,6 @@ import torch
 
 from app import kernels
 from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, packed type id)
-from app.model.gguf_header import MIXED_QUANT_TYPE
 from app.model.gguf_header import PACKED_QUANT_TYPES as PACKED_TYPES  # packed type id: QuantType
 
 BLOCK = 32
@@ -96,12 +94,6 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return kernels.dequantize(self.data, self.qtype, self.in_features, dtype)
-
-    def widen(self) -> QuantizedTensor:
-        """The same values as Q8_HM32 blocks (a byte a weight, float32 scale and min per 16)."""
-        if self.qtype == MIXED_QUANT_TYPE:
-            return self
-        return QuantizedTensor(*kernels.widen_quant(self.data, self.qtype, self.in_features), self.in_features)
 
     def pack(self, activations: str) -> PackedWeight:
         """The weight in the kernels' layout, multiplied with activations quantized as `activations` says."""

@@ -96,16 +96,15 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 //   Q8_H32 (from Q6_K, likewise) = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1 for
 //                              16..31: Q6_K scales every 16 weights).
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
-// type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) is widened (widen_quant) into
-//   Q8_HM32 (any of the above) = f32 d0, d1, m0, m1 + 32 bytes u (w = d u + m, d and m per 16 weights).
+// type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) runs as its parts (decoder.h).
 //
 // Q4_K and Q6_K (GGML's 12 and 14) are kept as the file stores them, superblocks of 256 weights (Q4_K:
 // 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q6_K: 210 bytes, 6-bit quants,
 // an int8 scale code per 16, fp16 d), and packed with their superblock scales (below): 4.6 and 8.6 bits
 // a weight where Q4_M32 and Q8_H32 take 6 and 10. Their rows convert to those (convert_quant) where a cut
-// does not fall on 256 (a tensor-parallel shard), and to Q8_HM32 (widen_quant) to fuse with another type.
+// does not fall on 256 (a tensor-parallel shard).
 enum class QType : int {
-  q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, q8_hm32 = 103
+  q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102
 };
 constexpr int64_t kQuantBlock = 32;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
@@ -120,7 +119,6 @@ inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t
     case QType::q4_1: return 20;
     case QType::q4_0: return 18;
     case QType::q4_m32: return 24;
-    case QType::q8_hm32: return 48;
     default: return 40;  // q8_m32, q8_h32
   }
 }
@@ -153,14 +151,6 @@ struct Q6KParts {  // one Q6_K superblock: w = d sc[h] (u - 32) for the 16 weigh
 };
 void q6_k_parts(const uint8_t* block, Q6KParts& out);
 
-struct WidenArgs {  // out = rows [R, K / 32 * 48] of Q8_HM32 holding the same values as rows of `from`
-  QType from;           // any quantized type above (not BF16)
-  const uint8_t* rows;  // [R, quant_row_bytes(from, K)] contiguous
-  uint8_t* out;
-  int64_t rows_count, in_features;
-};
-void widen_quant(const WidenArgs&);
-
 // Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
 // in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
 // 4 with zero rows. Per panel, per block of 32 weights along the rows, in this order:
@@ -169,7 +159,7 @@ void widen_quant(const WidenArgs&);
 //           order, the 16 rows interleaved 4 bytes at a time, as vpdpbusd wants them).
 //           8-bit types: 8 vectors of 64 bytes; in vector g, bytes 4j..4j+3 hold weights 4g..4g+3, as
 //           unsigned u (Q8_0: u = q + 128).
-//   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1, or (Q8_HM32) 16 each of d0, d1, m0, m1:
+//   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1:
 //           fp16 for GGML's types, f32 for ours (in a row's block, the same scalars in the same order).
 // Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32 and Q6_K, else 0 (m is
 // stored, or 0).
@@ -207,7 +197,6 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
     case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
-    case QType::q8_hm32: return {8, 0, true, true, 4, 512, 512 + 256};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }
 }

@@ -1,6 +1,6 @@
 // GGUF types without a packed layout of their own, converted once at load into blocks of 32 the kernels
-// run (kernels.h), and any of those widened into Q8_HM32 for a fused weight of mixed types: every weight
-// keeps its exact value. Plain C++ (load time, not per ISA); the block
+// run (kernels.h): every weight keeps its exact value; and the Q4_K and Q6_K superblocks decoded for their
+// packing (quant.cpp). Plain C++ (load time, not per ISA); the block
 // formats are GGML's (ggml-common.h), decoded here the way its reference dequantizers read them.
 #include <cstring>
 
@@ -93,31 +93,6 @@ void q5(const uint8_t* b, uint8_t* out) {
   }
 }
 
-// One block of any quantized type as Q8_HM32's scalars and bytes: w = d_h u + m_h (h: which 16 weights).
-void widen_block(QType q, const uint8_t* b, uint8_t* out) {
-  float d[2], m[2];
-  uint8_t* u = out + 16;
-  if (q == QType::q4_0 || q == QType::q4_1 || q == QType::q8_0) {
-    d[0] = d[1] = half(b);
-    m[0] = m[1] = q == QType::q4_1 ? half(b + 2) : q == QType::q4_0 ? -8.f * d[0] : -128.f * d[0];
-    const uint8_t* qs = b + (q == QType::q4_1 ? 4 : 2);
-    for (int i = 0; i < 32; ++i)
-      u[i] = q == QType::q8_0 ? qs[i] ^ 0x80 : (qs[i % 16] >> (i < 16 ? 0 : 4)) & 15;  // Q8_0: q + 128
-  } else {
-    float f[2];
-    std::memcpy(f, b, 8);
-    const uint8_t* qs = b + 8;
-    if (q == QType::q8_h32) {
-      d[0] = f[0], d[1] = f[1], m[0] = -32.f * f[0], m[1] = -32.f * f[1];
-    } else {  // q4_m32, q8_m32
-      d[0] = d[1] = f[0], m[0] = m[1] = f[1];
-    }
-    for (int i = 0; i < 32; ++i) u[i] = q == QType::q4_m32 ? (qs[i % 16] >> (i < 16 ? 0 : 4)) & 15 : qs[i];
-  }
-  const float scalars[4] = {d[0], d[1], m[0], m[1]};
-  std::memcpy(out, scalars, 16);
-}
-
 }  // namespace
 
 void q4_k_parts(const uint8_t* b, Q4KParts& out) {
@@ -142,30 +117,6 @@ void q6_k_parts(const uint8_t* b, Q6KParts& out) {
       for (int t = 0; t < 4; ++t)
         out.u[128 * n + l + 32 * t] = static_cast<uint8_t>(((ql[l + 32 * (t % 2)] >> (4 * (t / 2))) & 15) |
                                                            (((qh[l] >> (2 * t)) & 3) << 4));
-  }
-}
-
-void widen_quant(const WidenArgs& a) {
-  const int64_t blocks = a.in_features / kQuantBlock, out_bytes = quant_block_bytes(QType::q8_hm32);
-  // Q4_K, Q6_K: each superblock's 8 blocks in blocks of 32 first (Q4_M32, Q8_H32: the same values)
-  const bool super = superblocks(a.from);
-  const QType from = super ? converted_type(static_cast<FileType>(a.from)) : a.from;
-  const int64_t in_bytes = quant_block_bytes(from);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < a.rows_count; ++r) {
-    uint8_t converted[kSuperBlocks * 40];
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* row = a.rows + r * quant_row_bytes(a.from, a.in_features);
-      const uint8_t* in = row + b * in_bytes;
-      if (super) {
-        const uint8_t* block = row + b / kSuperBlocks * quant_block_bytes(a.from);
-        if (b % kSuperBlocks == 0) a.from == QType::q4_k ? q4_k(block, converted) : q6_k(block, converted);
-        in = converted + b % kSuperBlocks * in_bytes;
-      }
-      uint8_t* out = a.out + (r * blocks + b) * out_bytes;
-      if (from == QType::q8_hm32) std::memcpy(out, in, out_bytes);
-      else widen_block(from, in, out);
-    }
   }
 }
 

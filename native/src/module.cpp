@@ -199,10 +199,10 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
 
 QType quant_type(int code) {
   for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::q4_k, QType::q6_k, QType::bf16, QType::q4_m32,
-                  QType::q8_m32, QType::q8_h32, QType::q8_hm32})
+                  QType::q8_m32, QType::q8_h32})
     if (code == static_cast<int>(q)) return q;
   fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
-       "Q6_K = 14, BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102, Q8_HM32 = 103)");
+       "Q6_K = 14, BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102)");
 }
 
 FileType file_type(int code) {
@@ -278,18 +278,6 @@ void packed_rows(const Ref& out_r, const Ref& w_r, const Ref& ids_r, int qtype, 
   for (int64_t i = 0; i < ids.dim(0); ++i)
     require(id[i] >= 0 && id[i] < n, "ids: " + std::to_string(id[i]) + " is not a row of " + std::to_string(n));
   kernels().packed_rows({q, float_type(out), out.ptr, static_cast<const uint8_t*>(w.ptr), id, ids.dim(0), k, out.st(0)});
-}
-
-// out: uint8 [R, K / 32 * 48], rows of Q8_HM32 with the values of `weight`'s rows of type `qtype`
-void widen_rows(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
-  T out = tensor(out_r, "out", 2), w = tensor(w_r, "weight", 2);
-  const QType q = quant_type(qtype);
-  require(q != QType::bf16, "widen_quant: BF16 rows are not quantized");
-  quant_weight(w, q, k);
-  require(out.code == U8 && out.dim(0) == w.dim(0) && out.dim(1) == quant_row_bytes(QType::q8_hm32, k),
-          "widen_quant: out must be uint8 [R, " + std::to_string(quant_row_bytes(QType::q8_hm32, k)) + "]");
-  contiguous(out);
-  widen_quant(WidenArgs{q, static_cast<const uint8_t*>(w.ptr), static_cast<uint8_t*>(out.ptr), w.dim(0), k});
 }
 
 void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
@@ -476,10 +464,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("packed_bytes", [](int qtype, int64_t n, int64_t k) { return packed_bytes(quant_type(qtype), n, k); });
   m.def("dequantize", &dequantize, py::call_guard<py::gil_scoped_release>());
   m.def("convert_quant", &convert_rows, py::call_guard<py::gil_scoped_release>());
-  m.def("widen_quant", &widen_rows, py::call_guard<py::gil_scoped_release>());
   m.def("block_bytes", [](int qtype) { return quant_block_bytes(quant_type(qtype)); });
   m.def("converted_type", [](int from) { return static_cast<int>(converted_type(file_type(from))); });
-  m.def("widened_type", [] { return static_cast<int>(QType::q8_hm32); });
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
   m.def("best_isa", [] { return std::string(best_isa()); });

@@ -1,6 +1,6 @@
 // Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K as
-// stored, the other K-quants and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32,
-// and Q8_HM32 for a fused weight of mixed types), and on bfloat16 weights
+// stored, the other K-quants and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32),
+// and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
 //
@@ -114,21 +114,19 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {  // plain loo
 }
 #endif
 
-// Our own blocks (Q4_M32, Q8_M32, Q8_H32, Q8_HM32: f32 scalars, then the quants; see kernels.h), plainly:
+// Our own blocks (Q4_M32, Q8_M32, Q8_H32: f32 scalars, then the quants; see kernels.h), plainly:
 // they are expanded only where a shard does not fall on blocks, or for a test.
 void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* out) {
   const int64_t bytes = quant_block_bytes(q);
   const PackedLayout L = packed_layout(q);
-  const int scalars = (1 + L.has_min) * (1 + L.halves);
   for (int64_t b = 0; b < blocks; ++b, row += bytes, out += kQuantBlock) {
-    float f[4];
-    std::memcpy(f, row, 4 * scalars);
-    const uint8_t* u = row + 4 * scalars;
+    float f[2];  // d and m, or (halves) d0 and d1
+    std::memcpy(f, row, 8);
+    const uint8_t* u = row + 8;
     for (int i = 0; i < kQuantBlock; ++i) {
-      const int h = L.halves && i >= 16;  // d, m = f[h], f[2 + h] (halves) or f[0], f[1]
       const int v = L.bits == 4 ? (u[i % 16] >> (i < 16 ? 0 : 4)) & 15 : u[i];
-      const float m = !L.has_min ? 0.f : L.halves ? f[2 + h] : f[1];
-      out[i] = f[h] * static_cast<float>(v - L.zero) + m;
+      if (L.halves) out[i] = f[i >= 16] * static_cast<float>(v - L.zero);
+      else out[i] = f[0] * static_cast<float>(v - L.zero) + f[1];
     }
   }
 }
@@ -152,9 +150,8 @@ struct Activations {
   std::vector<int8_t> q;      // [rows][blocks][planes][32]
   std::vector<float> scale;   // [rows][blocks]
   std::vector<int32_t> isum;  // [rows][blocks]: the sum of the block's combined integers
-  bool halves = false;        // weights with a scale per 16 (Q6_K, Q8_H32, Q8_HM32): the first-half sums too
+  bool halves = false;        // weights with a scale per 16 (Q6_K, Q8_H32): the first-half sums too
   std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
-  std::vector<float> fsum_first;    // [rows][blocks]: and of x's (halves with mins: Q8_HM32)
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
 };
@@ -204,10 +201,7 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
     for (int64_t c = 0; c < k; ++c) f[c] = to_float(x[c]);
     for (int64_t b = 0; b < a.blocks; ++b) {
       float s = 0.f;
-      for (int i = 0; i < kQuantBlock; ++i) {
-        if (a.halves && i == kQuantBlock / 2) a.fsum_first[at + b] = s;
-        s += f[b * kQuantBlock + i];
-      }
+      for (int i = 0; i < kQuantBlock; ++i) s += f[b * kQuantBlock + i];
       a.fsum[at + b] = s;
     }
     return;
@@ -228,7 +222,6 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
   a.fsum.resize(cells);
   if (a.planes == 0) {
     a.fx.resize(cells * kQuantBlock);
-    if (a.halves) a.fsum_first.resize(cells);
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
@@ -285,7 +278,7 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
 
 // Block b of panel `panel` (past the heads of its superblock and those before, for Q4_K: no branch), and its
 // 16 rows' scales d and mins m (zero unless the type has them; with halves, m is d1, the second 16
-// weights' scale, and half_min gives Q8_HM32's m0, m1).
+// weights' scale).
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
   return t.weight + panel * t.panel_bytes + (b / kSuperBlocks + 1) * t.layout.super_head + b * t.layout.block_bytes;
 }
@@ -323,9 +316,6 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
   else if (L.scale_bytes == 1 && L.halves) block_scales<kHalfCodes>(L, blk, b, d, m);
   else if (L.scale_bytes == 1) block_scales<kCodes>(L, blk, b, d, m);
   else block_scales<kFp16>(L, blk, b, d, m);
-}
-F32x16 half_min(const PackedLayout& L, const uint8_t* blk, int h) {  // Q8_HM32's m0 (h = 0) or m1
-  return F32x16::load(reinterpret_cast<const float*>(blk + L.quant_bytes) + (2 + h) * kPanelRows);
 }
 
 // Every tile starts its accumulators at zero and reads block b of its NP panels.
@@ -454,13 +444,12 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q6_K, Q8_HM32): as int_tile, each half of a
-// block folded into the float accumulators under its own scale, with its own share of the zero correction
-// or (kMin: Q8_HM32) of m * sum(x). Q8_H32's and Q6_K's u < 64, so the 16-bit pairs of the emulated dot4
-// cannot saturate (kSmall); Q8_HM32's u can be any byte (widened from Q8_0).
-template <int MR, int NP, int PLANES, int SCALES, bool kMin>
+// Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q6_K): as int_tile, each half of a block
+// folded into the float accumulators under its own scale, with its own share of the zero correction. Their
+// u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate (kSmall).
+template <int MR, int NP, int PLANES, int SCALES>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
-  constexpr bool kSmall = !kMin;
+  constexpr bool kSmall = true;
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -484,11 +473,9 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
         const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;
         const F32x16 scale = F32x16::set1(x.scale[cell]);
         const I32x16 correction = I32x16::set1(L.zero * part);
-        const F32x16 sum = F32x16::set1(x.scale[cell] * static_cast<float>(part));
         for (int j = 0; j < NP; ++j) {
           const I32x16 total = (PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j]) - correction;
           acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
-          if (kMin) acc[r][j] = F32x16::fmadd(half_min(L, blk[j], h), sum, acc[r][j]);
         }
       }
     }
@@ -537,11 +524,7 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
           for (int j = 0; j < NP; ++j) {
             F32x16 d, d1;
             block_scales(L, blk[j], b, d, d1);
-            for (int r = 0; r < MR; ++r) {
-              acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
-              if (L.has_min)
-                acc[r][j] = F32x16::fmadd(half_min(L, blk[j], 0), F32x16::set1(x.fsum_first[(r0 + r) * t.blocks + b]), acc[r][j]);
-            }
+            for (int r = 0; r < MR; ++r) acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
           }
         }
       }
@@ -552,10 +535,6 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
       for (int r = 0; r < MR; ++r) {
         if (L.halves) {
           acc[r][j] = F32x16::fmadd(part[r][j], m, acc[r][j]);  // m is d1
-          if (L.has_min) {
-            const int64_t cell = (r0 + r) * t.blocks + b;
-            acc[r][j] = F32x16::fmadd(half_min(L, blk[j], 1), F32x16::set1(x.fsum[cell] - x.fsum_first[cell]), acc[r][j]);
-          }
           continue;
         }
         acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]);
@@ -604,9 +583,8 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
   } else if (BITS == 8 && t.layout.halves) {  // (only 8-bit types have a scale per 16)
-    if (t.layout.has_min) halves_tile<MR, NP, PLANES, kF32, true>(t, r0, p0);  // Q8_HM32
-    else if (t.layout.scale_bytes == 1) halves_tile<MR, NP, PLANES, kHalfCodes, false>(t, r0, p0);  // Q6_K
-    else halves_tile<MR, NP, PLANES, kF32, false>(t, r0, p0);  // Q8_H32
+    if (t.layout.scale_bytes == 1) halves_tile<MR, NP, PLANES, kHalfCodes>(t, r0, p0);  // Q6_K
+    else halves_tile<MR, NP, PLANES, kF32>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
     int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
   } else if (BITS == 4 && t.layout.scale_bytes == 1) {  // Q4_K: a min too
@@ -707,7 +685,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
   const int64_t j = id % kPanelRows;
   for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + (b / kSuperBlocks + 1) * L.super_head + b * L.block_bytes;
-    float d = 0.f, m = 0.f, mins[2] = {0.f, 0.f};  // with halves, m is d1 (and mins m0, m1)
+    float d = 0.f, m = 0.f;  // with halves, m is d1
     if (L.scale_bytes == 1) {  // codes times the superblock's scalars (as block_scales)
       const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
       const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
@@ -723,8 +701,6 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     } else if (L.scale_bytes == 4) {
       std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
       if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
-      if (L.has_min && L.halves)
-        for (int h = 0; h < 2; ++h) std::memcpy(&mins[h], blk + L.quant_bytes + 4 * ((2 + h) * kPanelRows + j), 4);
     } else if (L.scale_bytes == 2) {
       const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
       d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
@@ -738,7 +714,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
       int u;
       if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
       else u = blk[64 * (i / 4) + 4 * j + i % 4];
-      if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero) + mins[i >= 16]);
+      if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero));
       else out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
     }
   }
@@ -806,7 +782,7 @@ void pack_quant(const PackArgs& a) {
           for (int g = 0; g < kQuantBlock / 2; ++g) std::memcpy(dst + 64 * g + 4 * j, src + 4 * g, 4);
           continue;
         }
-        const int sb = L.scale_bytes, scalars = (1 + L.has_min) * (1 + L.halves);  // d; m or d1; or d0, d1, m0, m1
+        const int sb = L.scale_bytes, scalars = 1 + (L.has_min || L.halves);  // d, or d and m (or d1)
         for (int c = 0; c < scalars; ++c) std::memcpy(dst + L.quant_bytes + sb * (c * kPanelRows + j), src + c * sb, sb);
         const uint8_t* qs = src + scalars * sb;
         if (L.bits == 4) {

@@ -124,7 +124,7 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
         expected = reference(torch.tensor(ids)).logits[0, -1]
     got = Session(ours.model, 1).step(ids)[0]
     assert (got - expected).abs().max().item() < 1e-3 * max(1.0, expected.abs().max().item())
-    # the plan sizes the weights as they load (the widened QKV included)
+    # the plan sizes the weights as they load (the QKV of mixed types in its parts included)
     from app.model.footprint import read_footprint
 
     held = ours.model.resident_bytes() - ours.model.cos_sin.numel() * ours.model.cos_sin.element_size()

@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct requantized as llama.cpp's Q4_K_M files mix types, through our model against
 transformers loading the same file.
 
-The K-quants stay quantized (converted at load into exact blocks of 32, a fused QKV of mixed types
-widened), so float32 activations must give transformers' own greedy tokens, and the default int16
+The K-quants stay quantized (Q4_K and Q6_K in their superblocks, the others converted at load into
+exact blocks of 32, a fused QKV of mixed types in its parts), so float32 activations must give
+transformers' own greedy tokens, and the default int16
 activations stay as close to them as they do on the Q4_1 file (tests/model/test_parity.py).
 """
 
