@@ -168,6 +168,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features
     # accumulated in float32; activations: 0 float32 FMAs, 1 int8 per block of 32, 2 int16 (two int8 planes).
     # out: [rows of x, V] to write into (rows at any stride: some columns of a wider output), or None
     rows = _rows(x, "x")
+    if out is not None and out_dtype is not None and out.dtype != out_dtype:
+        raise TypeError(f"out: dtype {out.dtype} differs from out_dtype {out_dtype}")
     target = torch.empty(rows.shape[0], out_features, dtype=out_dtype or x.dtype) if out is None else out
     _native.packed_linear(_ref(target, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 1),
                           int(qtype), int(in_features), int(out_features), int(activations))

@@ -101,3 +101,19 @@ def test_qkv_biases_native_stack_matches_python_layers(tmp_path):
     loaded = load_model(ModelSource(path, "gguf", "tiny"), "float32", tokenizer=False)
     assert loaded.config.qkv_bias
     _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3]], steps=3, tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_parts_of_mixed_types_native_stack_matches_python_layers(tmp_path, dtype):
+    # Q and K Q4_K, V Q6_K; gate Q4_0, up Q6_K: QKV and gate/up run as two parts each, which the stack
+    # writes into column ranges of one output (native) and the Python layers through column views
+    from app.model.quant import PackedParts
+    from tests.model.test_gguf_types import write_tiny_llama
+
+    path = tmp_path / "tiny-parts.gguf"
+    write_tiny_llama(path, [("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q6_K", "Q4_K")] * 2, embedding="Q8_0", head="Q6_K")
+    loaded = load_model(ModelSource(path, "gguf", "tiny"), dtype, tokenizer=False)
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.attention.qkv.weight, PackedParts) and layer.attention.qkv.weight.type_name == "Q4_K+Q6_K"
+    assert isinstance(layer.mlp.gate_up.weight, PackedParts) and layer.mlp.gate_up.weight.type_name == "Q4_0+Q6_K"
+    _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3]], steps=3, tol=1e-5 if dtype == "float32" else 1e-2)
