@@ -1,13 +1,14 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
 Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
-(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K and Q6_K stay as the file stores them,
-superblocks of 256 weights, and run packed with their superblock scales (4.6 and 8.6 bits a weight; the
-file's are 4.5 and 6.6: Q6_K's quants run as bytes). Q5_K, Q5_0 and Q5_1 stay quantized too, converted at
-load (`kernels.convert_quant`) into blocks of 32 that keep every weight's value: Q5_K and Q5_1 as bytes
-with float32 scale and min (10 bits), Q5_0 as Q8_0 (8.5 bits); Q4_K and Q6_K too (as Q4_M32, 4-bit
-quants with float32 scale and min per 32, 6 bits; Q8_H32, bytes with a float32 scale per 16, 10 bits)
-where a tensor-parallel cut does not fall on 256. At load they are `QuantizedTensor`s, which TP sharding
+(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q4_K, Q5_K and Q6_K stay as the file stores
+them, superblocks of 256 weights, and run packed with their superblock scales (4.6, 8.6 and 8.6 bits a
+weight; the file's are 4.5, 5.5 and 6.6: Q5_K's and Q6_K's quants run as bytes). Q5_0 and Q5_1 stay
+quantized too, converted at load (`kernels.convert_quant`) into blocks of 32 that keep every weight's
+value: Q5_0 as Q8_0 (8.5 bits), Q5_1 as bytes with float32 scale and min (Q8_M32, 10 bits); the
+K-quants too (Q4_K as Q4_M32, 4-bit quants with float32 scale and min per 32, 6 bits; Q5_K as Q8_M32;
+Q6_K as Q8_H32, bytes with a float32 scale per 16, 10 bits) where a tensor-parallel cut does not fall
+on 256. At load they are `QuantizedTensor`s, which TP sharding
 cuts and fused projections stack (a fused projection whose parts differ in type runs as its parts,
 `QuantizedParts` and `PackedParts`, each in its own blocks); the model then packs each into a
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot

@@ -73,7 +73,7 @@ class GGUFCheckpoint:
             name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
             if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
                 packed_type = KEPT_TYPES[qtype.value][1]
-                if packed_type != qtype.value:  # Q5_K, Q5_0, Q5_1: the same values as blocks of 32 the kernels run
+                if packed_type != qtype.value:  # Q5_0, Q5_1: the same values as blocks of 32 the kernels run
                     from app import kernels
 
                     rows = torch.from_numpy(raw).reshape(int(dims[1]), -1)  # the mapped file: read once, converted

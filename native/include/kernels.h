@@ -98,21 +98,23 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) runs as its parts (decoder.h).
 //
-// Q4_K and Q6_K (GGML's 12 and 14) are kept as the file stores them, superblocks of 256 weights (Q4_K:
-// 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q6_K: 210 bytes, 6-bit quants,
-// an int8 scale code per 16, fp16 d), and packed with their superblock scales (below): 4.6 and 8.6 bits
-// a weight where Q4_M32 and Q8_H32 take 6 and 10. Their rows convert to those (convert_quant) where a cut
-// does not fall on 256 (a tensor-parallel shard).
+// Q4_K, Q5_K and Q6_K (GGML's 12, 13 and 14) are kept as the file stores them, superblocks of 256 weights
+// (Q4_K: 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q5_K: 176, the same with
+// a fifth bit per weight; Q6_K: 210 bytes, 6-bit quants, an int8 scale code per 16, fp16 d), and packed
+// with their superblock scales (below): 4.6, 8.6 and 8.6 bits a weight where Q4_M32, Q8_M32 and Q8_H32
+// take 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall on 256 (a
+// tensor-parallel shard).
 enum class QType : int {
-  q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102
+  q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102
 };
 constexpr int64_t kQuantBlock = 32;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
-inline bool superblocks(QType t) { return t == QType::q4_k || t == QType::q6_k; }
+inline bool superblocks(QType t) { return t == QType::q4_k || t == QType::q5_k || t == QType::q6_k; }
 inline int64_t quant_block_weights(QType t) { return superblocks(t) ? kSuperBlocks * kQuantBlock : kQuantBlock; }
 inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t) weights
   switch (t) {
     case QType::q4_k: return 144;
+    case QType::q5_k: return 176;
     case QType::q6_k: return 210;
     case QType::bf16: return 64;
     case QType::q8_0: return 34;
@@ -144,6 +146,12 @@ struct Q4KParts {  // one Q4_K superblock: w = d sc[s] q - dmin m[s] for the 32 
   uint8_t nibbles[8][16];  // per sub-block, Q4_1's order: byte i holds weight i (low) and i + 16 (high)
 };
 void q4_k_parts(const uint8_t* block, Q4KParts& out);
+struct Q5KParts {  // one Q5_K superblock: as Q4_K, with 5-bit quants
+  uint16_t d, dmin;
+  uint8_t sc[8], m[8];
+  uint8_t u[256];    // in weight order
+};
+void q5_k_parts(const uint8_t* block, Q5KParts& out);
 struct Q6KParts {  // one Q6_K superblock: w = d sc[h] (u - 32) for the 16 weights of half h
   uint16_t d;        // fp16 bits
   int8_t sc[16];
@@ -170,6 +178,7 @@ void q6_k_parts(const uint8_t* block, Q6KParts& out);
 //           (every vector on a cache line of its own: split loads cost the tile a third). Block s of a
 //           superblock scales by d sc[s] and offsets by -dmin m[s]: products the tile forms in float32,
 //           exactly (fp16 times a 6-bit integer), so every weight is the file's.
+//   Q5_K: as Q4_K with bytes u (the 8-bit layout) for its 5-bit quants.
 //   Q6_K: the same with a head of 16 f32 d and per block 16 int8 codes for each half (sc0, sc1), then
 //           the 8 blocks' bytes u as Q8_H32's: w = d sc_h (u - 32), exact in float32 likewise.
 constexpr int64_t kPanelRows = 16;
@@ -183,7 +192,7 @@ struct PackedLayout {
   int scale_bytes;       // 2 (fp16), 4 (f32), or 1 (a code per block, times its superblock's scalars)
   int64_t quant_bytes;   // per panel and block
   int64_t block_bytes;   // quants and scales, per panel and block
-  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (Q4_K, Q6_K), or none
+  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants), or none
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 
@@ -195,6 +204,7 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
     case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
     case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
+    case QType::q5_k: return {8, 0, true, false, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32

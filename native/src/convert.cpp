@@ -45,15 +45,13 @@ void q4_k(const uint8_t* b, uint8_t* out) {
 // Q5_K (176 bytes a 256): as Q4_K, then 32 bytes of fifth bits (bit s of byte i: weight i of sub-block s)
 // before the nibbles.
 void q5_k(const uint8_t* b, uint8_t* out) {
-  const float d = half(b), dmin = half(b + 2);
-  const uint8_t *qh = b + 16, *qs = b + 48;
+  Q5KParts parts;
+  q5_k_parts(b, parts);
+  const float d = fp16_to_float(parts.d), dmin = fp16_to_float(parts.dmin);
   for (int s = 0; s < 8; ++s, out += 40) {
-    int sc, m;
-    scale_min(s, b + 4, sc, m);
-    put_f32(out, d * static_cast<float>(sc));
-    put_f32(out + 4, -(dmin * static_cast<float>(m)));
-    for (int i = 0; i < 32; ++i)
-      out[8 + i] = static_cast<uint8_t>(((qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15) | (((qh[i] >> s) & 1) << 4));
+    put_f32(out, d * static_cast<float>(parts.sc[s]));
+    put_f32(out + 4, -(dmin * static_cast<float>(parts.m[s])));
+    std::memcpy(out + 8, parts.u + 32 * s, 32);
   }
 }
 
@@ -105,6 +103,18 @@ void q4_k_parts(const uint8_t* b, Q4KParts& out) {
     uint8_t u[32];
     for (int i = 0; i < 32; ++i) u[i] = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15;
     put_nibbles(out.nibbles[s], u);
+  }
+}
+
+void q5_k_parts(const uint8_t* b, Q5KParts& out) {
+  out.d = static_cast<uint16_t>(b[0] | (b[1] << 8)), out.dmin = static_cast<uint16_t>(b[2] | (b[3] << 8));
+  const uint8_t *qh = b + 16, *qs = b + 48;
+  for (int s = 0; s < 8; ++s) {
+    int sc, m;
+    scale_min(s, b + 4, sc, m);
+    out.sc[s] = static_cast<uint8_t>(sc), out.m[s] = static_cast<uint8_t>(m);
+    for (int i = 0; i < 32; ++i)
+      out.u[32 * s + i] = static_cast<uint8_t>(((qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 15) | (((qh[i] >> s) & 1) << 4));
   }
 }
 

@@ -198,11 +198,11 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
 }
 
 QType quant_type(int code) {
-  for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::q4_k, QType::q6_k, QType::bf16, QType::q4_m32,
+  for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::q4_k, QType::q5_k, QType::q6_k, QType::bf16, QType::q4_m32,
                   QType::q8_m32, QType::q8_h32})
     if (code == static_cast<int>(q)) return q;
   fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
-       "Q6_K = 14, BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102)");
+       "Q5_K = 13, Q6_K = 14, BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102)");
 }
 
 FileType file_type(int code) {
@@ -286,7 +286,7 @@ void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
   require(q != QType::bf16, "dequantize: BF16 rows are not quantized (view them as bfloat16)");
   quant_weight(w, q, k);
   require(out.dim(0) == w.dim(0) && out.dim(1) == k, "dequantize: out must be [R, K] for weight [R, K]");
-  if (superblocks(q)) {  // through Q4_M32 or Q8_H32, which hold the same values in blocks of 32
+  if (superblocks(q)) {  // through Q4_M32, Q8_M32 or Q8_H32, which hold the same values in blocks of 32
     const FileType f = static_cast<FileType>(q);
     std::vector<uint8_t> blocks(static_cast<size_t>(w.dim(0) * quant_row_bytes(converted_type(f), k)));
     convert_quant(ConvertArgs{f, static_cast<const uint8_t*>(w.ptr), blocks.data(), w.dim(0), k});

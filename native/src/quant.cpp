@@ -393,7 +393,7 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
-  constexpr bool kSmall = BITS == 4 || SCALES == kF32;  // every u < 128 (our only 8-bit type here, Q8_M32, holds u < 32)
+  constexpr bool kSmall = BITS == 4 || SCALES != kFp16;  // every u < 128 (Q8_M32 and Q5_K hold u < 32; Q8_0 any byte)
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -587,7 +587,7 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
     else halves_tile<MR, NP, PLANES, kF32>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
     int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
-  } else if (BITS == 4 && t.layout.scale_bytes == 1) {  // Q4_K: a min too
+  } else if (t.layout.scale_bytes == 1) {  // Q4_K, Q5_K: a min too
     int_tile_pre<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
   } else if (t.layout.has_min) {  // Q4_1
     int_tile_pre<MR, NP, BITS, PLANES, kFp16, true>(t, r0, p0, pre);
@@ -694,7 +694,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
         std::memcpy(&scale, head + 4 * j, 4);
         d = scale * static_cast<float>(static_cast<int8_t>(codes[j]));
         m = scale * static_cast<float>(static_cast<int8_t>(codes[kPanelRows + j]));
-      } else {  // Q4_K: fp16 d and -dmin, unsigned codes
+      } else {  // Q4_K, Q5_K: fp16 d and -dmin, unsigned codes
         d = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[j]) * static_cast<float>(codes[j]);
         m = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
       }
@@ -751,6 +751,18 @@ void pack_q4_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   }
 }
 
+// Q5_K: as Q4_K, with bytes u.
+void pack_q5_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  Q5KParts parts;
+  q5_k_parts(src, parts);
+  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
+  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
+  for (int i = 0; i < kSuperBlocks; ++i) {
+    for (int g = 0; g < 8; ++g) std::memcpy(blocks + 512 * i + 64 * g + 4 * j, parts.u + 32 * i + 4 * g, 4);
+    codes[32 * i + j] = parts.sc[i], codes[32 * i + kPanelRows + j] = parts.m[i];
+  }
+}
+
 // Q6_K: f32 d, a signed byte for each half's scale code, bytes u.
 void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q6KParts parts;
@@ -767,6 +779,7 @@ void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
 
 void pack_quant(const PackArgs& a) {
   if (a.qtype == QType::q4_k) return pack_superblocks(a, pack_q4_k_row);
+  if (a.qtype == QType::q5_k) return pack_superblocks(a, pack_q5_k_row);
   if (a.qtype == QType::q6_k) return pack_superblocks(a, pack_q6_k_row);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;

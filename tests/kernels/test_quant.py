@@ -1,4 +1,4 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0 and Q4_K as stored; Q5_K, Q6_K, Q5_0, Q5_1 converted into
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K as stored; Q5_0, Q5_1 converted into
 exact blocks of 32, and Q4_K too where a cut needs it), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
@@ -22,8 +22,8 @@ from tests.kernels.isas import running, variants
 ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
 TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
-CONVERTED = [GT.Q5_K, GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
-SUPERBLOCK = [GT.Q4_K, GT.Q6_K]  # kept as stored, in superblocks of 256
+CONVERTED = [GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
+SUPERBLOCK = [GT.Q4_K, GT.Q5_K, GT.Q6_K]  # kept as stored, in superblocks of 256
 # where a K block's float16 d (and dmin) sit, and their range: weights then within about +-0.3, as real ones
 K_SCALES = {GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5)}
 
@@ -159,7 +159,7 @@ def test_mixed_types_fuse_as_parts(isa, activations):
              ((64, GT.Q4_K), (16, GT.Q4_K), (19, GT.Q6_K), (16, GT.Q8_0), (5, GT.Q4_0), (33, GT.Q4_1), (7, GT.Q5_K))]
     fused = fuse_rows([q for q, _ in parts])
     w = torch.cat([w for _, w in parts])
-    assert isinstance(fused, QuantizedParts) and fused.type_name == "Q4_K+Q6_K+Q8_0+Q4_0+Q4_1+Q8_M32"
+    assert isinstance(fused, QuantizedParts) and fused.type_name == "Q4_K+Q6_K+Q8_0+Q4_0+Q4_1+Q5_K"
     assert fused.shape == (160, 768) and torch.equal(fused.dequantize(), w)
     packed = fused.pack(activations)
     assert isinstance(packed, PackedParts) and [p.rows for p in packed.parts] == [80, 19, 16, 5, 33, 7]
@@ -178,14 +178,14 @@ def test_mixed_types_fuse_as_parts(isa, activations):
 
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():
-    for qtype, bits in ((GT.Q4_K, 4.5), (GT.Q5_K, 10), (GT.Q6_K, 6.5625), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
+    for qtype, bits in ((GT.Q4_K, 4.5), (GT.Q5_K, 5.5), (GT.Q6_K, 6.5625), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
-    for qtype, bits, packed in ((GT.Q4_K, 6, 4.625), (GT.Q6_K, 10, 8.625)):
+    for qtype, bits, packed in ((GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 8.625), (GT.Q6_K, 10, 8.625)):
         q, _ = quantized(3, 512, qtype)
-        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q4_M32, Q8_H32
-        # packed: per 16 rows and 256 weights, 8 blocks of quants, a byte code each for scale and min (Q6_K:
-        # the scales of both halves) and a head of fp16 d and -dmin (Q6_K: f32 d)
+        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q4_M32, Q8_M32, Q8_H32
+        # packed: per 16 rows and 256 weights, 8 blocks of quants (Q5_K, Q6_K: a byte each), a byte code each
+        # for scale and min (Q6_K: the scales of both halves) and a head of fp16 d and -dmin (Q6_K: f32 d)
         assert kernels.ops._native.packed_bytes(qtype.value, 64, 512) * 8 == packed * 64 * 512
     raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
     with pytest.raises(ValueError, match="is not converted"):
@@ -250,7 +250,8 @@ def test_a_row_gives_the_same_result_in_any_batch(isa):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
-@pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q4_K, "Q4_M32"), (GT.Q6_K, "Q8_H32")], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q4_K, "Q4_M32"), (GT.Q5_K, "Q8_M32"), (GT.Q6_K, "Q8_H32")],
+                         ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_cut_within_their_superblocks_come_back_in_blocks_of_32(isa, qtype, cut_type):
     """A tensor-parallel shard of a K-quant weight's input features that does not fall on 256 (here 576 / 2)
     is the same values in blocks of 32; one that does stays as it was."""
@@ -302,7 +303,7 @@ def test_bad_arguments_are_errors_not_crashes():
     q, _ = quantized(4, 64, gguf.GGMLQuantizationType.Q4_0)
     packed = q.pack("int16")
     with pytest.raises(ValueError, match="not a packed weight type"):
-        kernels.pack_quant(q.data, 13, 64)  # Q5_K: converted at load, never packed as stored
+        kernels.pack_quant(q.data, 6, 64)  # Q5_0: converted at load, never packed as stored
     with pytest.raises(ValueError, match="multiple of 256"):
         kernels.pack_quant(q.data, 12, 64)  # Q4_K
     with pytest.raises(ValueError, match="rows must be 36 bytes"):
