@@ -1,5 +1,5 @@
 """Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K as stored; Q5_0, Q5_1 converted into
-exact blocks of 32, and Q4_K too where a cut needs it), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
+exact blocks of 32, and the K-quants too where a cut needs it), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
 The blocks come from gguf.quants.quantize (the gguf package's reference implementation), so the
