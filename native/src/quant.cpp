@@ -288,6 +288,10 @@ const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
 // row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in float32, the same
 // scales Q4_M32 and Q8_H32 hold.
 constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3;
+// kExpanded: Q4_K's and Q5_K's d and m as kCodes forms them, expanded once for a run of row tiles over the
+// same panels (expand_scales), so that the tiles after the first do not form them again.
+constexpr int kExpanded = 5;
+thread_local std::vector<float> expanded_scales;  // [blocks][NP][d, m][16]
 template <int SCALES>
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
   if constexpr (SCALES == kHalfCodes) {  // m is d1
@@ -396,6 +400,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   constexpr bool kSmall = BITS == 4 || SCALES != kFp16;  // every u < 128 (Q8_M32 and Q5_K hold u < 32; Q8_0 any byte)
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
+  const float* expanded = SCALES == kExpanded ? expanded_scales.data() : nullptr;
   F32x16 acc[MR][NP];
   zero_all(acc);
   const int64_t ahead = blocks_ahead(t, r0);
@@ -429,7 +434,14 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
       byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 0, 8, hi, lo);
     }
     F32x16 d[NP], m[NP];
-    for (int j = 0; j < NP; ++j) block_scales<SCALES>(L, blk[j], b, d[j], m[j]);
+    if constexpr (SCALES == kExpanded) {
+      for (int j = 0; j < NP; ++j) {
+        const float* dm = expanded + (b * NP + j) * 2 * kPanelRows;
+        d[j] = F32x16::load(dm), m[j] = F32x16::load(dm + kPanelRows);
+      }
+    } else {
+      for (int j = 0; j < NP; ++j) block_scales<SCALES>(L, blk[j], b, d[j], m[j]);
+    }
     for (int r = 0; r < MR; ++r) {
       const int64_t cell = (r0 + r) * t.blocks + b;
       const F32x16 scale = F32x16::set1(x.scale[cell]);
@@ -576,7 +588,7 @@ void int_tile_pre(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
 }
 
 template <int MR, int NP, int BITS, int PLANES>
-void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
+void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expanded = false) {
   if constexpr (BITS == 16) {
     if (t.x_dtype == DType::f32) bf16_tile<MR, NP, float>(t, r0, p0);
     else bf16_tile<MR, NP, bf16>(t, r0, p0);
@@ -588,7 +600,8 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
     int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
   } else if (t.layout.scale_bytes == 1) {  // Q4_K, Q5_K: a min too
-    int_tile_pre<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
+    if (expanded) int_tile_pre<MR, NP, BITS, PLANES, kExpanded, true>(t, r0, p0, pre);
+    else int_tile_pre<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
   } else if (t.layout.has_min) {  // Q4_1
     int_tile_pre<MR, NP, BITS, PLANES, kFp16, true>(t, r0, p0, pre);
   } else {  // Q4_0, Q8_0
@@ -609,6 +622,19 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1) {
 // path above) and prefills (several row chunks: no `pre`) unchanged. With 2-3 rows the one row tile asks
 // itself: batch 2 3.8-4.0 -> 3.3-3.4 ms, batch 3 4.3-4.5 -> 3.5-3.8 (three rounds; batch 4 and 8 as they
 // were). Integer tiles only: the BF16 tile (a panel block is 1 KiB there) was 2-6% slower with it.
+// Q4_K's and Q5_K's scales for panels [p0, p0 + NP), every block, into expanded_scales (see kExpanded).
+template <int NP>
+void expand_scales(const Tiles& t, int64_t p0) {
+  expanded_scales.resize(static_cast<size_t>(t.blocks * NP * 2 * kPanelRows));
+  for (int64_t b = 0; b < t.blocks; ++b)
+    for (int j = 0; j < NP; ++j) {
+      F32x16 d, m;
+      block_scales<kCodes>(t.layout, panel_block(t, p0 + j, b), b, d, m);
+      float* dm = expanded_scales.data() + (b * NP + j) * 2 * kPanelRows;
+      d.store(dm), m.store(dm + kPanelRows);
+    }
+}
+
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   int64_t r = r_begin;
@@ -616,11 +642,14 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
   auto pre_for = [&](int64_t row) {  // the second row tile, or the first where it is the only one (batch 2-3)
     return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
   };
-  for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r));
+  // Q4_K, Q5_K under more than two row tiles: their scales formed once, not once a row tile
+  const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && !t.layout.halves && r_end - r_begin > 2 * kMR;
+  if (expand) expand_scales<NP>(t, p0);
+  for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand);
   switch (r_end - r) {
-    case 3: tile<3, NP, BITS, PLANES>(t, r, p0, pre_for(r)); break;
-    case 2: tile<2, NP, BITS, PLANES>(t, r, p0, pre_for(r)); break;
-    case 1: tile<1, NP, BITS, PLANES>(t, r, p0, pre_for(r)); break;
+    case 3: tile<3, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
+    case 2: tile<2, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
+    case 1: tile<1, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
     default: break;
   }
 }
