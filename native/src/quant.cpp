@@ -332,6 +332,13 @@ template <int NP>
 void panel_blocks(const Tiles& t, int64_t p0, int64_t b, const uint8_t* (&blk)[NP]) {
   for (int j = 0; j < NP; ++j) blk[j] = panel_block(t, p0 + j, b);
 }
+// The same where the layout is known at compile time: types without superblocks skip their heads' term
+// (with it, a default-spec decode step at batch 8 took ~3% longer).
+template <int NP, bool kSuper>
+void panel_blocks(const Tiles& t, int64_t p0, int64_t b, const uint8_t* (&blk)[NP]) {
+  if constexpr (kSuper) return panel_blocks(t, p0, b, blk);
+  for (int j = 0; j < NP; ++j) blk[j] = t.weight + (p0 + j) * t.panel_bytes + b * t.layout.block_bytes;
+}
 
 constexpr int64_t kRowChunk = 64;  // rows a work item takes: their activations (K x 2 bytes each) stay in L2
 
@@ -406,7 +413,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    panel_blocks(t, p0, b, blk);
+    panel_blocks<NP, SCALES == kCodes || SCALES == kExpanded>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
     if constexpr (kPre) prefetch_next<NP>(t, pre, b);
     const int8_t* xb[MR];
@@ -469,7 +476,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    panel_blocks(t, p0, b, blk);
+    panel_blocks<NP, SCALES == kHalfCodes>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
