@@ -775,28 +775,31 @@ void pack_superblocks(const PackArgs& a, Row row) {
     }
 }
 
-// Q4_K: fp16 d and -dmin (the sign bit flipped), a byte each for block i's scale and min code, nibbles.
+// Row j's quants of block i: `vectors` vectors of 64 bytes a block (4: nibbles, 8: bytes), 4 bytes in each.
+void put_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* q, int vectors) {
+  for (int g = 0; g < vectors; ++g) std::memcpy(blocks + 64 * vectors * i + 64 * g + 4 * j, q + 4 * g, 4);
+}
+
+// Q4_K's and Q5_K's head: fp16 d and -dmin (the sign bit flipped), a byte each for block i's scale and min code.
+template <typename Parts>
+void put_head_with_mins(const Parts& parts, int64_t j, uint8_t* head, uint8_t* codes) {
+  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
+  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
+  for (int i = 0; i < kSuperBlocks; ++i) codes[32 * i + j] = parts.sc[i], codes[32 * i + kPanelRows + j] = parts.m[i];
+}
+
 void pack_q4_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q4KParts parts;
   q4_k_parts(src, parts);
-  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
-  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
-  for (int i = 0; i < kSuperBlocks; ++i) {
-    for (int g = 0; g < 4; ++g) std::memcpy(blocks + 256 * i + 64 * g + 4 * j, parts.nibbles[i] + 4 * g, 4);
-    codes[32 * i + j] = parts.sc[i], codes[32 * i + kPanelRows + j] = parts.m[i];
-  }
+  put_head_with_mins(parts, j, head, codes);
+  for (int i = 0; i < kSuperBlocks; ++i) put_quants(blocks, i, j, parts.nibbles[i], 4);
 }
 
-// Q5_K: as Q4_K, with bytes u.
 void pack_q5_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q5KParts parts;
   q5_k_parts(src, parts);
-  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
-  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
-  for (int i = 0; i < kSuperBlocks; ++i) {
-    for (int g = 0; g < 8; ++g) std::memcpy(blocks + 512 * i + 64 * g + 4 * j, parts.u + 32 * i + 4 * g, 4);
-    codes[32 * i + j] = parts.sc[i], codes[32 * i + kPanelRows + j] = parts.m[i];
-  }
+  put_head_with_mins(parts, j, head, codes);
+  for (int i = 0; i < kSuperBlocks; ++i) put_quants(blocks, i, j, parts.u + 32 * i, 8);
 }
 
 // Q6_K: f32 d, a signed byte for each half's scale code, bytes u.
@@ -806,7 +809,7 @@ void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   const float d = fp16_to_float(parts.d);
   std::memcpy(head + 4 * j, &d, 4);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    for (int g = 0; g < 8; ++g) std::memcpy(blocks + 512 * i + 64 * g + 4 * j, parts.u + 32 * i + 4 * g, 4);
+    put_quants(blocks, i, j, parts.u + 32 * i, 8);
     codes[32 * i + j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[32 * i + kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
   }
 }
