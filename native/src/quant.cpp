@@ -1,5 +1,5 @@
-// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K as
-// stored, the other K-quants and Q5 types as convert_quant's exact blocks of 32: Q4_M32, Q8_M32, Q8_H32),
+// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0 and the K-quants
+// Q4_K, Q5_K, Q6_K as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
 // and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
@@ -131,7 +131,7 @@ void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* 
   }
 }
 
-// Blocks of 32 only: module.cpp converts Q4_K and Q6_K rows into those first.
+// Blocks of 32 only: module.cpp converts K-quant rows into those first.
 void dequant_rows(QType q, const uint8_t* w, int64_t rows, int64_t k, float* out) {
   const int64_t blocks = k / kQuantBlock, bytes = blocks * quant_block_bytes(q);
   for (int64_t r = 0; r < rows; ++r) {
@@ -276,17 +276,24 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
     }
 }
 
-// Block b of panel `panel` (past the heads of its superblock and those before, for Q4_K: no branch), and its
-// 16 rows' scales d and mins m (zero unless the type has them; with halves, m is d1, the second 16
+// Block b of panel `panel` (past the heads of its superblock and those before, for the K-quants: no branch),
+// and its 16 rows' scales d and mins m (zero unless the type has them; with halves, m is d1, the second 16
 // weights' scale).
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
   return t.weight + panel * t.panel_bytes + (b / kSuperBlocks + 1) * t.layout.super_head + b * t.layout.block_bytes;
 }
+// A K-quant block's superblock head (its 16 rows' scalars), and within it the block's codes (16, then 16).
+inline const uint8_t* super_head(const PackedLayout& L, const uint8_t* blk, int64_t b) {
+  return blk - b % kSuperBlocks * L.block_bytes - L.super_head;
+}
+inline const uint8_t* block_codes(const uint8_t* head, int64_t b) {
+  return head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
+}
 // The scales' kind, known at compile time in the integer tiles (a test per block in Q4_1's decode tile cost
 // it 4%, A/B on Zen 5): fp16 (GGML's types), float32 (ours), or codes in the head of block b's superblock:
-// Q4_K's (a byte a row for the scale, one for the min) times its fp16 d and -dmin, Q6_K's (a signed byte a
-// row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in float32, the same
-// scales Q4_M32 and Q8_H32 hold.
+// Q4_K's and Q5_K's (a byte a row for the scale, one for the min) times its fp16 d and -dmin, Q6_K's (a
+// signed byte a row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in
+// float32, the same scales Q4_M32, Q8_M32 and Q8_H32 hold.
 constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3;
 // kExpanded: Q4_K's and Q5_K's d and m as kCodes forms them, expanded once for a run of row tiles over the
 // same panels (expand_scales), so that the tiles after the first do not form them again.
@@ -295,8 +302,8 @@ thread_local std::vector<float> expanded_scales;  // [blocks][NP][d, m][16]
 template <int SCALES>
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
   if constexpr (SCALES == kHalfCodes) {  // m is d1
-    const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
-    const int8_t* codes = reinterpret_cast<const int8_t*>(head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows);
+    const uint8_t* head = super_head(L, blk, b);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(head, b));
     const F32x16 scale = F32x16::load(reinterpret_cast<const float*>(head));
     d = scale * F32x16::load_i8(codes);
     m = scale * F32x16::load_i8(codes + kPanelRows);
@@ -305,8 +312,8 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
     d = F32x16::load(scales);
     m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
   } else if constexpr (SCALES == kCodes) {
-    const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
-    const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
+    const uint8_t* head = super_head(L, blk, b);
+    const uint8_t* codes = block_codes(head, b);
     d = F32x16::load_half(reinterpret_cast<const uint16_t*>(head)) * F32x16::load_u8(codes);
     m = F32x16::load_half(reinterpret_cast<const uint16_t*>(head) + kPanelRows) * F32x16::load_u8(codes + kPanelRows);
   } else {
@@ -353,7 +360,7 @@ inline int64_t blocks_ahead(const Tiles& t, int64_t r0) {
 template <int NP>
 inline void prefetch_blocks(const Tiles& t, const uint8_t* const (&blk)[NP], int64_t b, int64_t ahead) {
   if (ahead == 0 || b + ahead >= t.blocks) return;
-  const int64_t stride = t.layout.mean_block_bytes();  // (a Q4_K superblock's head spread over its blocks)
+  const int64_t stride = t.layout.mean_block_bytes();  // (a K-quant superblock's head spread over its blocks)
   for (int j = 0; j < NP; ++j)
     for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(blk[j] + ahead * stride + line, 0, 3);
   // Keeps GCC from dropping prefetches as side-effect free (see attention.cpp). It also makes the compiler
@@ -398,7 +405,7 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
-// kMin: the type has a min per block and no zero point (Q4_1, Q4_K and our float32-scale types), else a
+// kMin: the type has a min per block and no zero point (Q4_1, Q4_K, Q5_K and our float32-scale types), else a
 // zero point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
@@ -723,8 +730,8 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + (b / kSuperBlocks + 1) * L.super_head + b * L.block_bytes;
     float d = 0.f, m = 0.f;  // with halves, m is d1
     if (L.scale_bytes == 1) {  // codes times the superblock's scalars (as block_scales)
-      const uint8_t* head = blk - b % kSuperBlocks * L.block_bytes - L.super_head;
-      const uint8_t* codes = head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
+      const uint8_t* head = super_head(L, blk, b);
+      const uint8_t* codes = block_codes(head, b);
       if (L.halves) {  // Q6_K: f32 d, signed codes per half (m is d1)
         float scale;
         std::memcpy(&scale, head + 4 * j, 4);
