@@ -77,7 +77,7 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
 
 
 def quantize_k(values, kind: str):
-    """float32 [rows, cols] (cols a multiple of 256) as GGUF K-quant blocks of `kind` (Q4_K, Q5_K, Q6_K), uint8
+    """float32 [rows, cols] (cols a multiple of 256) as GGUF K-quant blocks of `kind` (Q3_K to Q6_K), uint8
     [rows, bytes]: plain rounding against each sub-block's range, not llama.cpp's search for the best scales
     (the gguf package cannot quantize K-quants). Its dequantization is the reference the tests compare with."""
     import numpy as np
@@ -106,6 +106,21 @@ def quantize_k(values, kind: str):
               | ((qt[:, :, 3] >> 4) << 6)).reshape(n, 64)
         blocks = np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=-1)
         return blocks.reshape(rows, -1)
+    if kind == "Q3_K":  # w = d (c - 32) q: a 6-bit scale code c per 16 weights, q in -4..3
+        sub = x.reshape(n, 16, 16)
+        peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+        scale = -peak / 4  # signed, so that the largest magnitude takes q = -4
+        d_bytes, d = half(np.abs(scale).max(-1) / 31)
+        sc = np.clip(np.round(scale / safe(d)[:, None]), -31, 31).astype(np.int8)
+        step = d[:, None] * sc
+        q = np.clip(np.round(sub / np.where(step != 0, step, 1)[..., None]), -4, 3).astype(np.int8)
+        u = (q + 4).astype(np.uint8).reshape(n, 2, 4, 32)  # [block, half of 128, t, l]: weight 128 half + 32 t + l
+        qs = sum((u[:, :, t] & 3) << (2 * t) for t in range(4)).astype(np.uint8).reshape(n, 64)
+        hmask = sum(((u[:, h, t] >> 2) & 1) << (4 * h + t) for h in range(2) for t in range(4)).astype(np.uint8)
+        code = (sc + 32).astype(np.uint8)  # code c: low nibble in byte c % 8 (c < 8 low, else high), top bits in byte 8 + c % 4
+        low = (code[:, :8] & 15) | ((code[:, 8:] & 15) << 4)
+        high = sum(((code[:, 4 * i:4 * i + 4] >> 4) & 3) << (2 * i) for i in range(4)).astype(np.uint8)
+        return np.concatenate([hmask, qs, low, high, d_bytes], axis=-1).reshape(rows, -1)
     top = {"Q4_K": 15, "Q5_K": 31}[kind]  # w = d sc q - dmin m: 6-bit scale and min per 32 weights
     sub = x.reshape(n, 8, 32)
     low = np.minimum(sub.min(-1), 0)

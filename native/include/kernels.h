@@ -98,21 +98,24 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) runs as its parts (decoder.h).
 //
-// Q4_K, Q5_K and Q6_K (GGML's 12, 13 and 14) are kept as the file stores them, superblocks of 256 weights
-// (Q4_K: 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q5_K: 176, the same with
+// Q3_K, Q4_K, Q5_K and Q6_K (GGML's 11 to 14) are kept as the file stores them, superblocks of 256 weights
+// (Q3_K: 110 bytes, 3-bit quants as 2 low bits and a high-bit mask, a 6-bit scale code per 16, fp16 d;
+// Q4_K: 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q5_K: 176, the same with
 // a fifth bit per weight; Q6_K: 210 bytes, 6-bit quants, an int8 scale code per 16, fp16 d), and packed
-// with their superblock scales (below): 4.6, 8.6 and 8.6 bits a weight where Q4_M32, Q8_M32 and Q8_H32
-// take 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall on 256 (a
-// tensor-parallel shard).
+// with their superblock scales (below): 4.6, 4.6, 8.6 and 8.6 bits a weight where Q8_H32, Q4_M32, Q8_M32
+// and Q8_H32 take 10, 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall
+// on 256 (a tensor-parallel shard).
 enum class QType : int {
-  q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102
+  q4_0 = 2, q4_1 = 3, q8_0 = 8, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101,
+  q8_h32 = 102
 };
 constexpr int64_t kQuantBlock = 32;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
-inline bool superblocks(QType t) { return t == QType::q4_k || t == QType::q5_k || t == QType::q6_k; }
+inline bool superblocks(QType t) { return t == QType::q3_k || t == QType::q4_k || t == QType::q5_k || t == QType::q6_k; }
 inline int64_t quant_block_weights(QType t) { return superblocks(t) ? kSuperBlocks * kQuantBlock : kQuantBlock; }
 inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t) weights
   switch (t) {
+    case QType::q3_k: return 110;
     case QType::q4_k: return 144;
     case QType::q5_k: return 176;
     case QType::q6_k: return 210;
@@ -127,7 +130,7 @@ inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t
 inline int64_t quant_row_bytes(QType t, int64_t k) { return k / quant_block_weights(t) * quant_block_bytes(t); }
 
 // GGUF types convert_quant turns into the blocks above (GGML's ids).
-enum class FileType : int { q5_0 = 6, q5_1 = 7, q4_k = 12, q5_k = 13, q6_k = 14 };
+enum class FileType : int { q5_0 = 6, q5_1 = 7, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14 };
 QType converted_type(FileType t);
 int64_t file_block_weights(FileType t);  // 32 or 256 (K-quants)
 int64_t file_block_bytes(FileType t);
@@ -158,6 +161,8 @@ struct Q6KParts {  // one Q6_K superblock: w = d sc[h] (u - 32) for the 16 weigh
   uint8_t u[256];    // 6-bit quants in weight order
 };
 void q6_k_parts(const uint8_t* block, Q6KParts& out);
+// One Q3_K superblock in the same parts: w = d sc[h] (u - 4), sc the 6-bit code less 32, u = q + 4 in 0..7.
+void q3_k_parts(const uint8_t* block, Q6KParts& out);
 
 // Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
 // in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
@@ -169,8 +174,8 @@ void q6_k_parts(const uint8_t* block, Q6KParts& out);
 //           unsigned u (Q8_0: u = q + 128).
 //   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1:
 //           fp16 for GGML's types, f32 for ours (in a row's block, the same scalars in the same order).
-// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32 and Q6_K, else 0 (m is
-// stored, or 0).
+// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32 and Q6_K, 4 for
+// Q3_K, else 0 (m is stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
 //   Q4_K: superblocks of 8 blocks: first a head of 16 fp16 d, 16 fp16 -dmin, then per block 16 scale
@@ -181,6 +186,8 @@ void q6_k_parts(const uint8_t* block, Q6KParts& out);
 //   Q5_K: as Q4_K with bytes u (the 8-bit layout) for its 5-bit quants.
 //   Q6_K: the same with a head of 16 f32 d and per block 16 int8 codes for each half (sc0, sc1), then
 //           the 8 blocks' bytes u as Q8_H32's: w = d sc_h (u - 32), exact in float32 likewise.
+//   Q3_K: Q6_K's head, and the 8 blocks' 4-bit quants u = q + 4 as the 4-bit types': a block's low nibbles
+//           are its first half (weights 0..15), under d sc0, the high ones its second, under d sc1.
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
@@ -206,6 +213,7 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
     case QType::q5_k: return {8, 0, true, false, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
+    case QType::q3_k: return {4, 4, false, true, 1, 256, 256, 64 + 32 * kSuperBlocks};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }

@@ -69,6 +69,18 @@ void q6_k(const uint8_t* b, uint8_t* out) {
   }
 }
 
+// Q3_K (110 bytes a 256) -> Q8_H32 as Q6_K: u = q + 4 becomes q + 32.
+void q3_k(const uint8_t* b, uint8_t* out) {
+  Q6KParts parts;
+  q3_k_parts(b, parts);
+  const float d = fp16_to_float(parts.d);
+  for (int s = 0; s < 8; ++s, out += 40) {
+    put_f32(out, d * static_cast<float>(parts.sc[2 * s]));
+    put_f32(out + 4, d * static_cast<float>(parts.sc[2 * s + 1]));
+    for (int i = 0; i < 32; ++i) out[8 + i] = static_cast<uint8_t>(parts.u[32 * s + i] + 28);
+  }
+}
+
 // Q5_0 (22 bytes a 32): fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d (q - 16) -> Q8_0.
 // Q5_1 (24 bytes): fp16 d, fp16 m, then as Q5_0; w = d q + m -> Q8_M32.
 template <bool kMin>
@@ -130,10 +142,28 @@ void q6_k_parts(const uint8_t* b, Q6KParts& out) {
   }
 }
 
+// Q3_K: 32 bytes of high bits, 64 of low bit pairs, 12 of 6-bit scale codes, fp16 d. Weight 128 n + 32 t + l
+// (n < 2, t < 4, l < 32) has bits 2t..2t+1 of qs[32 n + l] as its low bits and bit 4 n + t of hmask[l] as its
+// third, q = that - 4; scale code c (one per 16 weights) has its low 4 bits in byte c % 8 (the low nibble
+// for c < 8, the high one after) and its top 2 in bits 2 (c / 4)..+1 of byte 8 + c % 4, and scales by c - 32.
+void q3_k_parts(const uint8_t* b, Q6KParts& out) {
+  const uint8_t *hmask = b, *qs = b + 32, *codes = b + 96;
+  out.d = static_cast<uint16_t>(b[108] | (b[109] << 8));
+  for (int c = 0; c < 16; ++c) {
+    const int code = ((codes[c % 8] >> (4 * (c / 8))) & 15) | (((codes[8 + c % 4] >> (2 * (c / 4))) & 3) << 4);
+    out.sc[c] = static_cast<int8_t>(code - 32);
+  }
+  for (int n = 0; n < 2; ++n)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l)
+        out.u[128 * n + 32 * t + l] = static_cast<uint8_t>(((qs[32 * n + l] >> (2 * t)) & 3) | (((hmask[l] >> (4 * n + t)) & 1) << 2));
+}
+
 QType converted_type(FileType t) {
   switch (t) {
     case FileType::q5_0: return QType::q8_0;
     case FileType::q4_k: return QType::q4_m32;
+    case FileType::q3_k:
     case FileType::q6_k: return QType::q8_h32;
     default: return QType::q8_m32;  // q5_1, q5_k
   }
@@ -145,6 +175,7 @@ int64_t file_block_bytes(FileType t) {
   switch (t) {
     case FileType::q5_0: return 22;
     case FileType::q5_1: return 24;
+    case FileType::q3_k: return 110;
     case FileType::q4_k: return 144;
     case FileType::q5_k: return 176;
     default: return 210;  // q6_k
@@ -164,6 +195,7 @@ void convert_quant(const ConvertArgs& a) {
         case FileType::q4_k: q4_k(in, out); break;
         case FileType::q5_k: q5_k(in, out); break;
         case FileType::q6_k: q6_k(in, out); break;
+        case FileType::q3_k: q3_k(in, out); break;
         case FileType::q5_0: q5<false>(in, out); break;
         case FileType::q5_1: q5<true>(in, out); break;
       }

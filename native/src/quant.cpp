@@ -1,5 +1,5 @@
 // Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0 and the K-quants
-// Q4_K, Q5_K, Q6_K as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
+// Q3_K, Q4_K, Q5_K, Q6_K as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
 // and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
@@ -150,7 +150,7 @@ struct Activations {
   std::vector<int8_t> q;      // [rows][blocks][planes][32]
   std::vector<float> scale;   // [rows][blocks]
   std::vector<int32_t> isum;  // [rows][blocks]: the sum of the block's combined integers
-  bool halves = false;        // weights with a scale per 16 (Q6_K, Q8_H32): the first-half sums too
+  bool halves = false;        // weights with a scale per 16 (Q3_K, Q6_K, Q8_H32): the first-half sums too
   std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
@@ -291,12 +291,13 @@ inline const uint8_t* block_codes(const uint8_t* head, int64_t b) {
 }
 // The scales' kind, known at compile time in the integer tiles (a test per block in Q4_1's decode tile cost
 // it 4%, A/B on Zen 5): fp16 (GGML's types), float32 (ours), or codes in the head of block b's superblock:
-// Q4_K's and Q5_K's (a byte a row for the scale, one for the min) times its fp16 d and -dmin, Q6_K's (a
-// signed byte a row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in
+// Q4_K's and Q5_K's (a byte a row for the scale, one for the min) times its fp16 d and -dmin, Q3_K's and
+// Q6_K's (a signed byte a row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in
 // float32, the same scales Q4_M32, Q8_M32 and Q8_H32 hold.
 constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3;
 // kExpanded: Q4_K's and Q5_K's d and m as kCodes forms them, expanded once for a run of row tiles over the
-// same panels (expand_scales), so that the tiles after the first do not form them again.
+// same panels (expand_scales), so that the tiles after the first do not form them again. (Q6_K's, which
+// take fewer instructions to form, ran slower so: 2048 x 8192 at 8 and 32 rows, +4-50%.)
 constexpr int kExpanded = 5;
 thread_local std::vector<float> expanded_scales;  // [blocks][NP][d, m][16]
 template <int SCALES>
@@ -470,10 +471,31 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// Integer tile for 8-bit weights with a scale per 16 (Q8_H32, Q6_K): as int_tile, each half of a block
-// folded into the float accumulators under its own scale, with its own share of the zero correction. Their
-// u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate (kSmall).
-template <int MR, int NP, int PLANES, int SCALES>
+// 4-bit weights' half h of a block against x's bytes (h = 0: the low nibbles, weights 0..15; 1: the high
+// ones, 16..31), into hi and lo as byte_groups does.
+template <int MR, int NP, int PLANES>
+inline void nibble_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb)[MR], int h, I32x16 (&hi)[MR][NP],
+                        I32x16 (&lo)[MR][NP]) {
+  for (int g = 0; g < 4; ++g)
+    for (int j = 0; j < NP; ++j) {
+      const I32x16 v = I32x16::load(blk[j] + 64 * g), w = h == 0 ? v.low_nibbles() : v.high_nibbles();
+      for (int r = 0; r < MR; ++r) {
+        if constexpr (PLANES == 2) {
+          hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 16 * h + 4 * g));
+          lo[r][j] = I32x16::dot4<true>(lo[r][j], w, load4(xb[r] + 32 + 16 * h + 4 * g));
+        } else if (g % 2 == 0) {
+          hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 16 * h + 4 * g));
+        } else {
+          lo[r][j] = I32x16::dot4<true>(lo[r][j], w, load4(xb[r] + 16 * h + 4 * g));
+        }
+      }
+    }
+}
+
+// Integer tile for weights with a scale per 16 (Q8_H32, Q6_K; Q3_K's 4 bits): as int_tile, each half of a
+// block folded into the float accumulators under its own scale, with its own share of the zero correction.
+// Their u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate (kSmall).
+template <int MR, int NP, int BITS, int PLANES, int SCALES>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   constexpr bool kSmall = true;
   const PackedLayout& L = t.layout;
@@ -493,7 +515,8 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
-      byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
+      if constexpr (BITS == 4) nibble_half<MR, NP, PLANES>(blk, xb, h, hi, lo);
+      else byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
       for (int r = 0; r < MR; ++r) {
         const int64_t cell = (r0 + r) * t.blocks + b;
         const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;
@@ -536,23 +559,32 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         part[r][j] = F32x16::fmadd(w3, F32x16::set1(xb[r][k0 + 3]), p);
       }
     };
+    auto first_half_under_d = [&] {  // with halves: the first 16 weights' sums scaled now, the rest under d1 below
+      for (int j = 0; j < NP; ++j) {
+        F32x16 d, d1;
+        block_scales(L, blk[j], b, d, d1);
+        for (int r = 0; r < MR; ++r) acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
+      }
+    };
     if constexpr (BITS == 4) {
-      for (int g = 0; g < 4; ++g)
-        for (int j = 0; j < NP; ++j) {
-          const I32x16 v = I32x16::load(blk[j] + 64 * g);
-          group(j, v.low_nibbles(), 4 * g);
-          group(j, v.high_nibbles(), 16 + 4 * g);
-        }
+      if (L.halves) {  // Q3_K: the low nibbles (the first half), then the high ones
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g).low_nibbles(), 4 * g);
+        first_half_under_d();
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g).high_nibbles(), 16 + 4 * g);
+      } else {
+        for (int g = 0; g < 4; ++g)
+          for (int j = 0; j < NP; ++j) {
+            const I32x16 v = I32x16::load(blk[j] + 64 * g);
+            group(j, v.low_nibbles(), 4 * g);
+            group(j, v.high_nibbles(), 16 + 4 * g);
+          }
+      }
     } else {
       for (int g = 0; g < 8; ++g) {
         for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g), 4 * g);
-        if (L.halves && g == 3) {  // the first 16 weights under d, the rest under d1 below
-          for (int j = 0; j < NP; ++j) {
-            F32x16 d, d1;
-            block_scales(L, blk[j], b, d, d1);
-            for (int r = 0; r < MR; ++r) acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
-          }
-        }
+        if (L.halves && g == 3) first_half_under_d();
       }
     }
     for (int j = 0; j < NP; ++j) {
@@ -608,9 +640,9 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
     else bf16_tile<MR, NP, bf16>(t, r0, p0);
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
-  } else if (BITS == 8 && t.layout.halves) {  // (only 8-bit types have a scale per 16)
-    if (t.layout.scale_bytes == 1) halves_tile<MR, NP, PLANES, kHalfCodes>(t, r0, p0);  // Q6_K
-    else halves_tile<MR, NP, PLANES, kF32>(t, r0, p0);  // Q8_H32
+  } else if (t.layout.halves) {
+    if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes>(t, r0, p0);  // Q3_K, Q6_K
+    else halves_tile<MR, NP, BITS, PLANES, kF32>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
     int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
   } else if (t.layout.scale_bytes == 1) {  // Q4_K, Q5_K: a min too
@@ -732,7 +764,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     if (L.scale_bytes == 1) {  // codes times the superblock's scalars (as block_scales)
       const uint8_t* head = super_head(L, blk, b);
       const uint8_t* codes = block_codes(head, b);
-      if (L.halves) {  // Q6_K: f32 d, signed codes per half (m is d1)
+      if (L.halves) {  // Q3_K, Q6_K: f32 d, signed codes per half (m is d1)
         float scale;
         std::memcpy(&scale, head + 4 * j, 4);
         d = scale * static_cast<float>(static_cast<int8_t>(codes[j]));
@@ -809,16 +841,33 @@ void pack_q5_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   for (int i = 0; i < kSuperBlocks; ++i) put_quants(blocks, i, j, parts.u + 32 * i, 8);
 }
 
-// Q6_K: f32 d, a signed byte for each half's scale code, bytes u.
-void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
-  Q6KParts parts;
-  q6_k_parts(src, parts);
+// Q6_K and Q3_K: f32 d, a signed byte for each half's scale code; bytes u (Q6_K) or nibbles (Q3_K).
+void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks, int bits) {
   const float d = fp16_to_float(parts.d);
   std::memcpy(head + 4 * j, &d, 4);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    put_quants(blocks, i, j, parts.u + 32 * i, 8);
+    const uint8_t* u = parts.u + 32 * i;
+    if (bits == 8) {
+      put_quants(blocks, i, j, u, 8);
+    } else {
+      uint8_t nibbles[16];  // Q4_1's order: byte k holds weight k (low) and k + 16 (high)
+      for (int k = 0; k < 16; ++k) nibbles[k] = static_cast<uint8_t>(u[k] | (u[k + 16] << 4));
+      put_quants(blocks, i, j, nibbles, 4);
+    }
     codes[32 * i + j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[32 * i + kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
   }
+}
+
+void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  Q6KParts parts;
+  q6_k_parts(src, parts);
+  put_half_scaled(parts, j, head, codes, blocks, 8);
+}
+
+void pack_q3_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  Q6KParts parts;
+  q3_k_parts(src, parts);
+  put_half_scaled(parts, j, head, codes, blocks, 4);
 }
 
 }  // namespace
@@ -827,6 +876,7 @@ void pack_quant(const PackArgs& a) {
   if (a.qtype == QType::q4_k) return pack_superblocks(a, pack_q4_k_row);
   if (a.qtype == QType::q5_k) return pack_superblocks(a, pack_q5_k_row);
   if (a.qtype == QType::q6_k) return pack_superblocks(a, pack_q6_k_row);
+  if (a.qtype == QType::q3_k) return pack_superblocks(a, pack_q3_k_row);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
   const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;
