@@ -77,12 +77,15 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
 
 
 def quantize_k(values, kind: str):
-    """float32 [rows, cols] (cols a multiple of 256) as GGUF K-quant blocks of `kind` (Q3_K to Q6_K), uint8
-    [rows, bytes]: plain rounding against each sub-block's range, not llama.cpp's search for the best scales
-    (the gguf package cannot quantize K-quants). Its dequantization is the reference the tests compare with."""
+    """float32 [rows, cols] (cols a multiple of 256; of 32 for IQ4_NL) as GGUF blocks of `kind` (Q3_K to Q6_K,
+    IQ4_NL, IQ4_XS), uint8 [rows, bytes]: plain rounding against each sub-block's range, not llama.cpp's
+    search for the best scales (the gguf package cannot quantize these). Its dequantization is the reference
+    the tests compare with."""
     import numpy as np
 
     rows, cols = values.shape
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        return _quantize_iq4(values.astype(np.float32), kind)
     x = values.astype(np.float32).reshape(-1, 256)
     n = x.shape[0]
 
@@ -117,7 +120,8 @@ def quantize_k(values, kind: str):
         u = (q + 4).astype(np.uint8).reshape(n, 2, 4, 32)  # [block, half of 128, t, l]: weight 128 half + 32 t + l
         qs = sum((u[:, :, t] & 3) << (2 * t) for t in range(4)).astype(np.uint8).reshape(n, 64)
         hmask = sum(((u[:, h, t] >> 2) & 1) << (4 * h + t) for h in range(2) for t in range(4)).astype(np.uint8)
-        code = (sc + 32).astype(np.uint8)  # code c: low nibble in byte c % 8 (c < 8 low, else high), top bits in byte 8 + c % 4
+        # code c: low nibble in byte c % 8 (c < 8 the low one, else the high), top bits in byte 8 + c % 4
+        code = (sc + 32).astype(np.uint8)
         low = (code[:, :8] & 15) | ((code[:, 8:] & 15) << 4)
         high = sum(((code[:, 4 * i:4 * i + 4] >> 4) & 3) << (2 * i) for i in range(4)).astype(np.uint8)
         return np.concatenate([hmask, qs, low, high, d_bytes], axis=-1).reshape(rows, -1)
@@ -141,9 +145,43 @@ def quantize_k(values, kind: str):
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # GGML's codebook
+
+
+def _quantize_iq4(values, kind: str):
+    """IQ4_NL (per 32: fp16 d, 16 bytes of 4-bit codebook indices) or IQ4_XS (per 256: fp16 d, a 6-bit scale
+    code per 32, the indices): each block's largest magnitude on the codebook's -127, the rest to the nearest."""
+    import numpy as np
+
+    rows, cols = values.shape
+    book = np.array(IQ4_VALUES, dtype=np.float32)
+    blocks = values.reshape(-1, 32)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], -1)[:, 0]
+    scale = -peak / 127  # each block's ideal d
+    if kind == "IQ4_NL":
+        d = scale.astype(np.float16)
+        step = d.astype(np.float32)
+    else:
+        per = scale.reshape(-1, 8)
+        top = np.abs(per).max(-1) / 31
+        d = top.astype(np.float16)
+        dd = d.astype(np.float32)
+        code = np.clip(np.round(per / np.where(dd > 0, dd, 1)[:, None]), -31, 31).astype(np.int8)
+        step = (dd[:, None] * code).reshape(-1)
+    q = np.abs(blocks[..., None] / np.where(step != 0, step, 1)[:, None, None] - book).argmin(-1).astype(np.uint8)
+    nibbles = (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)  # byte i: weight i (low), i + 16 (high)
+    if kind == "IQ4_NL":
+        return np.concatenate([d.reshape(-1, 1).view(np.uint8), nibbles], axis=-1).reshape(rows, -1)
+    u = (code.astype(np.int16) + 32).astype(np.uint8)  # [superblocks, 8]
+    high = sum(((u[:, b].astype(np.uint16) >> 4) & 3) << (2 * b) for b in range(8)).astype(np.uint16)
+    low = (u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)
+    parts = [d.reshape(-1, 1).view(np.uint8), high.reshape(-1, 1).view(np.uint8), low, nibbles.reshape(-1, 128)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def requantize_gguf(source: Path, path: Path, kind_of) -> None:
     """`source`'s model written to `path` with each 2-D tensor in the type `kind_of(name, columns)` says (a
-    K-quant, or a type gguf can quantize); 1-D tensors stay float32. Every metadata field is copied."""
+    K-quant, an IQ4 type, or a type gguf can quantize); 1-D tensors stay float32. Every metadata field is copied."""
     import gguf
     import numpy as np
 
@@ -162,6 +200,7 @@ def requantize_gguf(source: Path, path: Path, kind_of) -> None:
             continue
         kind = kind_of(tensor.name, values.shape[1])
         qtype = gguf.GGMLQuantizationType[kind]
-        blocks = quantize_k(values, kind) if kind.endswith("_K") else gguf.quants.quantize(values, qtype)
+        ours = kind.endswith("_K") or kind.startswith("IQ4")
+        blocks = quantize_k(values, kind) if ours else gguf.quants.quantize(values, qtype)
         w.add_tensor(tensor.name, blocks, raw_dtype=qtype)
     write_gguf(w)

@@ -93,8 +93,9 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 //   Q4_M32 (from Q4_K, where a tensor-parallel cut is off its superblocks; else Q4_K runs as stored)
 //                            = f32 d, f32 m + 16 bytes of nibbles as Q4_1 (w = d q + m);
 //   Q8_M32 (from Q5_K, Q5_1) = f32 d, f32 m + 32 bytes u (w = d u + m);
-//   Q8_H32 (from Q6_K, likewise) = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1 for
-//                              16..31: Q6_K scales every 16 weights).
+//   Q8_H32 (from Q6_K, Q3_K, likewise) = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1
+//                              for 16..31: they scale every 16 weights);
+//   IQ4_F32 (from IQ4_XS, likewise) = f32 d + 16 bytes of nibbles as IQ4_NL (below).
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) runs as its parts (decoder.h).
 //
@@ -105,17 +106,31 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // with their superblock scales (below): 4.6, 4.6, 8.6 and 8.6 bits a weight where Q8_H32, Q4_M32, Q8_M32
 // and Q8_H32 take 10, 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall
 // on 256 (a tensor-parallel shard).
+//
+// IQ4_NL (GGML's 20: fp16 d + 16 bytes of nibbles, Q4_0's order) and IQ4_XS (23: superblocks of 256, 136 bytes:
+// fp16 d, a 6-bit scale code per 32 weights, nibbles) hold 4-bit indices into a codebook of 16 int8 values
+// (kIq4Values): w = d kIq4Values[q] (IQ4_XS: d (code - 32) per block). They are kept as stored, packed as
+// the 4-bit types with the codebook applied in the tile; IQ4_XS cut off 256 converts to IQ4_F32 (ours:
+// f32 d + 16 bytes of nibbles a 32).
 enum class QType : int {
-  q4_0 = 2, q4_1 = 3, q8_0 = 8, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, bf16 = 30, q4_m32 = 100, q8_m32 = 101,
-  q8_h32 = 102
+  q4_0 = 2, q4_1 = 3, q8_0 = 8, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_nl = 20, iq4_xs = 23, bf16 = 30,
+  q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, iq4_f32 = 103
 };
+// IQ4_NL's and IQ4_XS's codebook (GGML's), and the same values plus 128: the unsigned bytes the tiles multiply.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr uint8_t kIq4Unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 constexpr int64_t kQuantBlock = 32;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
-inline bool superblocks(QType t) { return t == QType::q3_k || t == QType::q4_k || t == QType::q5_k || t == QType::q6_k; }
+inline bool superblocks(QType t) {
+  return t == QType::q3_k || t == QType::q4_k || t == QType::q5_k || t == QType::q6_k || t == QType::iq4_xs;
+}
 inline int64_t quant_block_weights(QType t) { return superblocks(t) ? kSuperBlocks * kQuantBlock : kQuantBlock; }
 inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t) weights
   switch (t) {
     case QType::q3_k: return 110;
+    case QType::iq4_xs: return 136;
+    case QType::iq4_nl: return 18;
+    case QType::iq4_f32: return 20;
     case QType::q4_k: return 144;
     case QType::q5_k: return 176;
     case QType::q6_k: return 210;
@@ -130,7 +145,7 @@ inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t
 inline int64_t quant_row_bytes(QType t, int64_t k) { return k / quant_block_weights(t) * quant_block_bytes(t); }
 
 // GGUF types convert_quant turns into the blocks above (GGML's ids).
-enum class FileType : int { q5_0 = 6, q5_1 = 7, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14 };
+enum class FileType : int { q5_0 = 6, q5_1 = 7, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_xs = 23 };
 QType converted_type(FileType t);
 int64_t file_block_weights(FileType t);  // 32 or 256 (K-quants)
 int64_t file_block_bytes(FileType t);
@@ -163,6 +178,12 @@ struct Q6KParts {  // one Q6_K superblock: w = d sc[h] (u - 32) for the 16 weigh
 void q6_k_parts(const uint8_t* block, Q6KParts& out);
 // One Q3_K superblock in the same parts: w = d sc[h] (u - 4), sc the 6-bit code less 32, u = q + 4 in 0..7.
 void q3_k_parts(const uint8_t* block, Q6KParts& out);
+struct IQ4XSParts {  // one IQ4_XS superblock: w = d sc[s] kIq4Values[q] for the 32 weights of block s
+  uint16_t d;              // fp16 bits
+  int8_t sc[8];            // the 6-bit codes less 32
+  uint8_t nibbles[8][16];  // per block, Q4_1's order (as the file's)
+};
+void iq4_xs_parts(const uint8_t* block, IQ4XSParts& out);
 
 // Kept-quantized weights as the linears run them, repacked once at load (pack_quant) from GGUF rows: rows
 // in panels of 16 (one int32 lane a row, see I32x16 in vec.h), the panel count padded to a multiple of
@@ -174,8 +195,8 @@ void q3_k_parts(const uint8_t* block, Q6KParts& out);
 //           unsigned u (Q8_0: u = q + 128).
 //   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1:
 //           fp16 for GGML's types, f32 for ours (in a row's block, the same scalars in the same order).
-// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0, 32 for Q8_H32 and Q6_K, 4 for
-// Q3_K, else 0 (m is stored, or 0).
+// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0 and the IQ4 types (u their codebook
+// value plus 128), 32 for Q8_H32 and Q6_K, 4 for Q3_K, else 0 (m is stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
 //   Q4_K: superblocks of 8 blocks: first a head of 16 fp16 d, 16 fp16 -dmin, then per block 16 scale
@@ -188,6 +209,9 @@ void q3_k_parts(const uint8_t* block, Q6KParts& out);
 //           the 8 blocks' bytes u as Q8_H32's: w = d sc_h (u - 32), exact in float32 likewise.
 //   Q3_K: Q6_K's head, and the 8 blocks' 4-bit quants u = q + 4 as the 4-bit types': a block's low nibbles
 //           are its first half (weights 0..15), under d sc0, the high ones its second, under d sc1.
+//   IQ4_XS: a head of 16 f32 d and per block 16 int8 codes (sc: one a row), then the blocks' nibbles; the
+//           tile maps each nibble through kIq4Unsigned (lut), so that u - 128 is the codebook's value.
+//   IQ4_NL, IQ4_F32: Q4_0's layout (fp16 d; IQ4_F32: f32 d) with the codebook likewise.
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
@@ -200,6 +224,7 @@ struct PackedLayout {
   int64_t quant_bytes;   // per panel and block
   int64_t block_bytes;   // quants and scales, per panel and block
   int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants), or none
+  bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 
@@ -214,6 +239,9 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q5_k: return {8, 0, true, false, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q3_k: return {4, 4, false, true, 1, 256, 256, 64 + 32 * kSuperBlocks};
+    case QType::iq4_xs: return {4, 128, false, false, 1, 256, 256, 64 + 16 * kSuperBlocks, true};
+    case QType::iq4_nl: return {4, 128, false, false, 2, 256, 256 + 32, 0, true};
+    case QType::iq4_f32: return {4, 128, false, false, 4, 256, 256 + 64, 0, true};
     case QType::q8_m32: return {8, 0, true, false, 4, 512, 512 + 128};
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }

@@ -309,6 +309,9 @@ struct I32x16 {
   static I32x16 load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
   I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
   I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
+  // a 16-byte table in every 128-bit lane; lookup: each byte (below 16) replaced by its entry
+  static I32x16 table16(const uint8_t* t) { return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))}; }
+  I32x16 lookup(I32x16 table) const { return {_mm512_shuffle_epi8(table.v, v)}; }
   template <int I> I32x16 byte() const { return {_mm512_and_si512(_mm512_srli_epi32(v, 8 * I), _mm512_set1_epi32(0xff))}; }
   I32x16 shl8() const { return {_mm512_slli_epi32(v, 8)}; }
   friend I32x16 operator+(I32x16 a, I32x16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
@@ -317,7 +320,7 @@ struct I32x16 {
   // each lane's two bfloat16 (a packed BF16 weight pair) as floats: the low half, the high half (exact)
   F32x16 bf16_low() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}; }
   F32x16 bf16_high() const { return {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))))}; }
-  // kSmall: every byte of w is below 128 (4-bit weights, Q8_M32, Q8_H32), which the emulation below can use
+  // kSmall: every byte of w is below 128 (4-bit quants, Q8_M32, Q8_H32), which the emulation below can use
   template <bool kSmall>
   static I32x16 dot4(I32x16 acc, I32x16 w, int32_t x4) {
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16  // this tier has AVX512-VNNI too (every BF16 CPU does)
@@ -367,6 +370,11 @@ struct I32x16 {
   static __m256i high(__m256i x) { return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0f)); }
   I32x16 low_nibbles() const { return {low(a), low(b)}; }
   I32x16 high_nibbles() const { return {high(a), high(b)}; }
+  static I32x16 table16(const uint8_t* t) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+    return {table, table};
+  }
+  I32x16 lookup(I32x16 table) const { return {_mm256_shuffle_epi8(table.a, a), _mm256_shuffle_epi8(table.b, b)}; }
   template <int I> I32x16 byte() const {
     const __m256i m = _mm256_set1_epi32(0xff);
     return {_mm256_and_si256(_mm256_srli_epi32(a, 8 * I), m), _mm256_and_si256(_mm256_srli_epi32(b, 8 * I), m)};
@@ -420,6 +428,15 @@ struct I32x16 {
   static I32x16 load(const uint8_t* p) { I32x16 r; std::memcpy(r.v, p, 64); return r; }  // little-endian lanes
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
+  static I32x16 table16(const uint8_t* t) { I32x16 r; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
+  I32x16 lookup(I32x16 table) const {
+    const uint8_t* entries = reinterpret_cast<const uint8_t*>(table.v);
+    I32x16 r;
+    const uint8_t* in = reinterpret_cast<const uint8_t*>(v);
+    uint8_t* out = reinterpret_cast<uint8_t*>(r.v);
+    for (int i = 0; i < 64; ++i) out[i] = entries[in[i] & 15];
+    return r;
+  }
   template <int I> I32x16 byte() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (8 * I)) & 0xffu)) }
   I32x16 shl8() const { APPLIANCE_LANES(static_cast<int32_t>(static_cast<uint32_t>(v[i]) << 8)) }
   friend I32x16 operator+(I32x16 a, I32x16 b) { APPLIANCE_LANES(a.v[i] + b.v[i]) }

@@ -81,6 +81,17 @@ void q3_k(const uint8_t* b, uint8_t* out) {
   }
 }
 
+// IQ4_XS (136 bytes a 256) -> IQ4_F32: per block, f32 d (code - 32) and the block's 16 bytes of nibbles.
+void iq4_xs(const uint8_t* b, uint8_t* out) {
+  IQ4XSParts parts;
+  iq4_xs_parts(b, parts);
+  const float d = fp16_to_float(parts.d);
+  for (int s = 0; s < 8; ++s, out += 20) {
+    put_f32(out, d * static_cast<float>(parts.sc[s]));
+    std::memcpy(out + 4, parts.nibbles[s], 16);
+  }
+}
+
 // Q5_0 (22 bytes a 32): fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d (q - 16) -> Q8_0.
 // Q5_1 (24 bytes): fp16 d, fp16 m, then as Q5_0; w = d q + m -> Q8_M32.
 template <bool kMin>
@@ -159,12 +170,25 @@ void q3_k_parts(const uint8_t* b, Q6KParts& out) {
         out.u[128 * n + 32 * t + l] = static_cast<uint8_t>(((qs[32 * n + l] >> (2 * t)) & 3) | (((hmask[l] >> (4 * n + t)) & 1) << 2));
 }
 
+// IQ4_XS: fp16 d, 2 bytes of high scale bits (bits 2s..2s+1: block s's top two), 4 bytes of low ones (block
+// s's low four in byte s / 2, the low nibble for even s), then 16 bytes of nibbles a block (Q4_1's order).
+void iq4_xs_parts(const uint8_t* b, IQ4XSParts& out) {
+  out.d = static_cast<uint16_t>(b[0] | (b[1] << 8));
+  const int high = b[2] | (b[3] << 8);
+  for (int s = 0; s < 8; ++s) {
+    const int code = ((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4);
+    out.sc[s] = static_cast<int8_t>(code - 32);
+    std::memcpy(out.nibbles[s], b + 8 + 16 * s, 16);
+  }
+}
+
 QType converted_type(FileType t) {
   switch (t) {
     case FileType::q5_0: return QType::q8_0;
     case FileType::q4_k: return QType::q4_m32;
     case FileType::q3_k:
     case FileType::q6_k: return QType::q8_h32;
+    case FileType::iq4_xs: return QType::iq4_f32;
     default: return QType::q8_m32;  // q5_1, q5_k
   }
 }
@@ -176,6 +200,7 @@ int64_t file_block_bytes(FileType t) {
     case FileType::q5_0: return 22;
     case FileType::q5_1: return 24;
     case FileType::q3_k: return 110;
+    case FileType::iq4_xs: return 136;
     case FileType::q4_k: return 144;
     case FileType::q5_k: return 176;
     default: return 210;  // q6_k
@@ -196,6 +221,7 @@ void convert_quant(const ConvertArgs& a) {
         case FileType::q5_k: q5_k(in, out); break;
         case FileType::q6_k: q6_k(in, out); break;
         case FileType::q3_k: q3_k(in, out); break;
+        case FileType::iq4_xs: iq4_xs(in, out); break;
         case FileType::q5_0: q5<false>(in, out); break;
         case FileType::q5_1: q5<true>(in, out); break;
       }

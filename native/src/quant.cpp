@@ -1,5 +1,5 @@
-// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0 and the K-quants
-// Q3_K, Q4_K, Q5_K, Q6_K as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
+// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, IQ4_NL, and the
+// K-quants Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
 // and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
@@ -114,17 +114,20 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {  // plain loo
 }
 #endif
 
-// Our own blocks (Q4_M32, Q8_M32, Q8_H32: f32 scalars, then the quants; see kernels.h), plainly:
-// they are expanded only where a shard does not fall on blocks, or for a test.
+// Our own blocks (Q4_M32, Q8_M32, Q8_H32, IQ4_F32: f32 scalars, then the quants; see kernels.h) and IQ4_NL,
+// plainly: they are expanded only where a shard does not fall on blocks, or for a test.
 void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* out) {
   const int64_t bytes = quant_block_bytes(q);
   const PackedLayout L = packed_layout(q);
+  const int scalars = 1 + (L.has_min || L.halves);
   for (int64_t b = 0; b < blocks; ++b, row += bytes, out += kQuantBlock) {
-    float f[2];  // d and m, or (halves) d0 and d1
-    std::memcpy(f, row, 8);
-    const uint8_t* u = row + 8;
+    float f[2] = {0.f, 0.f};  // d and m, or (halves) d0 and d1
+    if (L.scale_bytes == 2) f[0] = fp16_to_float(u16(row));  // IQ4_NL
+    else std::memcpy(f, row, 4 * scalars);
+    const uint8_t* u = row + L.scale_bytes * scalars;
     for (int i = 0; i < kQuantBlock; ++i) {
-      const int v = L.bits == 4 ? (u[i % 16] >> (i < 16 ? 0 : 4)) & 15 : u[i];
+      int v = L.bits == 4 ? (u[i % 16] >> (i < 16 ? 0 : 4)) & 15 : u[i];
+      if (L.lut) v = kIq4Unsigned[v];
       if (L.halves) out[i] = f[i >= 16] * static_cast<float>(v - L.zero);
       else out[i] = f[0] * static_cast<float>(v - L.zero) + f[1];
     }
@@ -135,7 +138,7 @@ void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* 
 void dequant_rows(QType q, const uint8_t* w, int64_t rows, int64_t k, float* out) {
   const int64_t blocks = k / kQuantBlock, bytes = blocks * quant_block_bytes(q);
   for (int64_t r = 0; r < rows; ++r) {
-    if (packed_layout(q).scale_bytes == 4) dequant_row_f32_scaled(q, w + r * bytes, blocks, out + r * k);
+    if (packed_layout(q).scale_bytes == 4 || packed_layout(q).lut) dequant_row_f32_scaled(q, w + r * bytes, blocks, out + r * k);
     else if (q == QType::q8_0) dequant_row<QType::q8_0>(w + r * bytes, blocks, out + r * k);
     else if (q == QType::q4_0) dequant_row<QType::q4_0>(w + r * bytes, blocks, out + r * k);
     else dequant_row<QType::q4_1>(w + r * bytes, blocks, out + r * k);
@@ -282,19 +285,22 @@ void store_tile(const Tiles& t, int64_t r0, int64_t p0, const F32x16 (&acc)[MR][
 const uint8_t* panel_block(const Tiles& t, int64_t panel, int64_t b) {
   return t.weight + panel * t.panel_bytes + (b / kSuperBlocks + 1) * t.layout.super_head + b * t.layout.block_bytes;
 }
-// A K-quant block's superblock head (its 16 rows' scalars), and within it the block's codes (16, then 16).
+// A K-quant block's superblock head (its 16 rows' scalars), and within it the block's codes (16, then 16;
+// IQ4_XS has one code a row).
 inline const uint8_t* super_head(const PackedLayout& L, const uint8_t* blk, int64_t b) {
   return blk - b % kSuperBlocks * L.block_bytes - L.super_head;
 }
-inline const uint8_t* block_codes(const uint8_t* head, int64_t b) {
-  return head + 4 * kPanelRows + b % kSuperBlocks * 2 * kPanelRows;
+inline int64_t code_bytes(const PackedLayout& L) { return (L.super_head - 4 * kPanelRows) / kSuperBlocks; }
+inline const uint8_t* block_codes(const PackedLayout& L, const uint8_t* head, int64_t b) {
+  return head + 4 * kPanelRows + b % kSuperBlocks * code_bytes(L);
 }
 // The scales' kind, known at compile time in the integer tiles (a test per block in Q4_1's decode tile cost
 // it 4%, A/B on Zen 5): fp16 (GGML's types), float32 (ours), or codes in the head of block b's superblock:
 // Q4_K's and Q5_K's (a byte a row for the scale, one for the min) times its fp16 d and -dmin, Q3_K's and
-// Q6_K's (a signed byte a row for each half) times its d. Products of fp16 and a 6- or 8-bit integer: exact in
-// float32, the same scales Q4_M32, Q8_M32 and Q8_H32 hold.
-constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3;
+// Q6_K's (a signed byte a row for each half) times its d, IQ4_XS's (a signed byte a row) times its d.
+// Products of fp16 and a 6- or 8-bit integer: exact in float32, the same scales Q4_M32, Q8_M32, Q8_H32 and
+// IQ4_F32 hold.
+constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3, kSignedCodes = 6;
 // kExpanded: Q4_K's and Q5_K's d and m as kCodes forms them, expanded once for a run of row tiles over the
 // same panels (expand_scales), so that the tiles after the first do not form them again. (Q6_K's, which
 // take fewer instructions to form, ran slower so: 2048 x 8192 at 8 and 32 rows, +4-50%.)
@@ -304,17 +310,22 @@ template <int SCALES>
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
   if constexpr (SCALES == kHalfCodes) {  // m is d1
     const uint8_t* head = super_head(L, blk, b);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(head, b));
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(L, head, b));
     const F32x16 scale = F32x16::load(reinterpret_cast<const float*>(head));
     d = scale * F32x16::load_i8(codes);
     m = scale * F32x16::load_i8(codes + kPanelRows);
+  } else if constexpr (SCALES == kSignedCodes) {
+    const uint8_t* head = super_head(L, blk, b);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(L, head, b));
+    d = F32x16::load(reinterpret_cast<const float*>(head)) * F32x16::load_i8(codes);
+    m = F32x16::zero();
   } else if constexpr (SCALES == kF32) {
     const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
     d = F32x16::load(scales);
     m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
   } else if constexpr (SCALES == kCodes) {
     const uint8_t* head = super_head(L, blk, b);
-    const uint8_t* codes = block_codes(head, b);
+    const uint8_t* codes = block_codes(L, head, b);
     d = F32x16::load_half(reinterpret_cast<const uint16_t*>(head)) * F32x16::load_u8(codes);
     m = F32x16::load_half(reinterpret_cast<const uint16_t*>(head) + kPanelRows) * F32x16::load_u8(codes + kPanelRows);
   } else {
@@ -326,7 +337,8 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
   if (L.scale_bytes == 4) block_scales<kF32>(L, blk, b, d, m);
   else if (L.scale_bytes == 1 && L.halves) block_scales<kHalfCodes>(L, blk, b, d, m);
-  else if (L.scale_bytes == 1) block_scales<kCodes>(L, blk, b, d, m);
+  else if (L.scale_bytes == 1 && L.has_min) block_scales<kCodes>(L, blk, b, d, m);
+  else if (L.scale_bytes == 1) block_scales<kSignedCodes>(L, blk, b, d, m);
   else block_scales<kFp16>(L, blk, b, d, m);
 }
 
@@ -410,9 +422,11 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // zero point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
-template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre>
+// kLut: the nibbles index the IQ4 codebook; one vpshufb a vector maps them to their u (any byte, as Q8_0's).
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre, bool kLut>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
-  constexpr bool kSmall = BITS == 4 || SCALES != kFp16;  // every u < 128 (Q8_M32 and Q5_K hold u < 32; Q8_0 any byte)
+  // every u < 128 (Q8_M32 and Q5_K hold u < 32; Q8_0's and the codebook's any byte)
+  constexpr bool kSmall = !kLut && (BITS == 4 || SCALES != kFp16);
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   const float* expanded = SCALES == kExpanded ? expanded_scales.data() : nullptr;
@@ -421,7 +435,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    panel_blocks<NP, SCALES == kCodes || SCALES == kExpanded>(t, p0, b, blk);
+    panel_blocks<NP, SCALES == kCodes || SCALES == kExpanded || SCALES == kSignedCodes>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
     if constexpr (kPre) prefetch_next<NP>(t, pre, b);
     const int8_t* xb[MR];
@@ -432,7 +446,12 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
     if constexpr (BITS == 4) {
       for (int g = 0; g < 4; ++g)
         for (int j = 0; j < NP; ++j) {
-          const I32x16 v = I32x16::load(blk[j] + 64 * g), wl = v.low_nibbles(), wh = v.high_nibbles();
+          const I32x16 v = I32x16::load(blk[j] + 64 * g);
+          I32x16 wl = v.low_nibbles(), wh = v.high_nibbles();
+          if constexpr (kLut) {  // (the table's load is hoisted out of the loops)
+            const I32x16 table = I32x16::table16(kIq4Unsigned);
+            wl = wl.lookup(table), wh = wh.lookup(table);
+          }
           for (int r = 0; r < MR; ++r) {
             if constexpr (PLANES == 2) {
               hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wl, load4(xb[r] + 4 * g));
@@ -539,7 +558,11 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   const int64_t k = t.blocks * kQuantBlock;
-  const I32x16 zero = I32x16::set1(L.zero);
+  const I32x16 zero = I32x16::set1(L.zero), table = I32x16::table16(kIq4Unsigned);
+  auto nibbles = [&](const I32x16& v, bool high) {  // a vector's low or high nibbles, through the codebook for IQ4
+    const I32x16 n = high ? v.high_nibbles() : v.low_nibbles();
+    return L.lut ? n.lookup(table) : n;
+  };
   F32x16 acc[MR][NP];
   zero_all(acc);
   for (int64_t b = 0; b < t.blocks; ++b) {
@@ -569,16 +592,16 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
     if constexpr (BITS == 4) {
       if (L.halves) {  // Q3_K: the low nibbles (the first half), then the high ones
         for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g).low_nibbles(), 4 * g);
+          for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), false), 4 * g);
         first_half_under_d();
         for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g).high_nibbles(), 16 + 4 * g);
+          for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), true), 16 + 4 * g);
       } else {
         for (int g = 0; g < 4; ++g)
           for (int j = 0; j < NP; ++j) {
             const I32x16 v = I32x16::load(blk[j] + 64 * g);
-            group(j, v.low_nibbles(), 4 * g);
-            group(j, v.high_nibbles(), 16 + 4 * g);
+            group(j, nibbles(v, false), 4 * g);
+            group(j, nibbles(v, true), 16 + 4 * g);
           }
       }
     } else {
@@ -625,12 +648,12 @@ void bf16_tile(const Tiles& t, int64_t r0, int64_t p0) {
 // The integer tile with the next panels' prefetch (pre >= 0) or without: two instantiations, so that the
 // tiles that do not ask (all of a prefill's) carry none of it; a test in their block loop cost a 128-token
 // prefill ~2%.
-template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin>
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kLut = false>
 void int_tile_pre(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   if constexpr (NP == 2) {  // (row_tiles' width: the only tiles given a `pre`)
-    if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true>(t, r0, p0, pre);
+    if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true, kLut>(t, r0, p0, pre);
   }
-  int_tile<MR, NP, BITS, PLANES, SCALES, kMin, false>(t, r0, p0, pre);
+  int_tile<MR, NP, BITS, PLANES, SCALES, kMin, false, kLut>(t, r0, p0, pre);
 }
 
 template <int MR, int NP, int BITS, int PLANES>
@@ -640,6 +663,12 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
     else bf16_tile<MR, NP, bf16>(t, r0, p0);
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
+  } else if (BITS == 4 && t.layout.lut) {  // the IQ4 types: a zero point (128), no min
+    if constexpr (BITS == 4) {
+      if (t.layout.scale_bytes == 1) int_tile_pre<MR, NP, BITS, PLANES, kSignedCodes, false, true>(t, r0, p0, pre);  // IQ4_XS
+      else if (t.layout.scale_bytes == 4) int_tile_pre<MR, NP, BITS, PLANES, kF32, false, true>(t, r0, p0, pre);  // IQ4_F32
+      else int_tile_pre<MR, NP, BITS, PLANES, kFp16, false, true>(t, r0, p0, pre);  // IQ4_NL
+    }
   } else if (t.layout.halves) {
     if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes>(t, r0, p0);  // Q3_K, Q6_K
     else halves_tile<MR, NP, BITS, PLANES, kF32>(t, r0, p0);  // Q8_H32
@@ -689,7 +718,7 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
     return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
   };
   // Q4_K, Q5_K under more than two row tiles: their scales formed once, not once a row tile
-  const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && !t.layout.halves && r_end - r_begin > 2 * kMR;
+  const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && r_end - r_begin > 2 * kMR;
   if (expand) expand_scales<NP>(t, p0);
   for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand);
   switch (r_end - r) {
@@ -763,12 +792,12 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     float d = 0.f, m = 0.f;  // with halves, m is d1
     if (L.scale_bytes == 1) {  // codes times the superblock's scalars (as block_scales)
       const uint8_t* head = super_head(L, blk, b);
-      const uint8_t* codes = block_codes(head, b);
-      if (L.halves) {  // Q3_K, Q6_K: f32 d, signed codes per half (m is d1)
+      const uint8_t* codes = block_codes(L, head, b);
+      if (!L.has_min) {  // Q3_K, Q6_K: f32 d, signed codes per half (m is d1); IQ4_XS: one code
         float scale;
         std::memcpy(&scale, head + 4 * j, 4);
         d = scale * static_cast<float>(static_cast<int8_t>(codes[j]));
-        m = scale * static_cast<float>(static_cast<int8_t>(codes[kPanelRows + j]));
+        if (L.halves) m = scale * static_cast<float>(static_cast<int8_t>(codes[kPanelRows + j]));
       } else {  // Q4_K, Q5_K: fp16 d and -dmin, unsigned codes
         d = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[j]) * static_cast<float>(codes[j]);
         m = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
@@ -789,6 +818,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
       int u;
       if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
       else u = blk[64 * (i / 4) + 4 * j + i % 4];
+      if (L.lut) u = kIq4Unsigned[u];
       if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero));
       else out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
     }
@@ -796,7 +826,7 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
 }
 
 // K-quant rows in their superblocks: per panel and superblock, the head (the 16 rows' superblock scalars,
-// then each block's codes, 2 x 16 bytes), then the 8 blocks' quants. `row(src, j, head, codes, blocks)`
+// then each block's codes, 2 x 16 bytes, IQ4_XS's 16), then the 8 blocks' quants. `row(src, j, head, codes, blocks)`
 // writes row j's share of one superblock from the file's `src`.
 template <typename Row>
 void pack_superblocks(const PackArgs& a, Row row) {
@@ -870,6 +900,18 @@ void pack_q3_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   put_half_scaled(parts, j, head, codes, blocks, 4);
 }
 
+// IQ4_XS: f32 d, a signed byte a block for its code (16 a block: one a row), the file's nibbles.
+void pack_iq4_xs_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  IQ4XSParts parts;
+  iq4_xs_parts(src, parts);
+  const float d = fp16_to_float(parts.d);
+  std::memcpy(head + 4 * j, &d, 4);
+  for (int i = 0; i < kSuperBlocks; ++i) {
+    put_quants(blocks, i, j, parts.nibbles[i], 4);
+    codes[kPanelRows * i + j] = static_cast<uint8_t>(parts.sc[i]);
+  }
+}
+
 }  // namespace
 
 void pack_quant(const PackArgs& a) {
@@ -877,6 +919,7 @@ void pack_quant(const PackArgs& a) {
   if (a.qtype == QType::q5_k) return pack_superblocks(a, pack_q5_k_row);
   if (a.qtype == QType::q6_k) return pack_superblocks(a, pack_q6_k_row);
   if (a.qtype == QType::q3_k) return pack_superblocks(a, pack_q3_k_row);
+  if (a.qtype == QType::iq4_xs) return pack_superblocks(a, pack_iq4_xs_row);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
   const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;

@@ -1,10 +1,11 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K as stored; Q5_0, Q5_1 converted into
-exact blocks of 32, and the K-quants too where a cut needs it), and bfloat16 weights packed alike: the native kernels against gguf's own numpy
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS as stored; Q5_0,
+Q5_1 converted into exact blocks of 32, and the superblock types too where a cut needs it), and bfloat16
+weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
 The blocks come from gguf.quants.quantize (the gguf package's reference implementation), so the
-layout our kernels read is the one llama.cpp's files hold; gguf cannot quantize K-quants, so theirs
-are random bytes with small float16 scales, dequantized by gguf all the same.
+layout our kernels read is the one llama.cpp's files hold; gguf cannot quantize K-quants or the IQ4 types, so
+theirs are random bytes with small float16 scales, dequantized by gguf all the same.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from tests.kernels.isas import running, variants
 
 ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
-TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0]
+TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.IQ4_NL]
 CONVERTED = [GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
-SUPERBLOCK = [GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K]  # kept as stored, in superblocks of 256
-# where a K block's float16 d (and dmin) sit, and their range: weights then within about +-0.3, as real ones
-K_SCALES = {GT.Q3_K: ([108], 2e-3), GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5)}
+SUPERBLOCK = [GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS]  # kept as stored, in superblocks of 256
+# types gguf cannot quantize (random bytes): where a block's float16 d (and dmin) sit, and their range; weights
+# then within about +-0.3, as real ones
+K_SCALES = {GT.Q3_K: ([108], 2e-3), GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5),
+            GT.IQ4_NL: ([0], 2.5e-3), GT.IQ4_XS: ([0], 7e-5)}
 
 
 @pytest.fixture(params=variants())
@@ -158,13 +161,13 @@ def test_mixed_types_fuse_as_parts(isa, activations):
     type as one part in its own blocks; the parts' linear fills each its own columns of one output."""
     parts = [quantized(n, 768, qtype, seed=n) for n, qtype in  # three superblocks a K-quant row
              ((64, GT.Q4_K), (16, GT.Q4_K), (19, GT.Q6_K), (16, GT.Q8_0), (5, GT.Q4_0), (33, GT.Q4_1), (7, GT.Q5_K),
-              (9, GT.Q3_K))]
+              (9, GT.Q3_K), (6, GT.IQ4_NL), (13, GT.IQ4_XS))]
     fused = fuse_rows([q for q, _ in parts])
     w = torch.cat([w for _, w in parts])
-    assert isinstance(fused, QuantizedParts) and fused.type_name == "Q4_K+Q6_K+Q8_0+Q4_0+Q4_1+Q5_K+Q3_K"
-    assert fused.shape == (169, 768) and torch.equal(fused.dequantize(), w)
+    assert isinstance(fused, QuantizedParts) and fused.type_name == "Q4_K+Q6_K+Q8_0+Q4_0+Q4_1+Q5_K+Q3_K+IQ4_NL+IQ4_XS"
+    assert fused.shape == (188, 768) and torch.equal(fused.dequantize(), w)
     packed = fused.pack(activations)
-    assert isinstance(packed, PackedParts) and [p.rows for p in packed.parts] == [80, 19, 16, 5, 33, 7, 9]
+    assert isinstance(packed, PackedParts) and [p.rows for p in packed.parts] == [80, 19, 16, 5, 33, 7, 9, 6, 13]
     assert torch.equal(packed.dequantize(), w)
     for m in (1, 3, 70):
         x = torch.randn(m, 768)
@@ -180,16 +183,17 @@ def test_mixed_types_fuse_as_parts(isa, activations):
 
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():
-    for qtype, bits in ((GT.Q3_K, 3.4375), (GT.Q4_K, 4.5), (GT.Q5_K, 5.5), (GT.Q6_K, 6.5625), (GT.Q5_0, 8.5),
-                        (GT.Q5_1, 10)):
+    for qtype, bits in ((GT.Q3_K, 3.4375), (GT.Q4_K, 4.5), (GT.Q5_K, 5.5), (GT.Q6_K, 6.5625), (GT.IQ4_XS, 4.25),
+                        (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
-    for qtype, bits, packed in ((GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 8.625), (GT.Q6_K, 10, 8.625)):
+    for qtype, bits, packed in ((GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 8.625), (GT.Q6_K, 10, 8.625),
+                                (GT.IQ4_XS, 5, 4.375)):
         q, _ = quantized(3, 512, qtype)
-        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q8_H32, Q4_M32, Q8_M32, Q8_H32
+        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q8_H32, Q4_M32, Q8_M32, Q8_H32, IQ4_F32
         # packed: per 16 rows and 256 weights, 8 blocks of quants (Q5_K, Q6_K: a byte each), a byte code each
         # for scale and min (Q3_K, Q6_K: the scales of both halves) and a head of fp16 d and -dmin (Q3_K,
-        # Q6_K: f32 d)
+        # Q6_K: f32 d; IQ4_XS: f32 d and one code a block)
         assert kernels.ops._native.packed_bytes(qtype.value, 64, 512) * 8 == packed * 64 * 512
     raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
     with pytest.raises(ValueError, match="is not converted"):
@@ -255,7 +259,8 @@ def test_a_row_gives_the_same_result_in_any_batch(isa):
 
 
 @pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q3_K, "Q8_H32"), (GT.Q4_K, "Q4_M32"), (GT.Q5_K, "Q8_M32"),
-                                                (GT.Q6_K, "Q8_H32")], ids=["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+                                                (GT.Q6_K, "Q8_H32"), (GT.IQ4_XS, "IQ4_F32")],
+                         ids=["Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_k_quants_cut_within_their_superblocks_come_back_in_blocks_of_32(isa, qtype, cut_type):
     """A tensor-parallel shard of a K-quant weight's input features that does not fall on 256 (here 576 / 2)
     is the same values in blocks of 32; one that does stays as it was."""

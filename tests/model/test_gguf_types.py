@@ -12,13 +12,15 @@ from app.model.source import ModelSource
 from tests.gguf_files import new_gguf, write_gguf
 from tests.model.test_parity import Session
 
-HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 256, 4, 2, 512, 2, 512
-# K-quant blocks (256 values): bytes per block and where their float16 scales sit
-K_BLOCKS = {"Q2_K": (84, [80, 82]), "Q3_K": (110, [108]), "Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]),
-            "Q6_K": (210, [208])}
+HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 256, 4, 2, 512, 512
+# types gguf cannot quantize (random blocks): where their float16 scales sit, and the scale that keeps the
+# weights small (IQ4_XS's scale codes reach 32, its codebook 127)
+K_BLOCKS = {"Q2_K": ([80, 82], 2e-3), "Q3_K": ([108], 2e-3), "Q4_K": ([0, 2], 2e-3), "Q5_K": ([0, 2], 2e-3),
+            "Q6_K": ([208], 2e-3), "IQ4_NL": ([0], 1e-3), "IQ4_XS": ([0], 3e-5)}
 LAYER_TYPES = [  # (q, k, v, o, gate, up, down) for each layer
     ("Q4_K", "Q5_K", "Q8_0", "Q4_0", "F16", "BF16", "Q6_K"),
     ("Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1", "F32", "Q8_0"),
+    ("IQ4_XS", "IQ4_XS", "IQ4_NL", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ4_XS"),
 ]
 K_MIX_TYPES = [  # as llama.cpp's Q4_K_M and Q5_K_M files mix them (Q6_K for V and ffn_down in some layers)
     ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"),
@@ -31,10 +33,10 @@ def _tensor(rng: np.random.Generator, rows: int, cols: int, kind: str):
 
     qtype = gguf.GGMLQuantizationType[kind] if kind in gguf.GGMLQuantizationType.__members__ else None
     if kind in K_BLOCKS:  # gguf cannot quantize these: random blocks with small scales
-        size, scale_offsets = K_BLOCKS[kind]
-        blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+        (per, size), (scale_offsets, scale) = gguf.GGML_QUANT_SIZES[qtype], K_BLOCKS[kind]
+        blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
         for offset in scale_offsets:
-            blocks[..., offset: offset + 2] = np.frombuffer(np.float16(2e-3).tobytes(), dtype=np.uint8)
+            blocks[..., offset: offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
         return blocks.reshape(rows, -1), qtype
     values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
     if kind == "NORM":  # 1-D, near 1, as llama.cpp stores norm weights
@@ -46,7 +48,7 @@ def _tensor(rng: np.random.Generator, rows: int, cols: int, kind: str):
 
 def write_tiny_llama(path, layer_types=LAYER_TYPES, embedding: str = "Q6_K", head: str = "Q4_K") -> None:
     rng = np.random.default_rng(0)
-    w = new_gguf(path, "llama", layers=LAYERS, hidden=HIDDEN, inter=INTER, heads=HEADS, kv_heads=KV_HEADS,
+    w = new_gguf(path, "llama", layers=len(layer_types), hidden=HIDDEN, inter=INTER, heads=HEADS, kv_heads=KV_HEADS,
                  vocab=VOCAB)
 
     def add(name: str, rows: int, cols: int, kind: str) -> None:
@@ -83,6 +85,9 @@ def test_every_tensor_type_loads_like_transformers(tiny):
         quantization_config=GgufConfig(gguf_file=tiny.name, dequantize=True)).eval()
     ours = load_model(ModelSource(tiny, "gguf", "tiny"), "float32", tokenizer=False)
     assert not ours.config.tie_word_embeddings and ours.config.num_kv_heads == KV_HEADS
+    last = ours.model.layers[2]  # the IQ4 types kept as stored, beside Q3_K
+    assert [w.type_name for w in (last.attention.qkv.weight, last.attention.o.weight, last.mlp.gate_up.weight,
+                                  last.mlp.down.weight)] == ["IQ4_XS+IQ4_NL", "IQ4_NL", "IQ4_XS+Q3_K", "IQ4_XS"]
     ids = [[5, 17, 300, 2, 511, 64, 9]]
     with torch.inference_mode():
         expected = reference(torch.tensor(ids)).logits[0, -1]

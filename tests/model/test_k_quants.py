@@ -1,7 +1,9 @@
 """SmolLM2-135M-Instruct requantized as llama.cpp's Q4_K_M files mix types (and some ffn_down as Q3_K, as
-Q3_K_M files hold it), through our model against transformers loading the same file.
+Q3_K_M files hold it, some MLPs as IQ4_XS files do), through our model against transformers loading the same
+file.
 
-The K-quants stay quantized (Q3_K to Q6_K in their superblocks, the Q5 types converted at load into
+The K-quants stay quantized (Q3_K to Q6_K and IQ4_XS in their superblocks, IQ4_NL and Q8_0 as they are, the
+Q5 types converted at load into
 exact blocks of 32, a fused QKV of mixed types in its parts), so float32 activations must give
 transformers' own greedy tokens, and the default int16
 activations stay as close to them as they do on the Q4_1 file (tests/model/test_parity.py).
@@ -20,20 +22,24 @@ from tests.gguf_files import requantize_gguf
 from tests.model.test_parity import PROMPTS, STEPS, Session, reference_greedy
 
 
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for rows not a multiple of 256
+# llama.cpp's, for rows not a multiple of 256
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 def q4_k_m(name: str, columns: int) -> str:
     """Q4_K, with more bits for V and ffn_down in some layers (Q6_K every third, Q5_K the next) and for the
     (tied) embeddings, as llama.cpp's Q4_K_M gives them to the tensors that matter most, and ffn_down as Q3_K
-    every fourth layer; and as llama.cpp does, K-quants fall back to Q5_0/Q5_1/Q8_0 where a row is not a
-    multiple of 256 (SmolLM2's 576)."""
+    every fourth layer, gate/up every fifth and ffn_down every eighth as IQ4_XS; and as llama.cpp does,
+    K-quants fall back to Q5_0/Q5_1/Q8_0/IQ4_NL where a row is not a multiple of 256 (SmolLM2's 576)."""
     if name == "token_embd.weight":
         kind = "Q6_K"
     elif name.endswith("attn_v.weight"):
         kind = ("Q6_K", "Q5_K", "Q4_K")[int(name.split(".")[1]) % 3]
+    elif name.endswith(("ffn_gate.weight", "ffn_up.weight")) and int(name.split(".")[1]) % 5 == 4:
+        kind = "IQ4_XS"
     elif name.endswith("ffn_down.weight"):
-        kind = "Q3_K" if int(name.split(".")[1]) % 4 == 3 else ("Q6_K", "Q5_K", "Q4_K")[int(name.split(".")[1]) % 3]
+        layer = int(name.split(".")[1])
+        kind = "Q3_K" if layer % 4 == 3 else "IQ4_XS" if layer % 8 == 5 else ("Q6_K", "Q5_K", "Q4_K")[layer % 3]
     else:
         kind = "Q4_K"
     return kind if columns % 256 == 0 else FALLBACK[kind]
@@ -74,7 +80,7 @@ def runs(reference_runs, prompt_ids):
 def test_k_quants_are_kept(k_file, caplog):
     with caplog.at_level("INFO", logger="app.model.loader"):
         ours = load_model(k_file, "float32", tokenizer=False)
-    assert "kept quantized: Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0" in caplog.text and "dequantized" not in caplog.text
+    assert "kept quantized: IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0" in caplog.text and "dequantized" not in caplog.text
     assert "converted: Q5_0 as Q8_0, Q5_1 as Q8_M32;" in caplog.text
     assert "10 fused projection(s) of mixed types run as their parts" in caplog.text  # every third layer's QKV
     layers = ours.model.layers
@@ -82,7 +88,9 @@ def test_k_quants_are_kept(k_file, caplog):
                for lin in (lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down))
     # 576 columns: Q5_0 (run as Q8_0) and Q5_1 (Q8_M32) beside Q8_0 -> parts; 1536 columns: K-quants
     assert [lay.attention.qkv.weight.type_name for lay in layers[:3]] == ["Q8_0", "Q8_0+Q8_M32", "Q8_0"]
-    assert [lay.mlp.down.weight.type_name for lay in layers[:4]] == ["Q6_K", "Q5_K", "Q4_K", "Q3_K"]
+    downs = ["Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q5_K", "IQ4_XS"]
+    assert [lay.mlp.down.weight.type_name for lay in layers[:6]] == downs
+    assert layers[4].mlp.gate_up.weight.type_name == "IQ4_NL"  # 576 columns: IQ4_XS falls back
     assert ours.model.embed.type_name == "Q8_0"
     assert ours.model.resident_bytes() < 0.6 * 134_515_008 * 2  # well under bfloat16's
 
