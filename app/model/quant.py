@@ -21,7 +21,7 @@ products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS
   - "int8": one plane, as llama.cpp does: fastest, and answers can differ from float32 ones;
   - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
     torch's GEMM): the reference's arithmetic, slowest.
-Q2_K is dequantized at load (the loader says so); the other IQ types are not read.
+Q2_K and IQ1_S to IQ3_S are dequantized at load (the loader says so).
 
 Dense bfloat16 weights (a bfloat16 model's, from a BF16 GGUF or safetensors) are packed the same way
 (type `BF16`, no scales): the same kernels then run them, vdpbf16ps on AVX512-BF16 where the CPU issues it

@@ -16,11 +16,14 @@ HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 256, 4, 2, 512, 512
 # types gguf cannot quantize (random blocks): where their float16 scales sit, and the scale that keeps the
 # weights small (IQ4_XS's scale codes reach 32, its codebook 127)
 K_BLOCKS = {"Q2_K": ([80, 82], 2e-3), "Q3_K": ([108], 2e-3), "Q4_K": ([0, 2], 2e-3), "Q5_K": ([0, 2], 2e-3),
-            "Q6_K": ([208], 2e-3), "IQ4_NL": ([0], 1e-3), "IQ4_XS": ([0], 3e-5)}
+            "Q6_K": ([208], 2e-3), "IQ4_NL": ([0], 1e-3), "IQ4_XS": ([0], 3e-5), "IQ1_S": ([0], 1e-2),
+            "IQ2_XXS": ([0], 1e-3), "IQ2_XS": ([0], 1e-3), "IQ2_S": ([0], 1e-3), "IQ3_XXS": ([0], 1e-3),
+            "IQ3_S": ([0], 5e-4)}
 LAYER_TYPES = [  # (q, k, v, o, gate, up, down) for each layer
     ("Q4_K", "Q5_K", "Q8_0", "Q4_0", "F16", "BF16", "Q6_K"),
     ("Q2_K", "Q3_K", "Q4_1", "Q5_0", "Q5_1", "F32", "Q8_0"),
     ("IQ4_XS", "IQ4_XS", "IQ4_NL", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ4_XS"),
+    ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_XS"),  # no kernel: dequantized at load
 ]
 K_MIX_TYPES = [  # as llama.cpp's Q4_K_M and Q5_K_M files mix them (Q6_K for V and ffn_down in some layers)
     ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q6_K"),
@@ -77,17 +80,20 @@ def tiny(tmp_path_factory):
     return path
 
 
-def test_every_tensor_type_loads_like_transformers(tiny):
+def test_every_tensor_type_loads_like_transformers(tiny, caplog):
     from transformers import AutoModelForCausalLM, GgufConfig
 
     reference = AutoModelForCausalLM.from_pretrained(
         str(tiny.parent), gguf_file=tiny.name, dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=tiny.name, dequantize=True)).eval()
-    ours = load_model(ModelSource(tiny, "gguf", "tiny"), "float32", tokenizer=False)
+    with caplog.at_level("INFO", logger="app.model.loader"):
+        ours = load_model(ModelSource(tiny, "gguf", "tiny"), "float32", tokenizer=False)
     assert not ours.config.tie_word_embeddings and ours.config.num_kv_heads == KV_HEADS
-    last = ours.model.layers[2]  # the IQ4 types kept as stored, beside Q3_K
-    assert [w.type_name for w in (last.attention.qkv.weight, last.attention.o.weight, last.mlp.gate_up.weight,
-                                  last.mlp.down.weight)] == ["IQ4_XS+IQ4_NL", "IQ4_NL", "IQ4_XS+Q3_K", "IQ4_XS"]
+    third = ours.model.layers[2]  # the IQ4 types kept as stored, beside Q3_K
+    assert [w.type_name for w in (third.attention.qkv.weight, third.attention.o.weight, third.mlp.gate_up.weight,
+                                  third.mlp.down.weight)] == ["IQ4_XS+IQ4_NL", "IQ4_NL", "IQ4_XS+Q3_K", "IQ4_XS"]
+    assert "dequantized to float32 at load: IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, Q2_K" in caplog.text
+    assert isinstance(ours.model.layers[3].attention.qkv.weight, torch.Tensor)  # no kernel: float32
     ids = [[5, 17, 300, 2, 511, 64, 9]]
     with torch.inference_mode():
         expected = reference(torch.tensor(ids)).logits[0, -1]
@@ -169,7 +175,7 @@ def test_unsupported_tensor_type_lists_the_supported_ones(tiny, tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
     for key in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count"):
         w.add_uint32(key, int(reader.fields[key].contents()))
-    w.add_tensor("token_embd.weight", np.zeros((4, 66), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    w.add_tensor("token_embd.weight", np.zeros((4, 54), np.uint8), raw_dtype=gguf.GGMLQuantizationType.TQ1_0)
     write_gguf(w)
-    with pytest.raises(UnsupportedModel, match="IQ2_XXS are not supported; supported: F32, F16, BF16, Q8_0"):
+    with pytest.raises(UnsupportedModel, match="TQ1_0 are not supported; supported: F32, F16, BF16, Q8_0"):
         load_model(ModelSource(tmp_path / "iq.gguf", "gguf", "m"), "float32", tokenizer=False)
