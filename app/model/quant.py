@@ -1,15 +1,17 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
 Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
-(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q3_K, Q4_K, Q5_K and Q6_K stay as the file stores
-them, superblocks of 256 weights, and run packed with their superblock scales (4.6, 4.6, 8.6 and 8.6 bits a
-weight; the file's are 3.4, 4.5, 5.5 and 6.6: Q3_K's quants run as nibbles, Q5_K's and Q6_K's as bytes).
+(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q2_K, Q3_K, Q4_K, Q5_K and Q6_K stay as the file
+stores them, superblocks of 256 weights, and run packed with their superblock scales (5.1, 4.6, 4.6, 8.6 and
+8.6 bits a weight; the file's are 2.6, 3.4, 4.5, 5.5 and 6.6: Q2_K's and Q3_K's quants run as nibbles, Q5_K's
+and Q6_K's as bytes).
 IQ4_NL and IQ4_XS (4-bit indices into a codebook of 16 values) stay as stored too (4.5 and 4.4 bits a weight,
 the file's 4.5 and 4.25); the tile looks the values up. Q5_0 and Q5_1 stay
 quantized too, converted at load (`kernels.convert_quant`) into blocks of 32 that keep every weight's
 value: Q5_0 as Q8_0 (8.5 bits), Q5_1 as bytes with float32 scale and min (Q8_M32, 10 bits); the
 K-quants too (Q4_K as Q4_M32, 4-bit quants with float32 scale and min per 32, 6 bits; Q5_K as Q8_M32;
-Q3_K and Q6_K as Q8_H32, bytes with a float32 scale per 16, 10 bits; IQ4_XS as IQ4_F32, 5 bits) where a
+Q3_K and Q6_K as Q8_H32, bytes with a float32 scale per 16, 10 bits; IQ4_XS as IQ4_F32, 5 bits; Q2_K as
+Q4_HM32, nibbles with a float32 scale and min per 16, 8 bits) where a
 tensor-parallel cut does not fall
 on 256. At load they are `QuantizedTensor`s, which TP sharding
 cuts and fused projections stack (a fused projection whose parts differ in type runs as its parts,
@@ -21,7 +23,7 @@ products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS
   - "int8": one plane, as llama.cpp does: fastest, and answers can differ from float32 ones;
   - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
     torch's GEMM): the reference's arithmetic, slowest.
-Q2_K and IQ1_S to IQ3_S are dequantized at load (the loader says so).
+IQ1_S to IQ3_S are dequantized at load (the loader says so).
 
 Dense bfloat16 weights (a bfloat16 model's, from a BF16 GGUF or safetensors) are packed the same way
 (type `BF16`, no scales): the same kernels then run them, vdpbf16ps on AVX512-BF16 where the CPU issues it
@@ -80,8 +82,8 @@ class QuantizedTensor:
         return QuantizedTensor(picked.clone(), self.qtype, self.in_features)
 
     def columns(self, columns: range) -> QuantizedTensor | None:
-        """A copy of the input features `columns`, or None when they do not fall on blocks of 32 (a Q4_K or
-        Q6_K weight cut within its superblocks of 256 comes back in blocks of 32 that hold the same values)."""
+        """A copy of the input features `columns`, or None when they do not fall on blocks of 32 (a superblock
+        type's weight cut within its superblocks of 256 comes back in blocks of 32 that hold the same values)."""
         if columns.start % BLOCK or columns.stop % BLOCK:
             return None
         _, per, size, _ = PACKED_TYPES[self.qtype]
@@ -92,7 +94,7 @@ class QuantizedTensor:
 
     def in_blocks_of_32(self) -> QuantizedTensor:
         """The same values in blocks of 32: a Q4_K weight as Q4_M32, Q5_K as Q8_M32, Q3_K and Q6_K as Q8_H32,
-        IQ4_XS as IQ4_F32, any other as it is."""
+        IQ4_XS as IQ4_F32, Q2_K as Q4_HM32, any other as it is."""
         if PACKED_TYPES[self.qtype].weights == BLOCK:
             return self
         return QuantizedTensor(*kernels.convert_quant(self.data, self.qtype, self.in_features), self.in_features)

@@ -95,16 +95,18 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 //   Q8_M32 (from Q5_K, Q5_1) = f32 d, f32 m + 32 bytes u (w = d u + m);
 //   Q8_H32 (from Q6_K, Q3_K, likewise) = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1
 //                              for 16..31: they scale every 16 weights);
-//   IQ4_F32 (from IQ4_XS, likewise) = f32 d + 16 bytes of nibbles as IQ4_NL (below).
+//   IQ4_F32 (from IQ4_XS, likewise) = f32 d + 16 bytes of nibbles as IQ4_NL (below);
+//   Q4_HM32 (from Q2_K, likewise) = f32 d0, d1, m0, m1 + 16 bytes of nibbles (w = d0 q + m0 for weights
+//                              0..15, d1 q + m1 for 16..31: Q2_K scales and offsets every 16 weights).
 // Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) runs as its parts (decoder.h).
 //
-// Q3_K, Q4_K, Q5_K and Q6_K (GGML's 11 to 14) are kept as the file stores them, superblocks of 256 weights
-// (Q3_K: 110 bytes, 3-bit quants as 2 low bits and a high-bit mask, a 6-bit scale code per 16, fp16 d;
+// Q2_K to Q6_K (GGML's 10 to 14) are kept as the file stores them, superblocks of 256 weights (Q2_K: 84 bytes,
+// 2-bit quants, a 4-bit scale and min code per 16, fp16 d and dmin; Q3_K: 110 bytes, 3-bit quants as 2 low bits and a high-bit mask, a 6-bit scale code per 16, fp16 d;
 // Q4_K: 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q5_K: 176, the same with
 // a fifth bit per weight; Q6_K: 210 bytes, 6-bit quants, an int8 scale code per 16, fp16 d), and packed
-// with their superblock scales (below): 4.6, 4.6, 8.6 and 8.6 bits a weight where Q8_H32, Q4_M32, Q8_M32
-// and Q8_H32 take 10, 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall
+// with their superblock scales (below): 5.1, 4.6, 4.6, 8.6 and 8.6 bits a weight where Q4_HM32, Q8_H32,
+// Q4_M32, Q8_M32 and Q8_H32 take 8, 10, 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall
 // on 256 (a tensor-parallel shard).
 //
 // IQ4_NL (GGML's 20: fp16 d + 16 bytes of nibbles, Q4_0's order) and IQ4_XS (23: superblocks of 256, 136 bytes:
@@ -113,8 +115,8 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // the 4-bit types with the codebook applied in the tile; IQ4_XS cut off 256 converts to IQ4_F32 (ours:
 // f32 d + 16 bytes of nibbles a 32).
 enum class QType : int {
-  q4_0 = 2, q4_1 = 3, q8_0 = 8, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_nl = 20, iq4_xs = 23, bf16 = 30,
-  q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, iq4_f32 = 103
+  q4_0 = 2, q4_1 = 3, q8_0 = 8, q2_k = 10, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_nl = 20, iq4_xs = 23,
+  bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, iq4_f32 = 103, q4_hm32 = 104
 };
 // IQ4_NL's and IQ4_XS's codebook (GGML's), and the same values plus 128: the unsigned bytes the tiles multiply.
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -122,13 +124,16 @@ constexpr uint8_t kIq4Unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141,
 constexpr int64_t kQuantBlock = 32;
 constexpr int64_t kSuperBlocks = 8;  // blocks of 32 in a K-quant superblock of 256
 inline bool superblocks(QType t) {
-  return t == QType::q3_k || t == QType::q4_k || t == QType::q5_k || t == QType::q6_k || t == QType::iq4_xs;
+  return t == QType::q2_k || t == QType::q3_k || t == QType::q4_k || t == QType::q5_k || t == QType::q6_k ||
+         t == QType::iq4_xs;
 }
 inline int64_t quant_block_weights(QType t) { return superblocks(t) ? kSuperBlocks * kQuantBlock : kQuantBlock; }
 inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t) weights
   switch (t) {
+    case QType::q2_k: return 84;
     case QType::q3_k: return 110;
     case QType::iq4_xs: return 136;
+    case QType::q4_hm32: return 32;
     case QType::iq4_nl: return 18;
     case QType::iq4_f32: return 20;
     case QType::q4_k: return 144;
@@ -145,7 +150,7 @@ inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t
 inline int64_t quant_row_bytes(QType t, int64_t k) { return k / quant_block_weights(t) * quant_block_bytes(t); }
 
 // GGUF types convert_quant turns into the blocks above (GGML's ids).
-enum class FileType : int { q5_0 = 6, q5_1 = 7, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_xs = 23 };
+enum class FileType : int { q5_0 = 6, q5_1 = 7, q2_k = 10, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_xs = 23 };
 QType converted_type(FileType t);
 int64_t file_block_weights(FileType t);  // 32 or 256 (K-quants)
 int64_t file_block_bytes(FileType t);
@@ -178,6 +183,12 @@ struct Q6KParts {  // one Q6_K superblock: w = d sc[h] (u - 32) for the 16 weigh
 void q6_k_parts(const uint8_t* block, Q6KParts& out);
 // One Q3_K superblock in the same parts: w = d sc[h] (u - 4), sc the 6-bit code less 32, u = q + 4 in 0..7.
 void q3_k_parts(const uint8_t* block, Q6KParts& out);
+struct Q2KParts {  // one Q2_K superblock: w = d sc[h] u - dmin m[h] for the 16 weights of half h, u in 0..3
+  uint16_t d, dmin;  // fp16 bits
+  uint8_t sc[16], m[16];
+  uint8_t u[256];    // in weight order
+};
+void q2_k_parts(const uint8_t* block, Q2KParts& out);
 struct IQ4XSParts {  // one IQ4_XS superblock: w = d sc[s] kIq4Values[q] for the 32 weights of block s
   uint16_t d;              // fp16 bits
   int8_t sc[8];            // the 6-bit codes less 32
@@ -209,6 +220,9 @@ void iq4_xs_parts(const uint8_t* block, IQ4XSParts& out);
 //           the 8 blocks' bytes u as Q8_H32's: w = d sc_h (u - 32), exact in float32 likewise.
 //   Q3_K: Q6_K's head, and the 8 blocks' 4-bit quants u = q + 4 as the 4-bit types': a block's low nibbles
 //           are its first half (weights 0..15), under d sc0, the high ones its second, under d sc1.
+//   Q2_K: Q4_K's head of fp16 d and -dmin, then per block the codes of each half's scale and min (sc0, sc1,
+//           m0, m1: 4 x 16 bytes), then the blocks' 2-bit quants as nibbles (as Q3_K's halves):
+//           w = d sc_h u - dmin m_h.
 //   IQ4_XS: a head of 16 f32 d and per block 16 int8 codes (sc: one a row), then the blocks' nibbles; the
 //           tile maps each nibble through kIq4Unsigned (lut), so that u - 128 is the codebook's value.
 //   IQ4_NL, IQ4_F32: Q4_0's layout (fp16 d; IQ4_F32: f32 d) with the codebook likewise.
@@ -223,7 +237,7 @@ struct PackedLayout {
   int scale_bytes;       // 2 (fp16), 4 (f32), or 1 (a code per block, times its superblock's scalars)
   int64_t quant_bytes;   // per panel and block
   int64_t block_bytes;   // quants and scales, per panel and block
-  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants), or none
+  int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants, IQ4_XS), or none
   bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
@@ -239,6 +253,8 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q5_k: return {8, 0, true, false, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
     case QType::q3_k: return {4, 4, false, true, 1, 256, 256, 64 + 32 * kSuperBlocks};
+    case QType::q2_k: return {4, 0, true, true, 1, 256, 256, 64 + 64 * kSuperBlocks};
+    case QType::q4_hm32: return {4, 0, true, true, 4, 256, 256 + 256};
     case QType::iq4_xs: return {4, 128, false, false, 1, 256, 256, 64 + 16 * kSuperBlocks, true};
     case QType::iq4_nl: return {4, 128, false, false, 2, 256, 256 + 32, 0, true};
     case QType::iq4_f32: return {4, 128, false, false, 4, 256, 256 + 64, 0, true};

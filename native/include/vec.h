@@ -428,7 +428,7 @@ struct I32x16 {
   static I32x16 load(const uint8_t* p) { I32x16 r; std::memcpy(r.v, p, 64); return r; }  // little-endian lanes
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
-  static I32x16 table16(const uint8_t* t) { I32x16 r; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
+  static I32x16 table16(const uint8_t* t) { I32x16 r{}; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
   I32x16 lookup(I32x16 table) const {
     const uint8_t* entries = reinterpret_cast<const uint8_t*>(table.v);
     I32x16 r;

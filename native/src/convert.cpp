@@ -81,6 +81,20 @@ void q3_k(const uint8_t* b, uint8_t* out) {
   }
 }
 
+// Q2_K (84 bytes a 256) -> Q4_HM32: per block, f32 d sc and -dmin m for each half, then Q4_1's nibbles.
+void q2_k(const uint8_t* b, uint8_t* out) {
+  Q2KParts parts;
+  q2_k_parts(b, parts);
+  const float d = fp16_to_float(parts.d), dmin = fp16_to_float(parts.dmin);
+  for (int s = 0; s < 8; ++s, out += 32) {
+    for (int h = 0; h < 2; ++h) {
+      put_f32(out + 4 * h, d * static_cast<float>(parts.sc[2 * s + h]));
+      put_f32(out + 8 + 4 * h, -(dmin * static_cast<float>(parts.m[2 * s + h])));
+    }
+    put_nibbles(out + 16, parts.u + 32 * s);
+  }
+}
+
 // IQ4_XS (136 bytes a 256) -> IQ4_F32: per block, f32 d (code - 32) and the block's 16 bytes of nibbles.
 void iq4_xs(const uint8_t* b, uint8_t* out) {
   IQ4XSParts parts;
@@ -170,6 +184,17 @@ void q3_k_parts(const uint8_t* b, Q6KParts& out) {
         out.u[128 * n + 32 * t + l] = static_cast<uint8_t>(((qs[32 * n + l] >> (2 * t)) & 3) | (((hmask[l] >> (4 * n + t)) & 1) << 2));
 }
 
+// Q2_K: 16 bytes of codes (scale in the low nibble, min in the high, one per 16 weights), 64 of 2-bit quants,
+// fp16 d, fp16 dmin. Weight 128 n + 32 t + l (n < 2, t < 4, l < 32) is bits 2t..2t+1 of qs[32 n + l].
+void q2_k_parts(const uint8_t* b, Q2KParts& out) {
+  out.d = static_cast<uint16_t>(b[80] | (b[81] << 8)), out.dmin = static_cast<uint16_t>(b[82] | (b[83] << 8));
+  for (int c = 0; c < 16; ++c) out.sc[c] = b[c] & 15, out.m[c] = b[c] >> 4;
+  const uint8_t* qs = b + 16;
+  for (int n = 0; n < 2; ++n)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l) out.u[128 * n + 32 * t + l] = static_cast<uint8_t>((qs[32 * n + l] >> (2 * t)) & 3);
+}
+
 // IQ4_XS: fp16 d, 2 bytes of high scale bits (bits 2s..2s+1: block s's top two), 4 bytes of low ones (block
 // s's low four in byte s / 2, the low nibble for even s), then 16 bytes of nibbles a block (Q4_1's order).
 void iq4_xs_parts(const uint8_t* b, IQ4XSParts& out) {
@@ -189,6 +214,7 @@ QType converted_type(FileType t) {
     case FileType::q3_k:
     case FileType::q6_k: return QType::q8_h32;
     case FileType::iq4_xs: return QType::iq4_f32;
+    case FileType::q2_k: return QType::q4_hm32;
     default: return QType::q8_m32;  // q5_1, q5_k
   }
 }
@@ -199,6 +225,7 @@ int64_t file_block_bytes(FileType t) {
   switch (t) {
     case FileType::q5_0: return 22;
     case FileType::q5_1: return 24;
+    case FileType::q2_k: return 84;
     case FileType::q3_k: return 110;
     case FileType::iq4_xs: return 136;
     case FileType::q4_k: return 144;
@@ -222,6 +249,7 @@ void convert_quant(const ConvertArgs& a) {
         case FileType::q6_k: q6_k(in, out); break;
         case FileType::q3_k: q3_k(in, out); break;
         case FileType::iq4_xs: iq4_xs(in, out); break;
+        case FileType::q2_k: q2_k(in, out); break;
         case FileType::q5_0: q5<false>(in, out); break;
         case FileType::q5_1: q5<true>(in, out); break;
       }

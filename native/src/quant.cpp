@@ -1,5 +1,5 @@
 // Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, IQ4_NL, and the
-// K-quants Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
+// superblock types Q2_K to Q6_K and IQ4_XS as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
 // and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
@@ -31,6 +31,8 @@ namespace appliance::APPLIANCE_ISA {
 namespace {
 
 inline uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+// A block's scalars: d; d and m (or d1 with halves); d0, d1, m0, m1 (halves with a min: Q2_K's, Q4_HM32)
+inline int scalar_count(const PackedLayout& L) { return L.halves && L.has_min ? 4 : 1 + (L.has_min || L.halves); }
 
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
 #define APPLIANCE_SIMD_DEQUANT 1
@@ -114,21 +116,21 @@ void dequant_row(const uint8_t* row, int64_t blocks, float* out) {  // plain loo
 }
 #endif
 
-// Our own blocks (Q4_M32, Q8_M32, Q8_H32, IQ4_F32: f32 scalars, then the quants; see kernels.h) and IQ4_NL,
+// Our own blocks (Q4_M32, Q8_M32, Q8_H32, IQ4_F32, Q4_HM32: f32 scalars, then the quants; see kernels.h) and IQ4_NL,
 // plainly: they are expanded only where a shard does not fall on blocks, or for a test.
 void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* out) {
   const int64_t bytes = quant_block_bytes(q);
   const PackedLayout L = packed_layout(q);
-  const int scalars = 1 + (L.has_min || L.halves);
+  const int scalars = scalar_count(L);
   for (int64_t b = 0; b < blocks; ++b, row += bytes, out += kQuantBlock) {
-    float f[2] = {0.f, 0.f};  // d and m, or (halves) d0 and d1
+    float f[4] = {0.f, 0.f, 0.f, 0.f};  // d and m, or (halves) d0 and d1 (and m0, m1)
     if (L.scale_bytes == 2) f[0] = fp16_to_float(u16(row));  // IQ4_NL
     else std::memcpy(f, row, 4 * scalars);
     const uint8_t* u = row + L.scale_bytes * scalars;
     for (int i = 0; i < kQuantBlock; ++i) {
       int v = L.bits == 4 ? (u[i % 16] >> (i < 16 ? 0 : 4)) & 15 : u[i];
       if (L.lut) v = kIq4Unsigned[v];
-      if (L.halves) out[i] = f[i >= 16] * static_cast<float>(v - L.zero);
+      if (L.halves) out[i] = f[i >= 16] * static_cast<float>(v - L.zero) + f[2 + (i >= 16)];
       else out[i] = f[0] * static_cast<float>(v - L.zero) + f[1];
     }
   }
@@ -300,7 +302,8 @@ inline const uint8_t* block_codes(const PackedLayout& L, const uint8_t* head, in
 // Q6_K's (a signed byte a row for each half) times its d, IQ4_XS's (a signed byte a row) times its d.
 // Products of fp16 and a 6- or 8-bit integer: exact in float32, the same scales Q4_M32, Q8_M32, Q8_H32 and
 // IQ4_F32 hold.
-constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3, kSignedCodes = 6;
+// Q2_K's (kHalfCodesMin: a byte a row for each half's scale and min) times its fp16 d and -dmin.
+constexpr int kFp16 = 2, kF32 = 4, kCodes = 1, kHalfCodes = 3, kSignedCodes = 6, kHalfCodesMin = 7;
 // kExpanded: Q4_K's and Q5_K's d and m as kCodes forms them, expanded once for a run of row tiles over the
 // same panels (expand_scales), so that the tiles after the first do not form them again. (Q6_K's, which
 // take fewer instructions to form, ran slower so: 2048 x 8192 at 8 and 32 rows, +4-50%.)
@@ -334,12 +337,40 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
     m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
   }
 }
+// (for a scale per 16 weights, half_scales below has the mins too)
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
   if (L.scale_bytes == 4) block_scales<kF32>(L, blk, b, d, m);
   else if (L.scale_bytes == 1 && L.halves) block_scales<kHalfCodes>(L, blk, b, d, m);
   else if (L.scale_bytes == 1 && L.has_min) block_scales<kCodes>(L, blk, b, d, m);
   else if (L.scale_bytes == 1) block_scales<kSignedCodes>(L, blk, b, d, m);
   else block_scales<kFp16>(L, blk, b, d, m);
+}
+
+// A block's scales where it has one per 16 weights (halves): d0 and d1, and with kMin (Q2_K, Q4_HM32) the
+// mins m0 and m1, else zero.
+template <int SCALES, bool kMin>
+void half_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d0, F32x16& d1, F32x16& m0, F32x16& m1) {
+  m0 = m1 = F32x16::zero();
+  if constexpr (SCALES == kHalfCodesMin) {  // Q2_K
+    const uint8_t* head = super_head(L, blk, b);
+    const uint8_t* codes = block_codes(L, head, b);
+    const F32x16 d = F32x16::load_half(reinterpret_cast<const uint16_t*>(head));
+    const F32x16 dmin = F32x16::load_half(reinterpret_cast<const uint16_t*>(head) + kPanelRows);  // -dmin
+    d0 = d * F32x16::load_u8(codes), d1 = d * F32x16::load_u8(codes + kPanelRows);
+    if constexpr (kMin) m0 = dmin * F32x16::load_u8(codes + 2 * kPanelRows), m1 = dmin * F32x16::load_u8(codes + 3 * kPanelRows);
+  } else if constexpr (SCALES == kF32) {  // Q8_H32, Q4_HM32
+    const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
+    d0 = F32x16::load(scales), d1 = F32x16::load(scales + kPanelRows);
+    if constexpr (kMin) m0 = F32x16::load(scales + 2 * kPanelRows), m1 = F32x16::load(scales + 3 * kPanelRows);
+  } else {  // kHalfCodes: Q3_K, Q6_K
+    block_scales<kHalfCodes>(L, blk, b, d0, d1);
+  }
+}
+void half_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d0, F32x16& d1, F32x16& m0, F32x16& m1) {
+  if (L.scale_bytes == 4 && L.has_min) half_scales<kF32, true>(L, blk, b, d0, d1, m0, m1);
+  else if (L.scale_bytes == 4) half_scales<kF32, false>(L, blk, b, d0, d1, m0, m1);
+  else if (L.has_min) half_scales<kHalfCodesMin, true>(L, blk, b, d0, d1, m0, m1);
+  else half_scales<kHalfCodes, false>(L, blk, b, d0, d1, m0, m1);
 }
 
 // Every tile starts its accumulators at zero and reads block b of its NP panels.
@@ -418,8 +449,8 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
-// kMin: the type has a min per block and no zero point (Q4_1, Q4_K, Q5_K and our float32-scale types), else a
-// zero point and no min (Q4_0, Q8_0); known at compile time, so that neither costs a test or a dead
+// kMin: the type has a min per block and no zero point (Q4_1, Q4_K, Q5_K, Q4_M32, Q8_M32), else a zero point
+// and no min (Q4_0, Q8_0, the IQ4 types); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
 // kLut: the nibbles index the IQ4 codebook; one vpshufb a vector maps them to their u (any byte, as Q8_0's).
@@ -511,10 +542,11 @@ inline void nibble_half(const uint8_t* const (&blk)[NP], const int8_t* const (&x
     }
 }
 
-// Integer tile for weights with a scale per 16 (Q8_H32, Q6_K; Q3_K's 4 bits): as int_tile, each half of a
-// block folded into the float accumulators under its own scale, with its own share of the zero correction.
-// Their u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate (kSmall).
-template <int MR, int NP, int BITS, int PLANES, int SCALES>
+// Integer tile for weights with a scale per 16 (Q8_H32, Q6_K; Q3_K's 4 bits; with a min per 16, Q2_K's and
+// Q4_HM32's): as int_tile, each half of a block folded into the float accumulators under its own scale, with
+// its own share of the zero correction (kMin: of the min times x's sum). Their u < 64, so the 16-bit pairs of
+// the emulated dot4 cannot saturate (kSmall).
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   constexpr bool kSmall = true;
   const PackedLayout& L = t.layout;
@@ -524,12 +556,12 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    panel_blocks<NP, SCALES == kHalfCodes>(t, p0, b, blk);
+    panel_blocks<NP, SCALES == kHalfCodes || SCALES == kHalfCodesMin>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
-    F32x16 d[2][NP];
-    for (int j = 0; j < NP; ++j) block_scales<SCALES>(L, blk[j], b, d[0][j], d[1][j]);
+    F32x16 d[2][NP], m[2][NP];
+    for (int j = 0; j < NP; ++j) half_scales<SCALES, kMin>(L, blk[j], b, d[0][j], d[1][j], m[0][j], m[1][j]);
     for (int h = 0; h < 2; ++h) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
@@ -541,9 +573,12 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
         const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;
         const F32x16 scale = F32x16::set1(x.scale[cell]);
         const I32x16 correction = I32x16::set1(L.zero * part);
+        const F32x16 xsum = F32x16::set1(x.scale[cell] * static_cast<float>(part));  // the half's x, as quantized
         for (int j = 0; j < NP; ++j) {
-          const I32x16 total = (PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j]) - correction;
+          I32x16 total = PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
+          if constexpr (!kMin) total = total - correction;
           acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
+          if constexpr (kMin) acc[r][j] = F32x16::fmadd(m[h][j], xsum, acc[r][j]);
         }
       }
     }
@@ -582,15 +617,24 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         part[r][j] = F32x16::fmadd(w3, F32x16::set1(xb[r][k0 + 3]), p);
       }
     };
-    auto first_half_under_d = [&] {  // with halves: the first 16 weights' sums scaled now, the rest under d1 below
+    auto half_sum = [&](int r, int h) {  // x over half h of the block (for a min per 16)
+      float sum = 0.f;
+      for (int i = 0; i < 16; ++i) sum += xb[r][16 * h + i];
+      return F32x16::set1(sum);
+    };
+    auto half_under_its_scale = [&](int h) {  // with halves: half h's sums under d0 or d1 (and m0 or m1)
       for (int j = 0; j < NP; ++j) {
-        F32x16 d, d1;
-        block_scales(L, blk[j], b, d, d1);
-        for (int r = 0; r < MR; ++r) acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]), part[r][j] = F32x16::zero();
+        F32x16 d[2], m[2];
+        half_scales(L, blk[j], b, d[0], d[1], m[0], m[1]);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = F32x16::fmadd(part[r][j], d[h], acc[r][j]), part[r][j] = F32x16::zero();
+          if (L.has_min) acc[r][j] = F32x16::fmadd(m[h], half_sum(r, h), acc[r][j]);
+        }
       }
     };
+    auto first_half_under_d = [&] { half_under_its_scale(0); };
     if constexpr (BITS == 4) {
-      if (L.halves) {  // Q3_K: the low nibbles (the first half), then the high ones
+      if (L.halves) {  // Q2_K, Q3_K: the low nibbles (the first half), then the high ones
         for (int g = 0; g < 4; ++g)
           for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), false), 4 * g);
         first_half_under_d();
@@ -610,14 +654,14 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         if (L.halves && g == 3) first_half_under_d();
       }
     }
+    if (L.halves) {
+      half_under_its_scale(1);
+      continue;
+    }
     for (int j = 0; j < NP; ++j) {
       F32x16 d, m;
       block_scales(L, blk[j], b, d, m);
       for (int r = 0; r < MR; ++r) {
-        if (L.halves) {
-          acc[r][j] = F32x16::fmadd(part[r][j], m, acc[r][j]);  // m is d1
-          continue;
-        }
         acc[r][j] = F32x16::fmadd(part[r][j], d, acc[r][j]);
         if (L.has_min) acc[r][j] = F32x16::fmadd(m, F32x16::set1(x.fsum[(r0 + r) * t.blocks + b]), acc[r][j]);
       }
@@ -670,8 +714,10 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
       else int_tile_pre<MR, NP, BITS, PLANES, kFp16, false, true>(t, r0, p0, pre);  // IQ4_NL
     }
   } else if (t.layout.halves) {
-    if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes>(t, r0, p0);  // Q3_K, Q6_K
-    else halves_tile<MR, NP, BITS, PLANES, kF32>(t, r0, p0);  // Q8_H32
+    if (t.layout.scale_bytes == 1 && t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kHalfCodesMin, true>(t, r0, p0);  // Q2_K
+    else if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K, Q6_K
+    else if (t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0);  // Q4_HM32
+    else halves_tile<MR, NP, BITS, PLANES, kF32, false>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
     int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
   } else if (t.layout.scale_bytes == 1) {  // Q4_K, Q5_K: a min too
@@ -718,7 +764,8 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
     return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
   };
   // Q4_K, Q5_K under more than two row tiles: their scales formed once, not once a row tile
-  const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && r_end - r_begin > 2 * kMR;
+  const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && !t.layout.halves &&
+                      r_end - r_begin > 2 * kMR;
   if (expand) expand_scales<NP>(t, p0);
   for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand);
   switch (r_end - r) {
@@ -789,25 +836,33 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
   const int64_t j = id % kPanelRows;
   for (int64_t b = 0; b < blocks; ++b, out += kQuantBlock) {
     const uint8_t* blk = w + id / kPanelRows * panel_bytes + (b / kSuperBlocks + 1) * L.super_head + b * L.block_bytes;
-    float d = 0.f, m = 0.f;  // with halves, m is d1
+    float d[2] = {0.f, 0.f}, m[2] = {0.f, 0.f};  // each half's scale and min (the same without halves)
     if (L.scale_bytes == 1) {  // codes times the superblock's scalars (as block_scales)
       const uint8_t* head = super_head(L, blk, b);
       const uint8_t* codes = block_codes(L, head, b);
-      if (!L.has_min) {  // Q3_K, Q6_K: f32 d, signed codes per half (m is d1); IQ4_XS: one code
+      const uint16_t* halfs = reinterpret_cast<const uint16_t*>(head);
+      if (L.halves && L.has_min) {  // Q2_K: fp16 d and -dmin, unsigned codes: sc0, sc1, m0, m1
+        for (int h = 0; h < 2; ++h) {
+          d[h] = fp16_to_float(halfs[j]) * static_cast<float>(codes[kPanelRows * h + j]);
+          m[h] = fp16_to_float(halfs[kPanelRows + j]) * static_cast<float>(codes[kPanelRows * (2 + h) + j]);
+        }
+      } else if (!L.has_min) {  // Q3_K, Q6_K: f32 d, signed codes per half; IQ4_XS: one code
         float scale;
         std::memcpy(&scale, head + 4 * j, 4);
-        d = scale * static_cast<float>(static_cast<int8_t>(codes[j]));
-        if (L.halves) m = scale * static_cast<float>(static_cast<int8_t>(codes[kPanelRows + j]));
+        d[0] = d[1] = scale * static_cast<float>(static_cast<int8_t>(codes[j]));
+        if (L.halves) d[1] = scale * static_cast<float>(static_cast<int8_t>(codes[kPanelRows + j]));
       } else {  // Q4_K, Q5_K: fp16 d and -dmin, unsigned codes
-        d = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[j]) * static_cast<float>(codes[j]);
-        m = fp16_to_float(reinterpret_cast<const uint16_t*>(head)[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
+        d[0] = d[1] = fp16_to_float(halfs[j]) * static_cast<float>(codes[j]);
+        m[0] = m[1] = fp16_to_float(halfs[kPanelRows + j]) * static_cast<float>(codes[kPanelRows + j]);
       }
-    } else if (L.scale_bytes == 4) {
-      std::memcpy(&d, blk + L.quant_bytes + 4 * j, 4);
-      if (L.has_min || L.halves) std::memcpy(&m, blk + L.quant_bytes + 4 * (kPanelRows + j), 4);
+    } else if (L.scale_bytes == 4) {  // d (d0, d1 with halves), then m (m0, m1)
+      float f[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int c = 0; c < scalar_count(L); ++c) std::memcpy(&f[c], blk + L.quant_bytes + 4 * (c * kPanelRows + j), 4);
+      if (L.halves) d[0] = f[0], d[1] = f[1], m[0] = f[2], m[1] = f[3];
+      else d[0] = d[1] = f[0], m[0] = m[1] = f[1];
     } else if (L.scale_bytes == 2) {
       const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + L.quant_bytes);
-      d = fp16_to_float(scales[j]), m = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
+      d[0] = d[1] = fp16_to_float(scales[j]), m[0] = m[1] = L.has_min ? fp16_to_float(scales[kPanelRows + j]) : 0.f;
     }
     if (L.bits == 16) {  // weight i of row j: vector i / 2, lane j, half i % 2
       const bf16* v = reinterpret_cast<const bf16*>(blk);
@@ -819,14 +874,13 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
       if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
       else u = blk[64 * (i / 4) + 4 * j + i % 4];
       if (L.lut) u = kIq4Unsigned[u];
-      if (L.halves) out[i] = from_float<T>((i < 16 ? d : m) * static_cast<float>(u - L.zero));
-      else out[i] = from_float<T>(d * static_cast<float>(u - L.zero) + m);
+      out[i] = from_float<T>(d[i >= 16] * static_cast<float>(u - L.zero) + m[i >= 16]);
     }
   }
 }
 
 // K-quant rows in their superblocks: per panel and superblock, the head (the 16 rows' superblock scalars,
-// then each block's codes, 2 x 16 bytes, IQ4_XS's 16), then the 8 blocks' quants. `row(src, j, head, codes, blocks)`
+// then each block's codes, 2 x 16 bytes, IQ4_XS's 16, Q2_K's 4 x 16), then the 8 blocks' quants. `row(src, j, head, codes, blocks)`
 // writes row j's share of one superblock from the file's `src`.
 template <typename Row>
 void pack_superblocks(const PackArgs& a, Row row) {
@@ -900,6 +954,22 @@ void pack_q3_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   put_half_scaled(parts, j, head, codes, blocks, 4);
 }
 
+// Q2_K: Q4_K's head (fp16 d and -dmin), a byte code a row for each half's scale and min, u as nibbles.
+void pack_q2_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
+  Q2KParts parts;
+  q2_k_parts(src, parts);
+  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
+  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
+  for (int i = 0; i < kSuperBlocks; ++i) {
+    const uint8_t* u = parts.u + 32 * i;
+    uint8_t nibbles[16];
+    for (int k = 0; k < 16; ++k) nibbles[k] = static_cast<uint8_t>(u[k] | (u[k + 16] << 4));
+    put_quants(blocks, i, j, nibbles, 4);
+    for (int h = 0; h < 2; ++h)
+      codes[64 * i + kPanelRows * h + j] = parts.sc[2 * i + h], codes[64 * i + kPanelRows * (2 + h) + j] = parts.m[2 * i + h];
+  }
+}
+
 // IQ4_XS: f32 d, a signed byte a block for its code (16 a block: one a row), the file's nibbles.
 void pack_iq4_xs_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   IQ4XSParts parts;
@@ -920,6 +990,7 @@ void pack_quant(const PackArgs& a) {
   if (a.qtype == QType::q6_k) return pack_superblocks(a, pack_q6_k_row);
   if (a.qtype == QType::q3_k) return pack_superblocks(a, pack_q3_k_row);
   if (a.qtype == QType::iq4_xs) return pack_superblocks(a, pack_iq4_xs_row);
+  if (a.qtype == QType::q2_k) return pack_superblocks(a, pack_q2_k_row);
   const PackedLayout L = packed_layout(a.qtype);
   const int64_t blocks = a.in_features / kQuantBlock, gguf_block = quant_block_bytes(a.qtype), row_bytes = blocks * gguf_block;
   const int64_t panels = packed_panels(a.rows), panel_bytes = blocks * L.block_bytes;
@@ -934,7 +1005,7 @@ void pack_quant(const PackArgs& a) {
           for (int g = 0; g < kQuantBlock / 2; ++g) std::memcpy(dst + 64 * g + 4 * j, src + 4 * g, 4);
           continue;
         }
-        const int sb = L.scale_bytes, scalars = 1 + (L.has_min || L.halves);  // d, or d and m (or d1)
+        const int sb = L.scale_bytes, scalars = scalar_count(L);
         for (int c = 0; c < scalars; ++c) std::memcpy(dst + L.quant_bytes + sb * (c * kPanelRows + j), src + c * sb, sb);
         const uint8_t* qs = src + scalars * sb;
         if (L.bits == 4) {

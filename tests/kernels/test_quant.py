@@ -1,4 +1,4 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS as stored; Q5_0,
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, IQ4_NL, Q2_K to Q6_K and IQ4_XS as stored; Q5_0,
 Q5_1 converted into exact blocks of 32, and the superblock types too where a cut needs it), and bfloat16
 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
@@ -24,11 +24,11 @@ ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
 TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.IQ4_NL]
 CONVERTED = [GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
-SUPERBLOCK = [GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS]  # kept as stored, in superblocks of 256
+SUPERBLOCK = [GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS]  # kept as stored, in superblocks of 256
 # types gguf cannot quantize (random bytes): where a block's float16 d (and dmin) sit, and their range; weights
 # then within about +-0.3, as real ones
-K_SCALES = {GT.Q3_K: ([108], 2e-3), GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4), GT.Q6_K: ([208], 3e-5),
-            GT.IQ4_NL: ([0], 2.5e-3), GT.IQ4_XS: ([0], 7e-5)}
+K_SCALES = {GT.Q2_K: ([80, 82], 5e-3), GT.Q3_K: ([108], 2e-3), GT.Q4_K: ([0, 2], 3e-4), GT.Q5_K: ([0, 2], 1.5e-4),
+            GT.Q6_K: ([208], 3e-5), GT.IQ4_NL: ([0], 2.5e-3), GT.IQ4_XS: ([0], 7e-5)}
 
 
 @pytest.fixture(params=variants())
@@ -183,21 +183,22 @@ def test_mixed_types_fuse_as_parts(isa, activations):
 
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():
-    for qtype, bits in ((GT.Q3_K, 3.4375), (GT.Q4_K, 4.5), (GT.Q5_K, 5.5), (GT.Q6_K, 6.5625), (GT.IQ4_XS, 4.25),
-                        (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
+    for qtype, bits in ((GT.Q2_K, 2.625), (GT.Q3_K, 3.4375), (GT.Q4_K, 4.5), (GT.Q5_K, 5.5), (GT.Q6_K, 6.5625),
+                        (GT.IQ4_XS, 4.25), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
-    for qtype, bits, packed in ((GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 8.625), (GT.Q6_K, 10, 8.625),
-                                (GT.IQ4_XS, 5, 4.375)):
+    for qtype, bits, packed in ((GT.Q2_K, 8, 5.125), (GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 8.625),
+                                (GT.Q6_K, 10, 8.625), (GT.IQ4_XS, 5, 4.375)):
         q, _ = quantized(3, 512, qtype)
-        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q8_H32, Q4_M32, Q8_M32, Q8_H32, IQ4_F32
+        assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q4_HM32, Q8_H32, Q4_M32, Q8_M32, Q8_H32, IQ4_F32
         # packed: per 16 rows and 256 weights, 8 blocks of quants (Q5_K, Q6_K: a byte each), a byte code each
         # for scale and min (Q3_K, Q6_K: the scales of both halves) and a head of fp16 d and -dmin (Q3_K,
-        # Q6_K: f32 d; IQ4_XS: f32 d and one code a block)
+        # Q6_K: f32 d; IQ4_XS: f32 d and one code a block; Q2_K: fp16 d and -dmin, a scale and a min code each
+        # per half block)
         assert kernels.ops._native.packed_bytes(qtype.value, 64, 512) * 8 == packed * 64 * 512
     raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
     with pytest.raises(ValueError, match="is not converted"):
-        kernels.convert_quant(raw, GT.Q2_K.value, 256)
+        kernels.convert_quant(raw, GT.IQ2_XS.value, 256)
     with pytest.raises(ValueError, match="rows must be 144 bytes for 256 features"):
         kernels.convert_quant(raw[:, :100].contiguous(), GT.Q4_K.value, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -258,9 +259,9 @@ def test_a_row_gives_the_same_result_in_any_batch(isa):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
-@pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q3_K, "Q8_H32"), (GT.Q4_K, "Q4_M32"), (GT.Q5_K, "Q8_M32"),
-                                                (GT.Q6_K, "Q8_H32"), (GT.IQ4_XS, "IQ4_F32")],
-                         ids=["Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q2_K, "Q4_HM32"), (GT.Q3_K, "Q8_H32"), (GT.Q4_K, "Q4_M32"),
+                                                (GT.Q5_K, "Q8_M32"), (GT.Q6_K, "Q8_H32"), (GT.IQ4_XS, "IQ4_F32")],
+                         ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_k_quants_cut_within_their_superblocks_come_back_in_blocks_of_32(isa, qtype, cut_type):
     """A tensor-parallel shard of a K-quant weight's input features that does not fall on 256 (here 576 / 2)
     is the same values in blocks of 32; one that does stays as it was."""
@@ -270,9 +271,13 @@ def test_k_quants_cut_within_their_superblocks_come_back_in_blocks_of_32(isa, qt
     cut = q.columns(range(288, 576))
     assert cut.type_name == cut_type and torch.equal(cut.dequantize(), w[:, 288:576])
     assert q.columns(range(16, 256)) is None
-    x = torch.randn(3, 288)
-    expected = (quantize_activations(x, "int16").double() @ w[:, 288:576].double().T).float()
-    torch.testing.assert_close(cut.pack("int16").linear(x), expected, atol=2e-5, rtol=2e-5)
+    for activations in ACTIVATIONS:
+        packed = cut.pack(activations)
+        for m in (3, 17):  # one row tile, and several
+            x = torch.randn(m, 288)
+            expected = (quantize_activations(x, activations).double() @ w[:, 288:576].double().T).float()
+            torch.testing.assert_close(packed.linear(x), expected, atol=2e-5, rtol=2e-5)
+        assert torch.equal(packed.embedding(torch.tensor([19, 0]), torch.float32), w[[19, 0], 288:576])
     assert torch.equal(q.rows(torch.tensor([19, 2])).dequantize(), w[[19, 2]])
 
 

@@ -92,7 +92,8 @@ def test_every_tensor_type_loads_like_transformers(tiny, caplog):
     third = ours.model.layers[2]  # the IQ4 types kept as stored, beside Q3_K
     assert [w.type_name for w in (third.attention.qkv.weight, third.attention.o.weight, third.mlp.gate_up.weight,
                                   third.mlp.down.weight)] == ["IQ4_XS+IQ4_NL", "IQ4_NL", "IQ4_XS+Q3_K", "IQ4_XS"]
-    assert "dequantized to float32 at load: IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, Q2_K" in caplog.text
+    assert "dequantized to float32 at load: IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS (" in caplog.text
+    assert ours.model.layers[1].attention.qkv.weight.type_name == "Q2_K+Q3_K+Q4_1"  # Q2_K kept
     assert isinstance(ours.model.layers[3].attention.qkv.weight, torch.Tensor)  # no kernel: float32
     ids = [[5, 17, 300, 2, 511, 64, 9]]
     with torch.inference_mode():

@@ -23,7 +23,7 @@ from tests.model.test_parity import PROMPTS, STEPS, Session, reference_greedy
 
 
 # llama.cpp's, for rows not a multiple of 256
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+FALLBACK = {"Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
 
 
 def q4_k_m(name: str, columns: int) -> str:
