@@ -431,10 +431,15 @@ struct I32x16 {
   static I32x16 table16(const uint8_t* t) { I32x16 r{}; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
   I32x16 lookup(I32x16 table) const {
     const uint8_t* entries = reinterpret_cast<const uint8_t*>(table.v);
-    I32x16 r;
     const uint8_t* in = reinterpret_cast<const uint8_t*>(v);
+    I32x16 r;
     uint8_t* out = reinterpret_cast<uint8_t*>(r.v);
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_neon  // one tbl a 16 bytes (the indices are below 16)
+    const uint8x16_t t = vld1q_u8(entries);
+    for (int i = 0; i < 64; i += 16) vst1q_u8(out + i, vqtbl1q_u8(t, vld1q_u8(in + i)));
+#else
     for (int i = 0; i < 64; ++i) out[i] = entries[in[i] & 15];
+#endif
     return r;
   }
   template <int I> I32x16 byte() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (8 * I)) & 0xffu)) }
