@@ -58,27 +58,28 @@ void q5_k(const uint8_t* b, uint8_t* out) {
 // Q6_K (210 bytes a 256): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16
 // weights), fp16 d; w = d sc (q - 32). Within each half of 128: weight l + 32 t (t < 4) is nibble t / 2 of
 // ql[l + 32 (t % 2)] with bits 2t..2t+1 of qh[l] above it.
-void q6_k(const uint8_t* b, uint8_t* out) {
-  Q6KParts parts;
-  q6_k_parts(b, parts);
+// -> Q8_H32: per block, f32 d sc for each half, then the bytes u moved from the type's zero point (`zero`) onto
+// Q8_H32's, 32.
+void half_scaled_to_q8_h32(const Q6KParts& parts, int zero, uint8_t* out) {
   const float d = fp16_to_float(parts.d);
   for (int s = 0; s < 8; ++s, out += 40) {
     put_f32(out, d * static_cast<float>(parts.sc[2 * s]));
     put_f32(out + 4, d * static_cast<float>(parts.sc[2 * s + 1]));
-    std::memcpy(out + 8, parts.u + 32 * s, 32);
+    for (int i = 0; i < 32; ++i) out[8 + i] = static_cast<uint8_t>(parts.u[32 * s + i] + 32 - zero);
   }
+}
+
+void q6_k(const uint8_t* b, uint8_t* out) {
+  Q6KParts parts;
+  q6_k_parts(b, parts);
+  half_scaled_to_q8_h32(parts, 32, out);
 }
 
 // Q3_K (110 bytes a 256) -> Q8_H32 as Q6_K: u = q + 4 becomes q + 32.
 void q3_k(const uint8_t* b, uint8_t* out) {
   Q6KParts parts;
   q3_k_parts(b, parts);
-  const float d = fp16_to_float(parts.d);
-  for (int s = 0; s < 8; ++s, out += 40) {
-    put_f32(out, d * static_cast<float>(parts.sc[2 * s]));
-    put_f32(out + 4, d * static_cast<float>(parts.sc[2 * s + 1]));
-    for (int i = 0; i < 32; ++i) out[8 + i] = static_cast<uint8_t>(parts.u[32 * s + i] + 28);
-  }
+  half_scaled_to_q8_h32(parts, 4, out);
 }
 
 // Q2_K (84 bytes a 256) -> Q4_HM32: per block, f32 d sc and -dmin m for each half, then Q4_1's nibbles.
