@@ -154,8 +154,8 @@ def linear_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def pack_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     # weight: [V, K/32 blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q8_0 8, BF16 30, or convert_quant's
-    # Q4_M32 100, Q8_M32 101, Q8_H32 102, IQ4_F32 103; IQ4_NL 20), or [V, K/256 superblocks] of Q3_K 11, Q4_K 12,
-    # Q5_K 13, Q6_K 14, IQ4_XS 23
+    # Q4_M32 100, Q8_M32 101, Q8_H32 102, IQ4_F32 103, Q4_HM32 104; IQ4_NL 20), or [V, K/256 superblocks] of
+    # Q2_K 10 to Q6_K 14, IQ4_XS 23
     # -> the packed layout, uint8 [bytes]
     out = torch.empty(_native.packed_bytes(int(qtype), weight.shape[0], int(in_features)), dtype=torch.uint8)
     _native.pack_quant(_ref(out, "out", (torch.uint8,), 1), _ref(weight, "weight", (torch.uint8,), 2), int(qtype),
@@ -187,7 +187,7 @@ def packed_rows(weight: torch.Tensor, ids: torch.Tensor, qtype: int, in_features
 
 
 def convert_quant(weight: torch.Tensor, file_type: int, in_features: int) -> tuple[torch.Tensor, int]:
-    # weight: [R, file blocks] uint8 of GGML type `file_type` (Q5_0 6, Q5_1 7, Q3_K 11 to Q6_K 14, IQ4_XS 23) ->
+    # weight: [R, file blocks] uint8 of GGML type `file_type` (Q5_0 6, Q5_1 7, Q2_K 10 to Q6_K 14, IQ4_XS 23) ->
     # (the same weights as exact blocks of 32 a packed type runs, uint8 [R, K/32 blocks]; that type's id)
     qtype = _native.converted_type(int(file_type))
     out = torch.empty(weight.shape[0], in_features // 32 * _native.block_bytes(qtype), dtype=torch.uint8)
@@ -197,7 +197,7 @@ def convert_quant(weight: torch.Tensor, file_type: int, in_features: int) -> tup
 
 
 def dequantize(weight: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    # weight: [R, K/32 GGUF blocks] (K/256 for Q3_K to Q6_K and IQ4_XS) uint8 -> [R, K] in dtype
+    # weight: [R, K/32 GGUF blocks] (K/256 for Q2_K to Q6_K and IQ4_XS) uint8 -> [R, K] in dtype
     out = torch.empty(weight.shape[0], in_features, dtype=dtype)
     _native.dequantize(_ref(out, "out", dims=2), _ref(weight, "weight", (torch.uint8,), 2), int(qtype), int(in_features))
     return out

@@ -6,14 +6,12 @@ stores them, superblocks of 256 weights, and run packed with their superblock sc
 8.6 bits a weight; the file's are 2.6, 3.4, 4.5, 5.5 and 6.6: Q2_K's and Q3_K's quants run as nibbles, Q5_K's
 and Q6_K's as bytes).
 IQ4_NL and IQ4_XS (4-bit indices into a codebook of 16 values) stay as stored too (4.5 and 4.4 bits a weight,
-the file's 4.5 and 4.25); the tile looks the values up. Q5_0 and Q5_1 stay
-quantized too, converted at load (`kernels.convert_quant`) into blocks of 32 that keep every weight's
-value: Q5_0 as Q8_0 (8.5 bits), Q5_1 as bytes with float32 scale and min (Q8_M32, 10 bits); the
-K-quants too (Q4_K as Q4_M32, 4-bit quants with float32 scale and min per 32, 6 bits; Q5_K as Q8_M32;
-Q3_K and Q6_K as Q8_H32, bytes with a float32 scale per 16, 10 bits; IQ4_XS as IQ4_F32, 5 bits; Q2_K as
-Q4_HM32, nibbles with a float32 scale and min per 16, 8 bits) where a
-tensor-parallel cut does not fall
-on 256. At load they are `QuantizedTensor`s, which TP sharding
+the file's 4.5 and 4.25); the tile looks the values up. Q5_0 and Q5_1 stay quantized too, converted at load
+(`kernels.convert_quant`) into blocks of 32 that keep every weight's value: Q5_0 as Q8_0 (8.5 bits), Q5_1 as
+bytes with float32 scale and min (Q8_M32, 10 bits); the superblock types too where a tensor-parallel cut
+does not fall on 256 (Q4_K as Q4_M32, 4-bit quants with float32 scale and min per 32, 6 bits; Q5_K as
+Q8_M32; Q3_K and Q6_K as Q8_H32, bytes with a float32 scale per 16, 10 bits; IQ4_XS as IQ4_F32, 5 bits;
+Q2_K as Q4_HM32, nibbles with a float32 scale and min per 16, 8 bits). At load they are `QuantizedTensor`s, which TP sharding
 cuts and fused projections stack (a fused projection whose parts differ in type runs as its parts,
 `QuantizedParts` and `PackedParts`, each in its own blocks); the model then packs each into a
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot

@@ -163,6 +163,11 @@ struct ConvertArgs {  // out = rows [R, K / 32 * quant_block_bytes(converted_typ
 };
 void convert_quant(const ConvertArgs&);  // plain C++, once at load: not per ISA
 
+// Q4_1's order: byte i of `out` holds u[i] (low nibble) and u[i + 16] (high), from 32 values below 16.
+inline void put_nibbles(uint8_t* out, const uint8_t* u) {
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>(u[i] | (u[i + 16] << 4));
+}
+
 struct Q4KParts {  // one Q4_K superblock: w = d sc[s] q - dmin m[s] for the 32 weights of sub-block s
   uint16_t d, dmin;        // fp16 bits
   uint8_t sc[8], m[8];     // 6-bit codes

@@ -14,11 +14,6 @@ namespace {
 inline float half(const uint8_t* p) { return fp16_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 inline void put_f32(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
 
-// A Q4_1-ordered 16 bytes of nibbles (low nibbles weights 0..15, high 16..31) from 32 values below 16.
-void put_nibbles(uint8_t* out, const uint8_t* u) {
-  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>(u[i] | (u[i + 16] << 4));
-}
-
 // Q4_K and Q5_K: the 6-bit scale and min of sub-block j (of 8) from the 12 packed bytes.
 void scale_min(int j, const uint8_t* s, int& sc, int& m) {
   if (j < 4) {
@@ -55,11 +50,8 @@ void q5_k(const uint8_t* b, uint8_t* out) {
   }
 }
 
-// Q6_K (210 bytes a 256): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16
-// weights), fp16 d; w = d sc (q - 32). Within each half of 128: weight l + 32 t (t < 4) is nibble t / 2 of
-// ql[l + 32 (t % 2)] with bits 2t..2t+1 of qh[l] above it.
-// -> Q8_H32: per block, f32 d sc for each half, then the bytes u moved from the type's zero point (`zero`) onto
-// Q8_H32's, 32.
+// Q6_K's or Q3_K's parts -> Q8_H32: per block, f32 d sc for each half, then the bytes u moved from the type's
+// zero point (`zero`) onto Q8_H32's, 32.
 void half_scaled_to_q8_h32(const Q6KParts& parts, int zero, uint8_t* out) {
   const float d = fp16_to_float(parts.d);
   for (int s = 0; s < 8; ++s, out += 40) {
@@ -69,6 +61,9 @@ void half_scaled_to_q8_h32(const Q6KParts& parts, int zero, uint8_t* out) {
   }
 }
 
+// Q6_K (210 bytes a 256): 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16
+// weights), fp16 d; w = d sc (q - 32). Within each half of 128: weight l + 32 t (t < 4) is nibble t / 2 of
+// ql[l + 32 (t % 2)] with bits 2t..2t+1 of qh[l] above it.
 void q6_k(const uint8_t* b, uint8_t* out) {
   Q6KParts parts;
   q6_k_parts(b, parts);

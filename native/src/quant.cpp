@@ -311,13 +311,7 @@ constexpr int kExpanded = 5;
 thread_local std::vector<float> expanded_scales;  // [blocks][NP][d, m][16]
 template <int SCALES>
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
-  if constexpr (SCALES == kHalfCodes) {  // m is d1
-    const uint8_t* head = super_head(L, blk, b);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(L, head, b));
-    const F32x16 scale = F32x16::load(reinterpret_cast<const float*>(head));
-    d = scale * F32x16::load_i8(codes);
-    m = scale * F32x16::load_i8(codes + kPanelRows);
-  } else if constexpr (SCALES == kSignedCodes) {
+  if constexpr (SCALES == kSignedCodes) {
     const uint8_t* head = super_head(L, blk, b);
     const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(L, head, b));
     d = F32x16::load(reinterpret_cast<const float*>(head)) * F32x16::load_i8(codes);
@@ -325,7 +319,7 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
   } else if constexpr (SCALES == kF32) {
     const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
     d = F32x16::load(scales);
-    m = L.has_min || L.halves ? F32x16::load(scales + kPanelRows) : F32x16::zero();
+    m = L.has_min ? F32x16::load(scales + kPanelRows) : F32x16::zero();
   } else if constexpr (SCALES == kCodes) {
     const uint8_t* head = super_head(L, blk, b);
     const uint8_t* codes = block_codes(L, head, b);
@@ -337,10 +331,9 @@ void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& 
     m = L.has_min ? F32x16::load_half(scales + kPanelRows) : F32x16::zero();
   }
 }
-// (for a scale per 16 weights, half_scales below has the mins too)
+// (types with a scale per 16 weights, halves, take half_scales below)
 void block_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d, F32x16& m) {
   if (L.scale_bytes == 4) block_scales<kF32>(L, blk, b, d, m);
-  else if (L.scale_bytes == 1 && L.halves) block_scales<kHalfCodes>(L, blk, b, d, m);
   else if (L.scale_bytes == 1 && L.has_min) block_scales<kCodes>(L, blk, b, d, m);
   else if (L.scale_bytes == 1) block_scales<kSignedCodes>(L, blk, b, d, m);
   else block_scales<kFp16>(L, blk, b, d, m);
@@ -362,8 +355,11 @@ void half_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d
     const float* scales = reinterpret_cast<const float*>(blk + L.quant_bytes);
     d0 = F32x16::load(scales), d1 = F32x16::load(scales + kPanelRows);
     if constexpr (kMin) m0 = F32x16::load(scales + 2 * kPanelRows), m1 = F32x16::load(scales + 3 * kPanelRows);
-  } else {  // kHalfCodes: Q3_K, Q6_K
-    block_scales<kHalfCodes>(L, blk, b, d0, d1);
+  } else {  // kHalfCodes: Q3_K, Q6_K (f32 d, a signed code for each half)
+    const uint8_t* head = super_head(L, blk, b);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block_codes(L, head, b));
+    const F32x16 scale = F32x16::load(reinterpret_cast<const float*>(head));
+    d0 = scale * F32x16::load_i8(codes), d1 = scale * F32x16::load_i8(codes + kPanelRows);
   }
 }
 void half_scales(const PackedLayout& L, const uint8_t* blk, int64_t b, F32x16& d0, F32x16& d1, F32x16& m0, F32x16& m1) {
@@ -617,27 +613,29 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         part[r][j] = F32x16::fmadd(w3, F32x16::set1(xb[r][k0 + 3]), p);
       }
     };
-    auto half_sum = [&](int r, int h) {  // x over half h of the block (for a min per 16)
-      float sum = 0.f;
-      for (int i = 0; i < 16; ++i) sum += xb[r][16 * h + i];
-      return F32x16::set1(sum);
-    };
-    auto half_under_its_scale = [&](int h) {  // with halves: half h's sums under d0 or d1 (and m0 or m1)
-      for (int j = 0; j < NP; ++j) {
-        F32x16 d[2], m[2];
-        half_scales(L, blk[j], b, d[0], d[1], m[0], m[1]);
-        for (int r = 0; r < MR; ++r) {
-          acc[r][j] = F32x16::fmadd(part[r][j], d[h], acc[r][j]), part[r][j] = F32x16::zero();
-          if (L.has_min) acc[r][j] = F32x16::fmadd(m[h], half_sum(r, h), acc[r][j]);
+    // With halves: each half's sums under its own scale (and min, times x's sum over the half), as it ends.
+    F32x16 hd[2][NP], hm[2][NP], xsum[2][MR];
+    if (L.halves) {
+      for (int j = 0; j < NP; ++j) half_scales(L, blk[j], b, hd[0][j], hd[1][j], hm[0][j], hm[1][j]);
+      for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < 2; ++h) {
+          float sum = 0.f;
+          for (int i = 0; i < 16; ++i) sum += xb[r][16 * h + i];
+          xsum[h][r] = F32x16::set1(sum);
         }
-      }
+    }
+    auto half_under_its_scale = [&](int h) {
+      for (int j = 0; j < NP; ++j)
+        for (int r = 0; r < MR; ++r) {
+          acc[r][j] = F32x16::fmadd(part[r][j], hd[h][j], acc[r][j]), part[r][j] = F32x16::zero();
+          if (L.has_min) acc[r][j] = F32x16::fmadd(hm[h][j], xsum[h][r], acc[r][j]);
+        }
     };
-    auto first_half_under_d = [&] { half_under_its_scale(0); };
     if constexpr (BITS == 4) {
       if (L.halves) {  // Q2_K, Q3_K: the low nibbles (the first half), then the high ones
         for (int g = 0; g < 4; ++g)
           for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), false), 4 * g);
-        first_half_under_d();
+        half_under_its_scale(0);
         for (int g = 0; g < 4; ++g)
           for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), true), 16 + 4 * g);
       } else {
@@ -651,7 +649,7 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
     } else {
       for (int g = 0; g < 8; ++g) {
         for (int j = 0; j < NP; ++j) group(j, I32x16::load(blk[j] + 64 * g), 4 * g);
-        if (L.halves && g == 3) first_half_under_d();
+        if (L.halves && g == 3) half_under_its_scale(0);
       }
     }
     if (L.halves) {
@@ -902,12 +900,24 @@ void pack_superblocks(const PackArgs& a, Row row) {
 void put_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* q, int vectors) {
   for (int g = 0; g < vectors; ++g) std::memcpy(blocks + 64 * vectors * i + 64 * g + 4 * j, q + 4 * g, 4);
 }
+// The same from 32 values below 16 (Q2_K's and Q3_K's quants), as nibbles.
+void put_nibble_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* u) {
+  uint8_t nibbles[16];
+  put_nibbles(nibbles, u);
+  put_quants(blocks, i, j, nibbles, 4);
+}
 
-// Q4_K's and Q5_K's head: fp16 d and -dmin (the sign bit flipped), a byte each for block i's scale and min code.
+// Row j's fp16 d and -dmin (the sign bit flipped) in a superblock's head (Q2_K, Q4_K, Q5_K).
 template <typename Parts>
-void put_head_with_mins(const Parts& parts, int64_t j, uint8_t* head, uint8_t* codes) {
+void put_d_and_dmin(const Parts& parts, int64_t j, uint8_t* head) {
   const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
   for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
+}
+
+// Q4_K's and Q5_K's head: d and -dmin, a byte each for block i's scale and min code.
+template <typename Parts>
+void put_head_with_mins(const Parts& parts, int64_t j, uint8_t* head, uint8_t* codes) {
+  put_d_and_dmin(parts, j, head);
   for (int i = 0; i < kSuperBlocks; ++i) codes[32 * i + j] = parts.sc[i], codes[32 * i + kPanelRows + j] = parts.m[i];
 }
 
@@ -931,13 +941,8 @@ void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* c
   std::memcpy(head + 4 * j, &d, 4);
   for (int i = 0; i < kSuperBlocks; ++i) {
     const uint8_t* u = parts.u + 32 * i;
-    if (bits == 8) {
-      put_quants(blocks, i, j, u, 8);
-    } else {
-      uint8_t nibbles[16];  // Q4_1's order: byte k holds weight k (low) and k + 16 (high)
-      for (int k = 0; k < 16; ++k) nibbles[k] = static_cast<uint8_t>(u[k] | (u[k + 16] << 4));
-      put_quants(blocks, i, j, nibbles, 4);
-    }
+    if (bits == 8) put_quants(blocks, i, j, u, 8);
+    else put_nibble_quants(blocks, i, j, u);
     codes[32 * i + j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[32 * i + kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
   }
 }
@@ -958,13 +963,9 @@ void pack_q3_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
 void pack_q2_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q2KParts parts;
   q2_k_parts(src, parts);
-  const uint16_t scalars[2] = {parts.d, static_cast<uint16_t>(parts.dmin ^ 0x8000u)};
-  for (int c = 0; c < 2; ++c) std::memcpy(head + 2 * (c * kPanelRows + j), &scalars[c], 2);
+  put_d_and_dmin(parts, j, head);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    const uint8_t* u = parts.u + 32 * i;
-    uint8_t nibbles[16];
-    for (int k = 0; k < 16; ++k) nibbles[k] = static_cast<uint8_t>(u[k] | (u[k + 16] << 4));
-    put_quants(blocks, i, j, nibbles, 4);
+    put_nibble_quants(blocks, i, j, parts.u + 32 * i);
     for (int h = 0; h < 2; ++h)
       codes[64 * i + kPanelRows * h + j] = parts.sc[2 * i + h], codes[64 * i + kPanelRows * (2 + h) + j] = parts.m[2 * i + h];
   }
