@@ -30,11 +30,12 @@ class QuantType(NamedTuple):
 
 # The quantized block types our kernels run (app/model/quant.py, native/include/kernels.h), by id. GGML's
 # ids for the types run as the file stores them (Q2_K to Q6_K and IQ4_XS in their superblocks of 256); 100-104
-# for the exact blocks of 32 that the other kept types are converted into at load.
+# for the exact blocks of 32 that the superblock types convert into where a tensor-parallel cut is off 256.
 PACKED_QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 18), 3: QuantType("Q4_1", 32, 20, 20),
+                      6: QuantType("Q5_0", 32, 22, 22), 7: QuantType("Q5_1", 32, 24, 24),
                       8: QuantType("Q8_0", 32, 34, 34), 10: QuantType("Q2_K", 256, 84, 164),
                       11: QuantType("Q3_K", 256, 110, 148), 12: QuantType("Q4_K", 256, 144, 148),
-                      13: QuantType("Q5_K", 256, 176, 276), 14: QuantType("Q6_K", 256, 210, 276),
+                      13: QuantType("Q5_K", 256, 176, 180), 14: QuantType("Q6_K", 256, 210, 212),
                       20: QuantType("IQ4_NL", 32, 18, 18), 23: QuantType("IQ4_XS", 256, 136, 140),
                       100: QuantType("Q4_M32", 32, 24, 24), 101: QuantType("Q8_M32", 32, 40, 40),
                       102: QuantType("Q8_H32", 32, 40, 40), 103: QuantType("IQ4_F32", 32, 20, 20),
@@ -43,7 +44,7 @@ PACKED_QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 18), 3: QuantType("Q4_1", 32,
 IN_BLOCKS_OF_32 = {10: 104, 11: 102, 12: 100, 13: 101, 14: 102, 23: 103}
 # The GGUF types kept quantized, by GGML id: (name, the packed type above they run as). Here, torch-free,
 # so that placement can size them without importing torch.
-KEPT_QUANT_TYPES = {2: ("Q4_0", 2), 3: ("Q4_1", 3), 8: ("Q8_0", 8), 6: ("Q5_0", 8), 7: ("Q5_1", 101),
+KEPT_QUANT_TYPES = {2: ("Q4_0", 2), 3: ("Q4_1", 3), 8: ("Q8_0", 8), 6: ("Q5_0", 6), 7: ("Q5_1", 7),
                     10: ("Q2_K", 10), 11: ("Q3_K", 11), 12: ("Q4_K", 12), 13: ("Q5_K", 13), 14: ("Q6_K", 14),
                     20: ("IQ4_NL", 20), 23: ("IQ4_XS", 23)}
 

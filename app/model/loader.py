@@ -71,20 +71,16 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
 
 
 def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -> str:
-    """What became of the file's weight types: kept quantized (as stored, or converted into our blocks of
-    32), or dequantized (and why); and the fused projections of mixed types, run as their parts."""
+    """What became of the file's weight types: kept quantized (as stored), or dequantized (and why); and the
+    fused projections of mixed types, run as their parts."""
     if not isinstance(checkpoint, GGUFCheckpoint):
         return ""
-    from app.model.quant import KEPT_TYPES, PACKED_TYPES, PackedParts
+    from app.model.quant import KEPT_TYPES, PackedParts
 
-    packed_as = dict(KEPT_TYPES.values())  # file type name -> the packed type id it runs as
     types = checkpoint.types()
-    kept = sorted(t for t in types if keep and t in packed_as)
+    kept = sorted(t for t in types if keep and t in {name for name, _ in KEPT_TYPES.values()})
     expanded = sorted(t for t in types if t not in kept and t not in ("F32", "F16", "BF16"))
-    converted = [f"{t} as {PACKED_TYPES[packed_as[t]].name}" for t in kept if PACKED_TYPES[packed_as[t]].name != t]
     said = f"; kept quantized: {', '.join(kept)} (activations: {activations})" if kept else ""
-    if converted:
-        said += f"; converted: {', '.join(converted)}"
     fused = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.mlp.gate_up)]
     mixed = sum(isinstance(w, PackedParts) for w in fused)
     if mixed:

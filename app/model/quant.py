@@ -1,14 +1,13 @@
 """GGUF weights kept in their quantized blocks, and the ops that run on them without expanding them.
 
-Q4_0, Q4_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads 5
-(Q4_1) or 8.5 (Q8_0) bits a weight instead of 16 or 32. Q2_K, Q3_K, Q4_K, Q5_K and Q6_K stay as the file
-stores them, superblocks of 256 weights, and run packed with their superblock scales (5.1, 4.6, 4.6, 8.6 and
-8.6 bits a weight; the file's are 2.6, 3.4, 4.5, 5.5 and 6.6: Q2_K's and Q3_K's quants run as nibbles, Q5_K's
-and Q6_K's as bytes).
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads
+4.5-8.5 bits a weight (5 for Q4_1) instead of 16 or 32. Q2_K, Q3_K, Q4_K, Q5_K and Q6_K stay as the file
+stores them, superblocks of 256 weights, and run packed with their superblock scales (5.1, 4.6, 4.6, 5.6 and
+6.6 bits a weight; the file's are 2.6, 3.4, 4.5, 5.5 and 6.6: Q2_K's and Q3_K's quants run as nibbles, Q5_K's
+and Q6_K's as nibbles and one or two planes of their high bits).
 IQ4_NL and IQ4_XS (4-bit indices into a codebook of 16 values) stay as stored too (4.5 and 4.4 bits a weight,
-the file's 4.5 and 4.25); the tile looks the values up. Q5_0 and Q5_1 stay quantized too, converted at load
-(`kernels.convert_quant`) into blocks of 32 that keep every weight's value: Q5_0 as Q8_0 (8.5 bits), Q5_1 as
-bytes with float32 scale and min (Q8_M32, 10 bits); the superblock types too where a tensor-parallel cut
+the file's 4.5 and 4.25); the tile looks the values up. The superblock types convert
+(`kernels.convert_quant`) into blocks of 32 that keep every weight's value where a tensor-parallel cut
 does not fall on 256 (Q4_K as Q4_M32, 4-bit quants with float32 scale and min per 32, 6 bits; Q5_K as
 Q8_M32; Q3_K and Q6_K as Q8_H32, bytes with a float32 scale per 16, 10 bits; IQ4_XS as IQ4_F32, 5 bits;
 Q2_K as Q4_HM32, nibbles with a float32 scale and min per 16, 8 bits). At load they are `QuantizedTensor`s, which TP sharding

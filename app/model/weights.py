@@ -74,15 +74,8 @@ class GGUFCheckpoint:
         for gguf_name, dims in self.header.tensor_shapes.items():
             name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
             if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
-                packed_type = KEPT_TYPES[qtype.value][1]
-                if packed_type != qtype.value:  # Q5_0, Q5_1: the same values as blocks of 32 the kernels run
-                    from app import kernels
-
-                    rows = torch.from_numpy(raw).reshape(int(dims[1]), -1)  # the mapped file: read once, converted
-                    blocks, packed_type = kernels.convert_quant(rows, qtype.value, int(dims[0]))
-                else:
-                    blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
-                weight = QuantizedTensor(blocks, packed_type, int(dims[0]))
+                blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
+                weight = QuantizedTensor(blocks, KEPT_TYPES[qtype.value][1], int(dims[0]))
             else:
                 values = gguf.quants.dequantize(raw, qtype)
                 weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only

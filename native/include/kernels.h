@@ -84,6 +84,8 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // GGUF block types kept quantized (the values are GGML's type ids). Each of these blocks holds 32 weights
 // along a row: Q8_0 = fp16 d + 32 int8 (w = d q); Q4_0 = fp16 d + 16 bytes of nibbles (w = d (q - 8));
 // Q4_1 = fp16 d, fp16 m + 16 bytes of nibbles (w = d q + m). Low nibbles are weights 0..15, high 16..31.
+// Q5_0 = fp16 d + 4 bytes of fifth bits (weight i's is bit i) + nibbles as Q4_0's (w = d (q - 16)); Q5_1 =
+// fp16 d, fp16 m + the same (w = d q + m): packed as Q4_0 and Q4_1 with a plane of fifth bits (below).
 // BF16 (GGML's 30) is the dense case: rows of bfloat16 weights, 64 bytes per 32, no scales; packed the
 // same way so that the same tiles, threads and layer stack run them (the model packs bfloat16 weights).
 //
@@ -105,7 +107,7 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // 2-bit quants, a 4-bit scale and min code per 16, fp16 d and dmin; Q3_K: 110 bytes, 3-bit quants as 2 low bits and a high-bit mask, a 6-bit scale code per 16, fp16 d;
 // Q4_K: 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q5_K: 176, the same with
 // a fifth bit per weight; Q6_K: 210 bytes, 6-bit quants, an int8 scale code per 16, fp16 d), and packed
-// with their superblock scales (below): 5.1, 4.6, 4.6, 8.6 and 8.6 bits a weight where Q4_HM32, Q8_H32,
+// with their superblock scales (below): 5.1, 4.6, 4.6, 5.6 and 6.6 bits a weight where Q4_HM32, Q8_H32,
 // Q4_M32, Q8_M32 and Q8_H32 take 8, 10, 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall
 // on 256 (a tensor-parallel shard).
 //
@@ -115,7 +117,7 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // the 4-bit types with the codebook applied in the tile; IQ4_XS cut off 256 converts to IQ4_F32 (ours:
 // f32 d + 16 bytes of nibbles a 32).
 enum class QType : int {
-  q4_0 = 2, q4_1 = 3, q8_0 = 8, q2_k = 10, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_nl = 20, iq4_xs = 23,
+  q4_0 = 2, q4_1 = 3, q5_0 = 6, q5_1 = 7, q8_0 = 8, q2_k = 10, q3_k = 11, q4_k = 12, q5_k = 13, q6_k = 14, iq4_nl = 20, iq4_xs = 23,
   bf16 = 30, q4_m32 = 100, q8_m32 = 101, q8_h32 = 102, iq4_f32 = 103, q4_hm32 = 104
 };
 // IQ4_NL's and IQ4_XS's codebook (GGML's), and the same values plus 128: the unsigned bytes the tiles multiply.
@@ -143,6 +145,8 @@ inline int64_t quant_block_bytes(QType t) {  // a block of quant_block_weights(t
     case QType::q8_0: return 34;
     case QType::q4_1: return 20;
     case QType::q4_0: return 18;
+    case QType::q5_0: return 22;
+    case QType::q5_1: return 24;
     case QType::q4_m32: return 24;
     default: return 40;  // q8_m32, q8_h32
   }
@@ -209,9 +213,12 @@ void iq4_xs_parts(const uint8_t* block, IQ4XSParts& out);
 //           order, the 16 rows interleaved 4 bytes at a time, as vpdpbusd wants them).
 //           8-bit types: 8 vectors of 64 bytes; in vector g, bytes 4j..4j+3 hold weights 4g..4g+3, as
 //           unsigned u (Q8_0: u = q + 128).
+//           4-bit types with high bits (Q5_0, Q5_1, Q5_K: one plane, Q6_K: two): after the 4 vectors, per plane p
+//           (bit 4 + p of every u), per vector g, 8 bytes for its low nibbles, then 8 for its high ones:
+//           bit n of those 8 bytes belongs to byte n of the vector (the mask AVX-512 adds 16 << p under).
 //   scales  16 d, then (types with a min) 16 m or (Q8_H32) 16 d1:
 //           fp16 for GGML's types, f32 for ours (in a row's block, the same scalars in the same order).
-// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 128 for Q8_0 and the IQ4 types (u their codebook
+// Every weight is w = d (u - zero) + m: zero = 8 for Q4_0, 16 for Q5_0, 128 for Q8_0 and the IQ4 types (u their codebook
 // value plus 128), 32 for Q8_H32 and Q6_K, 4 for Q3_K, else 0 (m is stored, or 0).
 //   BF16: 16 vectors of 64 bytes and no scales; in vector g, bytes 4j..4j+3 hold row j's weights 2g and
 //           2g+1 (the pair AVX512-BF16's vdpbf16ps multiplies with a broadcast pair of x).
@@ -220,11 +227,11 @@ void iq4_xs_parts(const uint8_t* block, IQ4XSParts& out);
 //           (every vector on a cache line of its own: split loads cost the tile a third). Block s of a
 //           superblock scales by d sc[s] and offsets by -dmin m[s]: products the tile forms in float32,
 //           exactly (fp16 times a 6-bit integer), so every weight is the file's.
-//   Q5_K: as Q4_K with bytes u (the 8-bit layout) for its 5-bit quants.
+//   Q5_K: as Q4_K, with its fifth bits in a plane after each block's nibbles (320 bytes a block).
 //   Q6_K: the same with a head of 16 f32 d and per block 16 int8 codes for each half (sc0, sc1), then
-//           the 8 blocks' bytes u as Q8_H32's: w = d sc_h (u - 32), exact in float32 likewise.
-//   Q3_K: Q6_K's head, and the 8 blocks' 4-bit quants u = q + 4 as the 4-bit types': a block's low nibbles
-//           are its first half (weights 0..15), under d sc0, the high ones its second, under d sc1.
+//           the 8 blocks' nibbles and two planes (384 bytes): w = d sc_h (u - 32), exact in float32
+//           likewise. A block's low nibbles are its first half (weights 0..15), the high ones its second.
+//   Q3_K: Q6_K's head, and the 8 blocks' 4-bit quants u = q + 4 as the 4-bit types', halves as Q6_K's.
 //   Q2_K: Q4_K's head of fp16 d and -dmin, then per block the codes of each half's scale and min (sc0, sc1,
 //           m0, m1: 4 x 16 bytes), then the blocks' 2-bit quants as nibbles (as Q3_K's halves):
 //           w = d sc_h u - dmin m_h.
@@ -244,6 +251,7 @@ struct PackedLayout {
   int64_t block_bytes;   // quants and scales, per panel and block
   int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants, IQ4_XS), or none
   bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
+  int high_bits = 0;       // 4-bit types: planes of a fifth (and sixth) bit after the nibbles (Q5_K 1, Q6_K 2)
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 
@@ -253,10 +261,12 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q8_0: return {8, 128, false, false, 2, 512, 512 + 32};
     case QType::q4_0: return {4, 8, false, false, 2, 256, 256 + 32};
     case QType::q4_1: return {4, 0, true, false, 2, 256, 256 + 64};
+    case QType::q5_0: return {4, 16, false, false, 2, 320, 320 + 32, 0, false, 1};
+    case QType::q5_1: return {4, 0, true, false, 2, 320, 320 + 64, 0, false, 1};
     case QType::q4_m32: return {4, 0, true, false, 4, 256, 256 + 128};
     case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
-    case QType::q5_k: return {8, 0, true, false, 1, 512, 512, 64 + 32 * kSuperBlocks};
-    case QType::q6_k: return {8, 32, false, true, 1, 512, 512, 64 + 32 * kSuperBlocks};
+    case QType::q5_k: return {4, 0, true, false, 1, 320, 320, 64 + 32 * kSuperBlocks, false, 1};
+    case QType::q6_k: return {4, 32, false, true, 1, 384, 384, 64 + 32 * kSuperBlocks, false, 2};
     case QType::q3_k: return {4, 4, false, true, 1, 256, 256, 64 + 32 * kSuperBlocks};
     case QType::q2_k: return {4, 0, true, true, 1, 256, 256, 64 + 64 * kSuperBlocks};
     case QType::q4_hm32: return {4, 0, true, true, 4, 256, 256 + 256};
@@ -267,6 +277,10 @@ inline PackedLayout packed_layout(QType t) {
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }
 }
+// Where a 4-bit block's bit planes start, and the 8 bytes of plane p that vector g's low (h = 0) or high
+// (h = 1) nibbles take their bits from (bit n of the 8 bytes: byte n of the vector).
+constexpr int64_t kNibbleBytes = 4 * 64;
+constexpr int64_t high_bits_offset(int p, int g, int h) { return kNibbleBytes + 64 * p + 16 * g + 8 * h; }
 inline int64_t packed_panels(int64_t rows) {
   const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;
   return (panels + kPanelGroup - 1) / kPanelGroup * kPanelGroup;

@@ -312,6 +312,12 @@ struct I32x16 {
   // a 16-byte table in every 128-bit lane; lookup: each byte (below 16) replaced by its entry
   static I32x16 table16(const uint8_t* t) { return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))}; }
   I32x16 lookup(I32x16 table) const { return {_mm512_shuffle_epi8(table.v, v)}; }
+  // `value` added to each byte whose bit is set in the 64 bits at `bits` (bit n of byte k: byte 8k + n)
+  I32x16 plus_where(const uint8_t* bits, int value) const {
+    uint64_t mask;
+    std::memcpy(&mask, bits, 8);
+    return {_mm512_mask_add_epi8(v, _cvtu64_mask64(mask), v, _mm512_set1_epi8(static_cast<char>(value)))};
+  }
   template <int I> I32x16 byte() const { return {_mm512_and_si512(_mm512_srli_epi32(v, 8 * I), _mm512_set1_epi32(0xff))}; }
   I32x16 shl8() const { return {_mm512_slli_epi32(v, 8)}; }
   friend I32x16 operator+(I32x16 a, I32x16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
@@ -375,6 +381,17 @@ struct I32x16 {
     return {table, table};
   }
   I32x16 lookup(I32x16 table) const { return {_mm256_shuffle_epi8(table.a, a), _mm256_shuffle_epi8(table.b, b)}; }
+  // 32 bits as 32 bytes: `value` where the bit is set, else 0 (byte k's bits to bytes 8k..8k+7)
+  static __m256i where(const uint8_t* bits, int value) {
+    int32_t word;
+    std::memcpy(&word, bits, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(word), _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201u));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(static_cast<char>(value)));
+  }
+  I32x16 plus_where(const uint8_t* bits, int value) const {
+    return {_mm256_add_epi8(a, where(bits, value)), _mm256_add_epi8(b, where(bits + 4, value))};
+  }
   template <int I> I32x16 byte() const {
     const __m256i m = _mm256_set1_epi32(0xff);
     return {_mm256_and_si256(_mm256_srli_epi32(a, 8 * I), m), _mm256_and_si256(_mm256_srli_epi32(b, 8 * I), m)};
@@ -439,6 +456,21 @@ struct I32x16 {
     for (int i = 0; i < 64; i += 16) vst1q_u8(out + i, vqtbl1q_u8(t, vld1q_u8(in + i)));
 #else
     for (int i = 0; i < 64; ++i) out[i] = entries[in[i] & 15];
+#endif
+    return r;
+  }
+  I32x16 plus_where(const uint8_t* bits, int value) const {
+    I32x16 r;
+    const uint8_t* in = reinterpret_cast<const uint8_t*>(v);
+    uint8_t* out = reinterpret_cast<uint8_t*>(r.v);
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_neon  // each bit tested in its own byte: 0xff where set, and-ed with value
+    const uint8x16_t select = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201u)), add = vdupq_n_u8(static_cast<uint8_t>(value));
+    for (int i = 0; i < 64; i += 16) {
+      const uint8x16_t spread = vcombine_u8(vdup_n_u8(bits[i / 8]), vdup_n_u8(bits[i / 8 + 1]));
+      vst1q_u8(out + i, vaddq_u8(vld1q_u8(in + i), vandq_u8(vtstq_u8(spread, select), add)));
+    }
+#else
+    for (int i = 0; i < 64; ++i) out[i] = static_cast<uint8_t>(in[i] + ((bits[i / 8] >> (i % 8)) & 1) * value);
 #endif
     return r;
   }

@@ -198,11 +198,11 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
 }
 
 QType quant_type(int code) {
-  for (QType q : {QType::q4_0, QType::q4_1, QType::q8_0, QType::q2_k, QType::q3_k, QType::q4_k, QType::q5_k, QType::q6_k,
+  for (QType q : {QType::q4_0, QType::q4_1, QType::q5_0, QType::q5_1, QType::q8_0, QType::q2_k, QType::q3_k, QType::q4_k, QType::q5_k, QType::q6_k,
                   QType::iq4_nl, QType::iq4_xs, QType::bf16, QType::q4_m32, QType::q8_m32, QType::q8_h32, QType::iq4_f32,
                   QType::q4_hm32})
     if (code == static_cast<int>(q)) return q;
-  fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, "
+  fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, "
        "Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102, "
        "IQ4_F32 = 103, Q4_HM32 = 104)");
 }
@@ -290,7 +290,8 @@ void dequantize(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
   require(q != QType::bf16, "dequantize: BF16 rows are not quantized (view them as bfloat16)");
   quant_weight(w, q, k);
   require(out.dim(0) == w.dim(0) && out.dim(1) == k, "dequantize: out must be [R, K] for weight [R, K]");
-  if (superblocks(q)) {  // through the blocks of 32 that hold the same values (converted_type)
+  // the superblock and Q5 types: through the blocks of 32 that hold the same values (converted_type)
+  if (superblocks(q) || q == QType::q5_0 || q == QType::q5_1) {
     const FileType f = static_cast<FileType>(q);
     std::vector<uint8_t> blocks(static_cast<size_t>(w.dim(0) * quant_row_bytes(converted_type(f), k)));
     convert_quant(ConvertArgs{f, static_cast<const uint8_t*>(w.ptr), blocks.data(), w.dim(0), k});

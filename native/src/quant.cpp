@@ -136,7 +136,7 @@ void dequant_row_f32_scaled(QType q, const uint8_t* row, int64_t blocks, float* 
   }
 }
 
-// Blocks of 32 only: module.cpp converts K-quant rows into those first.
+// Q4_0, Q4_1, Q8_0 and our blocks of 32 only: module.cpp converts K-quant and Q5 rows into those first.
 void dequant_rows(QType q, const uint8_t* w, int64_t rows, int64_t k, float* out) {
   const int64_t blocks = k / kQuantBlock, bytes = blocks * quant_block_bytes(q);
   for (int64_t r = 0; r < rows; ++r) {
@@ -421,6 +421,15 @@ inline void prefetch_next(const Tiles& t, int64_t pre, int64_t b) {
   asm volatile("" ::: "memory");  // as in prefetch_blocks
 }
 
+// Vector g of a 4-bit block: its low (h = 0) or high (h = 1) nibbles, and with BITS 5 or 6 (Q5_K, Q6_K) its
+// weights' fifth and sixth bits from the planes after the nibbles (kernels.h): one masked byte add a plane.
+template <int BITS>
+inline I32x16 nibble_weights(const uint8_t* blk, const I32x16& v, int g, int h) {
+  I32x16 w = h == 0 ? v.low_nibbles() : v.high_nibbles();
+  for (int p = 0; p < BITS - 4; ++p) w = w.plus_where(blk + high_bits_offset(p, g, h), 16 << p);
+  return w;
+}
+
 // Byte weights' groups [g0, g1) of a block (4 weights each) against x's bytes: into hi and lo, the two
 // planes, or with one plane alternate groups, so that enough independent chains are in flight.
 template <int MR, int NP, int PLANES, bool kSmall>
@@ -452,8 +461,8 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // kLut: the nibbles index the IQ4 codebook; one vpshufb a vector maps them to their u (any byte, as Q8_0's).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre, bool kLut>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
-  // every u < 128 (Q8_M32 and Q5_K hold u < 32; Q8_0's and the codebook's any byte)
-  constexpr bool kSmall = !kLut && (BITS == 4 || SCALES != kFp16);
+  // every u < 128 (Q8_M32 holds u < 32, Q5_K's BITS 5; Q8_0's and the codebook's any byte)
+  constexpr bool kSmall = !kLut && (BITS <= 6 || SCALES != kFp16);
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   const float* expanded = SCALES == kExpanded ? expanded_scales.data() : nullptr;
@@ -470,11 +479,11 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
     I32x16 hi[MR][NP], lo[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
-    if constexpr (BITS == 4) {
+    if constexpr (BITS <= 6) {
       for (int g = 0; g < 4; ++g)
         for (int j = 0; j < NP; ++j) {
           const I32x16 v = I32x16::load(blk[j] + 64 * g);
-          I32x16 wl = v.low_nibbles(), wh = v.high_nibbles();
+          I32x16 wl = nibble_weights<BITS>(blk[j], v, g, 0), wh = nibble_weights<BITS>(blk[j], v, g, 1);
           if constexpr (kLut) {  // (the table's load is hoisted out of the loops)
             const I32x16 table = I32x16::table16(kIq4Unsigned);
             wl = wl.lookup(table), wh = wh.lookup(table);
@@ -518,13 +527,13 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
 }
 
 // 4-bit weights' half h of a block against x's bytes (h = 0: the low nibbles, weights 0..15; 1: the high
-// ones, 16..31), into hi and lo as byte_groups does.
-template <int MR, int NP, int PLANES>
+// ones, 16..31; BITS 6: Q6_K's, with their high bits), into hi and lo as byte_groups does.
+template <int MR, int NP, int BITS, int PLANES>
 inline void nibble_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb)[MR], int h, I32x16 (&hi)[MR][NP],
                         I32x16 (&lo)[MR][NP]) {
   for (int g = 0; g < 4; ++g)
     for (int j = 0; j < NP; ++j) {
-      const I32x16 v = I32x16::load(blk[j] + 64 * g), w = h == 0 ? v.low_nibbles() : v.high_nibbles();
+      const I32x16 w = nibble_weights<BITS>(blk[j], I32x16::load(blk[j] + 64 * g), g, h);
       for (int r = 0; r < MR; ++r) {
         if constexpr (PLANES == 2) {
           hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 16 * h + 4 * g));
@@ -538,7 +547,7 @@ inline void nibble_half(const uint8_t* const (&blk)[NP], const int8_t* const (&x
     }
 }
 
-// Integer tile for weights with a scale per 16 (Q8_H32, Q6_K; Q3_K's 4 bits; with a min per 16, Q2_K's and
+// Integer tile for weights with a scale per 16 (Q8_H32; Q6_K's and Q3_K's nibbles; with a min per 16, Q2_K's and
 // Q4_HM32's): as int_tile, each half of a block folded into the float accumulators under its own scale, with
 // its own share of the zero correction (kMin: of the min times x's sum). Their u < 64, so the 16-bit pairs of
 // the emulated dot4 cannot saturate (kSmall).
@@ -562,7 +571,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
-      if constexpr (BITS == 4) nibble_half<MR, NP, PLANES>(blk, xb, h, hi, lo);
+      if constexpr (BITS <= 6) nibble_half<MR, NP, BITS, PLANES>(blk, xb, h, hi, lo);
       else byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
       for (int r = 0; r < MR; ++r) {
         const int64_t cell = (r0 + r) * t.blocks + b;
@@ -590,8 +599,10 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const Activations& x = *t.x;
   const int64_t k = t.blocks * kQuantBlock;
   const I32x16 zero = I32x16::set1(L.zero), table = I32x16::table16(kIq4Unsigned);
-  auto nibbles = [&](const I32x16& v, bool high) {  // a vector's low or high nibbles, through the codebook for IQ4
-    const I32x16 n = high ? v.high_nibbles() : v.low_nibbles();
+  auto nibbles = [&](const uint8_t* block, int g, int h) {  // as nibble_weights, through the codebook for IQ4
+    const I32x16 v = I32x16::load(block + 64 * g);
+    I32x16 n = h == 0 ? v.low_nibbles() : v.high_nibbles();
+    for (int p = 0; p < L.high_bits; ++p) n = n.plus_where(block + high_bits_offset(p, g, h), 16 << p);
     return L.lut ? n.lookup(table) : n;
   };
   F32x16 acc[MR][NP];
@@ -614,7 +625,7 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
       }
     };
     // With halves: each half's sums under its own scale (and min, times x's sum over the half), as it ends.
-    F32x16 hd[2][NP], hm[2][NP], xsum[2][MR];
+    F32x16 hd[2][NP], hm[2][NP], xsum[2][MR] = {};
     if (L.halves) {
       for (int j = 0; j < NP; ++j) half_scales(L, blk[j], b, hd[0][j], hd[1][j], hm[0][j], hm[1][j]);
       for (int r = 0; r < MR; ++r)
@@ -632,18 +643,17 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
         }
     };
     if constexpr (BITS == 4) {
-      if (L.halves) {  // Q2_K, Q3_K: the low nibbles (the first half), then the high ones
+      if (L.halves) {  // Q2_K, Q3_K, Q6_K: the low nibbles (the first half), then the high ones
         for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), false), 4 * g);
+          for (int j = 0; j < NP; ++j) group(j, nibbles(blk[j], g, 0), 4 * g);
         half_under_its_scale(0);
         for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < NP; ++j) group(j, nibbles(I32x16::load(blk[j] + 64 * g), true), 16 + 4 * g);
+          for (int j = 0; j < NP; ++j) group(j, nibbles(blk[j], g, 1), 16 + 4 * g);
       } else {
         for (int g = 0; g < 4; ++g)
           for (int j = 0; j < NP; ++j) {
-            const I32x16 v = I32x16::load(blk[j] + 64 * g);
-            group(j, nibbles(v, false), 4 * g);
-            group(j, nibbles(v, true), 16 + 4 * g);
+            group(j, nibbles(blk[j], g, 0), 4 * g);
+            group(j, nibbles(blk[j], g, 1), 16 + 4 * g);
           }
       }
     } else {
@@ -711,14 +721,22 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
       else if (t.layout.scale_bytes == 4) int_tile_pre<MR, NP, BITS, PLANES, kF32, false, true>(t, r0, p0, pre);  // IQ4_F32
       else int_tile_pre<MR, NP, BITS, PLANES, kFp16, false, true>(t, r0, p0, pre);  // IQ4_NL
     }
+  } else if (BITS == 4 && t.layout.high_bits) {  // 4-bit quants with a plane or two of high bits
+    if constexpr (BITS == 4) {
+      if (t.layout.high_bits == 2) halves_tile<MR, NP, 6, PLANES, kHalfCodes, false>(t, r0, p0);  // Q6_K
+      else if (t.layout.scale_bytes == 2 && t.layout.has_min) int_tile_pre<MR, NP, 5, PLANES, kFp16, true>(t, r0, p0, pre);  // Q5_1
+      else if (t.layout.scale_bytes == 2) int_tile_pre<MR, NP, 5, PLANES, kFp16, false>(t, r0, p0, pre);  // Q5_0
+      else if (expanded) int_tile_pre<MR, NP, 5, PLANES, kExpanded, true>(t, r0, p0, pre);  // Q5_K
+      else int_tile_pre<MR, NP, 5, PLANES, kCodes, true>(t, r0, p0, pre);
+    }
   } else if (t.layout.halves) {
     if (t.layout.scale_bytes == 1 && t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kHalfCodesMin, true>(t, r0, p0);  // Q2_K
-    else if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K, Q6_K
+    else if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K
     else if (t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0);  // Q4_HM32
     else halves_tile<MR, NP, BITS, PLANES, kF32, false>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
     int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
-  } else if (t.layout.scale_bytes == 1) {  // Q4_K, Q5_K: a min too
+  } else if (t.layout.scale_bytes == 1) {  // Q4_K: a min too
     if (expanded) int_tile_pre<MR, NP, BITS, PLANES, kExpanded, true>(t, r0, p0, pre);
     else int_tile_pre<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
   } else if (t.layout.has_min) {  // Q4_1
@@ -869,8 +887,13 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     }
     for (int i = 0; i < kQuantBlock; ++i) {
       int u;
-      if (L.bits == 4) u = (blk[64 * (i % 16 / 4) + 4 * j + i % 4] >> (i < 16 ? 0 : 4)) & 15;
-      else u = blk[64 * (i / 4) + 4 * j + i % 4];
+      if (L.bits == 4) {
+        const int64_t n = 4 * j + i % 4;  // weight i's byte in its vector
+        u = (blk[64 * (i % 16 / 4) + n] >> (i < 16 ? 0 : 4)) & 15;
+        for (int p = 0; p < L.high_bits; ++p) u |= (blk[high_bits_offset(p, i % 16 / 4, i / 16) + n / 8] >> (n % 8) & 1) << (4 + p);
+      } else {
+        u = blk[64 * (i / 4) + 4 * j + i % 4];
+      }
       if (L.lut) u = kIq4Unsigned[u];
       out[i] = from_float<T>(d[i >= 16] * static_cast<float>(u - L.zero) + m[i >= 16]);
     }
@@ -896,15 +919,26 @@ void pack_superblocks(const PackArgs& a, Row row) {
     }
 }
 
-// Row j's quants of block i: `vectors` vectors of 64 bytes a block (4: nibbles, 8: bytes), 4 bytes in each.
-void put_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* q, int vectors) {
-  for (int g = 0; g < vectors; ++g) std::memcpy(blocks + 64 * vectors * i + 64 * g + 4 * j, q + 4 * g, 4);
+// Row j's nibbles of block i (16 bytes in Q4_1's order), 4 bytes in each of the block's 4 vectors; the
+// blocks are kNibbleBytes apart, or with `planes` planes of high bits after each block's nibbles, more.
+void put_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* nibbles, int planes = 0) {
+  for (int g = 0; g < 4; ++g) std::memcpy(blocks + (kNibbleBytes + 64 * planes) * i + 64 * g + 4 * j, nibbles + 4 * g, 4);
 }
-// The same from 32 values below 16 (Q2_K's and Q3_K's quants), as nibbles.
-void put_nibble_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* u) {
-  uint8_t nibbles[16];
-  put_nibbles(nibbles, u);
-  put_quants(blocks, i, j, nibbles, 4);
+// Row j's weight w of a block: its bit 4 + p set in plane p (kernels.h; the plane starts zeroed).
+void put_high_bit(uint8_t* block, int p, int64_t j, int w) {
+  const int64_t n = 4 * j + w % 4;  // the byte of vector w % 16 / 4 that holds weight w's nibble
+  block[high_bits_offset(p, w % 16 / 4, w / 16) + n / 8] |= static_cast<uint8_t>(1 << (n % 8));
+}
+// The same from 32 values u in weight order: Q2_K's and Q3_K's (below 16), Q5_K's and Q6_K's (below 16 << planes,
+// their bit 4 + p into plane p).
+void put_nibble_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* u, int planes = 0) {
+  uint8_t low[kQuantBlock], nibbles[16];
+  for (int w = 0; w < kQuantBlock; ++w) low[w] = u[w] & 15;
+  put_nibbles(nibbles, low);
+  put_quants(blocks, i, j, nibbles, planes);
+  for (int p = 0; p < planes; ++p)
+    for (int w = 0; w < kQuantBlock; ++w)
+      if (u[w] >> (4 + p) & 1) put_high_bit(blocks + (kNibbleBytes + 64 * planes) * i, p, j, w);
 }
 
 // Row j's fp16 d and -dmin (the sign bit flipped) in a superblock's head (Q2_K, Q4_K, Q5_K).
@@ -925,24 +959,23 @@ void pack_q4_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   Q4KParts parts;
   q4_k_parts(src, parts);
   put_head_with_mins(parts, j, head, codes);
-  for (int i = 0; i < kSuperBlocks; ++i) put_quants(blocks, i, j, parts.nibbles[i], 4);
+  for (int i = 0; i < kSuperBlocks; ++i) put_quants(blocks, i, j, parts.nibbles[i]);
 }
 
 void pack_q5_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q5KParts parts;
   q5_k_parts(src, parts);
   put_head_with_mins(parts, j, head, codes);
-  for (int i = 0; i < kSuperBlocks; ++i) put_quants(blocks, i, j, parts.u + 32 * i, 8);
+  for (int i = 0; i < kSuperBlocks; ++i) put_nibble_quants(blocks, i, j, parts.u + 32 * i, 1);
 }
 
-// Q6_K and Q3_K: f32 d, a signed byte for each half's scale code; bytes u (Q6_K) or nibbles (Q3_K).
-void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks, int bits) {
+// Q6_K and Q3_K: f32 d, a signed byte for each half's scale code; nibbles and 2 planes of high bits (Q6_K)
+// or none (Q3_K).
+void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks, int planes) {
   const float d = fp16_to_float(parts.d);
   std::memcpy(head + 4 * j, &d, 4);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    const uint8_t* u = parts.u + 32 * i;
-    if (bits == 8) put_quants(blocks, i, j, u, 8);
-    else put_nibble_quants(blocks, i, j, u);
+    put_nibble_quants(blocks, i, j, parts.u + 32 * i, planes);
     codes[32 * i + j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[32 * i + kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
   }
 }
@@ -950,13 +983,13 @@ void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* c
 void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q6KParts parts;
   q6_k_parts(src, parts);
-  put_half_scaled(parts, j, head, codes, blocks, 8);
+  put_half_scaled(parts, j, head, codes, blocks, 2);
 }
 
 void pack_q3_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q6KParts parts;
   q3_k_parts(src, parts);
-  put_half_scaled(parts, j, head, codes, blocks, 4);
+  put_half_scaled(parts, j, head, codes, blocks, 0);
 }
 
 // Q2_K: Q4_K's head (fp16 d and -dmin), a byte code a row for each half's scale and min, u as nibbles.
@@ -978,7 +1011,7 @@ void pack_iq4_xs_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* code
   const float d = fp16_to_float(parts.d);
   std::memcpy(head + 4 * j, &d, 4);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    put_quants(blocks, i, j, parts.nibbles[i], 4);
+    put_quants(blocks, i, j, parts.nibbles[i]);
     codes[kPanelRows * i + j] = static_cast<uint8_t>(parts.sc[i]);
   }
 }
@@ -1010,6 +1043,11 @@ void pack_quant(const PackArgs& a) {
         for (int c = 0; c < scalars; ++c) std::memcpy(dst + L.quant_bytes + sb * (c * kPanelRows + j), src + c * sb, sb);
         const uint8_t* qs = src + scalars * sb;
         if (L.bits == 4) {
+          if (L.high_bits) {  // Q5_0, Q5_1: 4 bytes of fifth bits before the nibbles, weight w's at bit w
+            for (int w = 0; w < kQuantBlock; ++w)
+              if (qs[w / 8] >> (w % 8) & 1) put_high_bit(dst, 0, j, w);
+            qs += 4;
+          }
           for (int g = 0; g < 4; ++g) std::memcpy(dst + 64 * g + 4 * j, qs + 4 * g, 4);
         } else if (a.qtype == QType::q8_0) {
           for (int g = 0; g < 8; ++g)

@@ -1,5 +1,5 @@
-"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q8_0, IQ4_NL, Q2_K to Q6_K and IQ4_XS as stored; Q5_0,
-Q5_1 converted into exact blocks of 32, and the superblock types too where a cut needs it), and bfloat16
+"""Kept-quantized GGUF weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K to Q6_K and IQ4_XS as stored; the
+superblock types converted into exact blocks of 32 where a cut needs it), and bfloat16
 weights packed alike: the native kernels against gguf's own numpy
 dequantization followed by a torch matmul, on every ISA this CPU supports, on odd shapes.
 
@@ -22,8 +22,7 @@ from tests.kernels.isas import running, variants
 
 ISAS = kernels.supported_isas()
 GT = gguf.GGMLQuantizationType
-TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.IQ4_NL]
-CONVERTED = [GT.Q5_0, GT.Q5_1]  # kept as convert_quant's blocks of 32
+TYPES = [GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.IQ4_NL]  # blocks of 32
 SUPERBLOCK = [GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS]  # kept as stored, in superblocks of 256
 # types gguf cannot quantize (random bytes): where a block's float16 d (and dmin) sit, and their range; weights
 # then within about +-0.3, as real ones
@@ -52,17 +51,13 @@ def file_blocks(rows: int, features: int, qtype, seed: int = 0) -> np.ndarray:
 
 
 def quantized(rows: int, features: int, qtype, seed: int = 0) -> tuple[QuantizedTensor, torch.Tensor]:
-    """Random weights as kept blocks (converted, for the types that are), and gguf's own dequantization of
-    the file's blocks (float32)."""
+    """Random weights as kept blocks, and gguf's own dequantization of the file's blocks (float32)."""
     blocks = file_blocks(rows, features, qtype, seed)
     reference = torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), dtype=np.float32))
-    data, packed_type = torch.from_numpy(blocks.copy()), qtype.value
-    if qtype in CONVERTED:
-        data, packed_type = kernels.convert_quant(data, qtype.value, features)
-    return QuantizedTensor(data, packed_type, features), reference
+    return QuantizedTensor(torch.from_numpy(blocks.copy()), qtype.value, features), reference
 
 
-@pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK + CONVERTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK, ids=lambda t: t.name)
 def test_dequantize_is_exact(isa, qtype):
     q, reference = quantized(37, 96 if qtype in TYPES else 512, qtype)
     assert torch.equal(q.dequantize(), reference)
@@ -133,15 +128,14 @@ def test_float32_weights_stay_torch_tensors():
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
-@pytest.mark.parametrize("qtype", SUPERBLOCK + CONVERTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SUPERBLOCK, ids=lambda t: t.name)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 256), (1, 130, 512), (3, 7, 256), (4, 33, 768), (17, 67, 256),
                                            (65, 64, 256), (131, 17, 256), (2, 40, 2304)])
-def test_converted_types_match_dequantize_then_matmul(isa, qtype, activations, m, n, k):
-    """K-quants and Q5 types, converted or (the K-quants) in their superblocks: the same check as above (Q3_K's
-    and Q6_K's scale per 16 weights takes its own tile, which sums each half of a block apart; 17 rows and
-    more form a superblock's scales once for all their row tiles)."""
+def test_superblock_types_match_dequantize_then_matmul(isa, qtype, activations, m, n, k):
+    """K-quants and IQ4_XS in their superblocks: the same check as above (Q2_K's, Q3_K's and Q6_K's scale per 16
+    weights takes its own tile, which sums each half of a block apart; 17 rows and more form a superblock's
+    scales once for all their row tiles)."""
     q, w = quantized(n, k, qtype, seed=m + n + k)
-    assert q.qtype == (qtype.value if qtype in SUPERBLOCK else kernels.ops._native.converted_type(qtype.value))
     packed = q.pack(activations)
     x = torch.randn(m, k)
     x[0, :32] = 0  # an all-zero block
@@ -184,17 +178,19 @@ def test_mixed_types_fuse_as_parts(isa, activations):
 
 def test_converted_types_keep_their_size_and_refuse_bad_input():
     for qtype, bits in ((GT.Q2_K, 2.625), (GT.Q3_K, 3.4375), (GT.Q4_K, 4.5), (GT.Q5_K, 5.5), (GT.Q6_K, 6.5625),
-                        (GT.IQ4_XS, 4.25), (GT.Q5_0, 8.5), (GT.Q5_1, 10)):
+                        (GT.IQ4_XS, 4.25), (GT.Q5_0, 5.5), (GT.Q5_1, 6)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
-    for qtype, bits, packed in ((GT.Q2_K, 8, 5.125), (GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 8.625),
-                                (GT.Q6_K, 10, 8.625), (GT.IQ4_XS, 5, 4.375)):
+    for qtype, bits, packed in ((GT.Q2_K, 8, 5.125), (GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 5.625),
+                                (GT.Q6_K, 10, 6.625), (GT.IQ4_XS, 5, 4.375)):
         q, _ = quantized(3, 512, qtype)
         assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q4_HM32, Q8_H32, Q4_M32, Q8_M32, Q8_H32, IQ4_F32
-        # packed: per 16 rows and 256 weights, 8 blocks of quants (Q5_K, Q6_K: a byte each), a byte code each
-        # for scale and min (Q3_K, Q6_K: the scales of both halves) and a head of fp16 d and -dmin (Q3_K,
-        # Q6_K: f32 d; IQ4_XS: f32 d and one code a block; Q2_K: fp16 d and -dmin, a scale and a min code each
-        # per half block)
+        # packed: per 16 rows and 256 weights, 8 blocks of nibbles (Q5_K, Q6_K: and 1 or 2 planes of high bits),
+        # a byte code each for scale and min (Q3_K, Q6_K: the scales of both halves) and a head of fp16 d and
+        # -dmin (Q3_K, Q6_K: f32 d; IQ4_XS: f32 d and one code a block; Q2_K: fp16 d and -dmin, a scale and a
+        # min code each per half block)
+        assert kernels.ops._native.packed_bytes(qtype.value, 64, 512) * 8 == packed * 64 * 512
+    for qtype, packed in ((GT.Q5_0, 5.5), (GT.Q5_1, 6)):  # as the file: nibbles, a plane of fifth bits, fp16 d (and m)
         assert kernels.ops._native.packed_bytes(qtype.value, 64, 512) * 8 == packed * 64 * 512
     raw = torch.from_numpy(file_blocks(2, 256, GT.Q4_K).copy())
     with pytest.raises(ValueError, match="is not converted"):
@@ -317,7 +313,7 @@ def test_bad_arguments_are_errors_not_crashes():
     q, _ = quantized(4, 64, gguf.GGMLQuantizationType.Q4_0)
     packed = q.pack("int16")
     with pytest.raises(ValueError, match="not a packed weight type"):
-        kernels.pack_quant(q.data, 6, 64)  # Q5_0: converted at load, never packed as stored
+        kernels.pack_quant(q.data, 9, 64)  # Q8_1: no kernel
     with pytest.raises(ValueError, match="multiple of 256"):
         kernels.pack_quant(q.data, 12, 64)  # Q4_K
     with pytest.raises(ValueError, match="rows must be 36 bytes"):

@@ -129,7 +129,7 @@ def test_k_quants_stay_quantized_and_load_like_transformers(k_mix, caplog):
     assert [w.type_name for w in kinds[0]] == ["Q4_K+Q6_K", "Q4_K", "Q4_K", "Q6_K"]  # QKV mixed: Q and K, then V
     assert isinstance(kinds[0][0], PackedParts) and [p.rows for p in kinds[0][0].parts] == [HIDDEN + HIDDEN // 2, HIDDEN // 2]
     assert ours.model._native_stack(ours.model.new_kv_cache(16, 16)) is not None  # the layer stack runs the parts
-    assert [w.type_name for w in kinds[1]] == ["Q5_K", "Q5_K", "Q5_K", "Q8_0"]
+    assert [w.type_name for w in kinds[1]] == ["Q5_K", "Q5_K", "Q5_K", "Q5_0"]
     assert ours.model.lm_head.type_name == "Q6_K" and ours.model.embed.type_name == "Q4_K"
     ids = [[5, 17, 300, 2, 511, 64, 9]]
     with torch.inference_mode():

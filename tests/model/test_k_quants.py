@@ -2,11 +2,10 @@
 Q3_K_M files hold it, some MLPs as IQ4_XS files do), through our model against transformers loading the same
 file.
 
-The K-quants stay quantized (Q3_K to Q6_K and IQ4_XS in their superblocks, IQ4_NL and Q8_0 as they are, the
-Q5 types converted at load into
-exact blocks of 32, a fused QKV of mixed types in its parts), so float32 activations must give
-transformers' own greedy tokens, and the default int16
-activations stay as close to them as they do on the Q4_1 file (tests/model/test_parity.py).
+The K-quants stay quantized (Q3_K to Q6_K and IQ4_XS in their superblocks, IQ4_NL, Q5_0, Q5_1 and Q8_0 as
+they are, a fused QKV of mixed types in its parts), so float32 activations must give transformers' own greedy
+tokens, and the default int16 activations stay as close to them as they do on the Q4_1 file
+(tests/model/test_parity.py).
 """
 
 from __future__ import annotations
@@ -81,13 +80,13 @@ def test_k_quants_are_kept(k_file, caplog):
     with caplog.at_level("INFO", logger="app.model.loader"):
         ours = load_model(k_file, "float32", tokenizer=False)
     assert "kept quantized: IQ4_NL, IQ4_XS, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0" in caplog.text and "dequantized" not in caplog.text
-    assert "converted: Q5_0 as Q8_0, Q5_1 as Q8_M32;" in caplog.text
-    assert "10 fused projection(s) of mixed types run as their parts" in caplog.text  # every third layer's QKV
+    assert "converted" not in caplog.text  # every type as the file stores it
+    assert "20 fused projection(s) of mixed types run as their parts" in caplog.text  # QKV where V is not Q5_0
     layers = ours.model.layers
     assert all(isinstance(lin.weight, Packed) for lay in layers
                for lin in (lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down))
-    # 576 columns: Q5_0 (run as Q8_0) and Q5_1 (Q8_M32) beside Q8_0 -> parts; 1536 columns: K-quants
-    assert [lay.attention.qkv.weight.type_name for lay in layers[:3]] == ["Q8_0", "Q8_0+Q8_M32", "Q8_0"]
+    # 576 columns: Q and K Q5_0, V Q8_0, Q5_1 or Q5_0 -> parts where they differ; 1536 columns: K-quants
+    assert [lay.attention.qkv.weight.type_name for lay in layers[:3]] == ["Q5_0+Q8_0", "Q5_0+Q5_1", "Q5_0"]
     downs = ["Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q5_K", "IQ4_XS"]
     assert [lay.mlp.down.weight.type_name for lay in layers[:6]] == downs
     assert layers[4].mlp.gate_up.weight.type_name == "IQ4_NL"  # 576 columns: IQ4_XS falls back

@@ -114,12 +114,13 @@ int main() {
     portable::packed_linear({QType::q8_h32, act, DType::f32, DType::f32, ho2.data(), hx.data(), hpacked.data(), HM, QK, QN, QK, QN});
     check(act == ActQuant::int16 ? "packed_linear q8_h32 int16" : "packed_linear q8_h32 int8", maxdiff(ho1, ho2), 1e-4);
   }
-  // Q2_K to Q6_K and IQ4_XS in their superblocks, and IQ4_NL (random bytes, small positive fp16
-  // scales): codes times the superblock's scalars in the tile, the IQ4 codebook looked up; 7 x 512 @
-  // (37 x 512)^T at int16, int8 and float activations
+  // Q2_K to Q6_K and IQ4_XS in their superblocks, and IQ4_NL, Q5_0, Q5_1 (random bytes, small positive fp16
+  // scales): codes times the superblock's scalars in the tile, the IQ4 codebook looked up, the fifth and
+  // sixth bits added from their planes; 7 x 512 @ (37 x 512)^T at int16, int8 and float activations
   const int64_t SK = 512;
   auto sx = rnd(HM * SK);
-  for (QType q : {QType::q2_k, QType::q3_k, QType::q4_k, QType::q5_k, QType::q6_k, QType::iq4_xs, QType::iq4_nl}) {
+  for (QType q : {QType::q2_k, QType::q3_k, QType::q4_k, QType::q5_k, QType::q6_k, QType::iq4_xs, QType::iq4_nl,
+                  QType::q5_0, QType::q5_1}) {
     const int64_t block = quant_block_bytes(q);
     std::vector<uint8_t> sw(QN * quant_row_bytes(q, SK));
     for (auto& v : sw) v = rng() & 0xff;
@@ -127,7 +128,7 @@ int main() {
       for (int64_t at : q == QType::q6_k   ? std::vector<int64_t>{208}
                         : q == QType::q2_k ? std::vector<int64_t>{80, 82}
                         : q == QType::q3_k ? std::vector<int64_t>{108}
-                        : q == QType::iq4_xs || q == QType::iq4_nl ? std::vector<int64_t>{0}
+                        : q == QType::iq4_xs || q == QType::iq4_nl || q == QType::q5_0 ? std::vector<int64_t>{0}
                                                                    : std::vector<int64_t>{0, 2}) {
         const uint16_t h = static_cast<uint16_t>(0x0400 + rng() % 0x800);  // 2^-14 .. 2^-12: weights within +-1
         std::memcpy(&sw[b + at], &h, 2);
@@ -136,7 +137,8 @@ int main() {
     neon::pack_quant({q, sw.data(), sp.data(), QN, SK});
     portable::pack_quant({q, sw.data(), sp2.data(), QN, SK});
     const char* name = q == QType::q2_k ? "q2_k" : q == QType::q3_k ? "q3_k" : q == QType::q4_k ? "q4_k" : q == QType::q5_k ? "q5_k"
-                     : q == QType::q6_k ? "q6_k" : q == QType::iq4_xs ? "iq4_xs" : "iq4_nl";
+                     : q == QType::q6_k ? "q6_k" : q == QType::iq4_xs ? "iq4_xs" : q == QType::iq4_nl ? "iq4_nl"
+                     : q == QType::q5_0 ? "q5_0" : "q5_1";
     check((std::string("pack_quant ") + name).c_str(), sp == sp2 ? 0.f : 1.f, 0.f);
     std::vector<float> so1(HM * QN), so2(HM * QN);
     for (ActQuant act : {ActQuant::int16, ActQuant::int8, ActQuant::none}) {
