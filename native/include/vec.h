@@ -307,6 +307,7 @@ struct I32x16 {
   static I32x16 zero() { return {_mm512_setzero_si512()}; }
   static I32x16 set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
   static I32x16 load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+  void store(uint8_t* p) const { _mm512_storeu_si512(p, v); }
   I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
   I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
   // a 16-byte table in every 128-bit lane; lookup: each byte (below 16) replaced by its entry
@@ -371,6 +372,9 @@ struct I32x16 {
   static I32x16 set1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
   static I32x16 load(const uint8_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  void store(uint8_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a), _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), b);
   }
   static __m256i low(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0f)); }
   static __m256i high(__m256i x) { return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0f)); }
@@ -443,6 +447,7 @@ struct I32x16 {
   static I32x16 zero() { APPLIANCE_LANES(0) }
   static I32x16 set1(int32_t x) { APPLIANCE_LANES(x) }
   static I32x16 load(const uint8_t* p) { I32x16 r; std::memcpy(r.v, p, 64); return r; }  // little-endian lanes
+  void store(uint8_t* p) const { std::memcpy(p, v, 64); }
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
   static I32x16 table16(const uint8_t* t) { I32x16 r{}; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)

@@ -772,10 +772,55 @@ void expand_scales(const Tiles& t, int64_t p0) {
     }
 }
 
+// Q5_0, Q5_1, Q5_K and Q6_K under more than four row tiles: panels [p0, p0 + NP) with their high bits added
+// once, into the byte layout (8 vectors a block, as Q8_0's; scales and superblock heads as they are), which the
+// row tiles then run as bytes. Adding them in every row tile made a 2,048 x 8,192 linear 25% (Q5_K) and 27%
+// (Q6_K) slower at 128 rows than the bytes these types were stored as before, 20-30% at 32; expanded, 3-4%
+// and 8%. At 8 rows expanding cost more than it saved (Q5_K 1.13 ms against 0.97-1.0, medians of 30; Xeon).
+thread_local std::vector<uint8_t> expanded_quants;
+template <int NP, int BITS>
+Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
+  PackedLayout L = t.layout;
+  const int64_t scale_bytes = L.block_bytes - L.quant_bytes;
+  L.bits = 8, L.high_bits = 0, L.quant_bytes = 8 * 64, L.block_bytes = L.quant_bytes + scale_bytes;
+  Tiles bytes = t;  // its panel 0 is t's p0: its output starts at p0's columns
+  bytes.layout = L, bytes.panel_bytes = packed_panel_bytes(L, t.blocks);
+  expanded_quants.resize(static_cast<size_t>(NP * bytes.panel_bytes + 63));
+  uint8_t* buffer = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(expanded_quants.data()) + 63) & ~uintptr_t{63});
+  bytes.weight = buffer;  // on cache lines, as the packed weights: a vector split across two lines loads at half speed
+  bytes.out = static_cast<char*>(t.out) + p0 * kPanelRows * (t.out_dtype == DType::f32 ? 4 : 2);
+  bytes.out_features = t.out_features - p0 * kPanelRows;
+  const int64_t ahead = blocks_ahead(t, r0);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* from[NP];
+    panel_blocks(t, p0, b, from);
+    prefetch_blocks(t, from, b, ahead);
+    if (pre >= 0) prefetch_next<NP>(t, pre, b);
+    for (int j = 0; j < NP; ++j) {
+      uint8_t* to = buffer + (panel_block(bytes, j, b) - bytes.weight);
+      if (L.super_head && b % kSuperBlocks == 0) std::memcpy(to - L.super_head, from[j] - L.super_head, L.super_head);
+      for (int g = 0; g < 4; ++g) {  // weights 4g..4g+3 of each row into vector g, 16+4g.. into vector 4 + g
+        const I32x16 v = I32x16::load(from[j] + 64 * g);
+        nibble_weights<BITS>(from[j], v, g, 0).store(to + 64 * g);
+        nibble_weights<BITS>(from[j], v, g, 1).store(to + 64 * (4 + g));
+      }
+      std::memcpy(to + L.quant_bytes, from[j] + t.layout.quant_bytes, scale_bytes);
+    }
+  }
+  return bytes;
+}
+
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   int64_t r = r_begin;
   constexpr int kMR = PLANES == 2 ? 3 : 4;
+  if constexpr (BITS == 4 && PLANES != 0) {
+    if (t.layout.high_bits && r_end - r_begin > 4 * kMR) {
+      const Tiles bytes = t.layout.high_bits == 2 ? expand_quants<NP, 6>(t, p0, r_begin, pre)
+                                                  : expand_quants<NP, 5>(t, p0, r_begin, pre);
+      return row_tiles<NP, 8, PLANES>(bytes, r_begin, r_end, 0, -1);
+    }
+  }
   auto pre_for = [&](int64_t row) {  // the second row tile, or the first where it is the only one (batch 2-3)
     return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
   };
