@@ -153,9 +153,9 @@ def linear_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    # weight: [V, K/32 blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q8_0 8, BF16 30, or convert_quant's
-    # Q4_M32 100, Q8_M32 101, Q8_H32 102, IQ4_F32 103, Q4_HM32 104; IQ4_NL 20), or [V, K/256 superblocks] of
-    # Q2_K 10 to Q6_K 14, IQ4_XS 23
+    # weight: [V, K/32 blocks] uint8 of type `qtype` (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, BF16 30, or
+    # convert_quant's Q4_M32 100, Q8_M32 101, Q8_H32 102, IQ4_F32 103, Q4_HM32 104; IQ4_NL 20), or
+    # [V, K/256 superblocks] of Q2_K 10 to Q6_K 14, IQ4_XS 23
     # -> the packed layout, uint8 [bytes]
     out = torch.empty(_native.packed_bytes(int(qtype), weight.shape[0], int(in_features)), dtype=torch.uint8)
     _native.pack_quant(_ref(out, "out", (torch.uint8,), 1), _ref(weight, "weight", (torch.uint8,), 2), int(qtype),

@@ -70,7 +70,7 @@ class GGUFCheckpoint:
         import gguf
 
         arch = self.meta["general.architecture"]
-        data = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: converters read it without a copy
+        data = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: gguf's dequantizers read it in place
         for gguf_name, dims in self.header.tensor_shapes.items():
             name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
             if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:

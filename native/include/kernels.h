@@ -89,18 +89,18 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // BF16 (GGML's 30) is the dense case: rows of bfloat16 weights, 64 bytes per 32, no scales; packed the
 // same way so that the same tiles, threads and layer stack run them (the model packs bfloat16 weights).
 //
-// The other common GGUF types are converted once at load (convert_quant) into one of three blocks of 32
-// of our own, exactly: every weight keeps its value, because a K-quant's sub-block scale d * sc and
-// min dmin * m (fp16 times a 6-bit integer) are exact in float32. Ids past GGML's:
-//   Q4_M32 (from Q4_K, where a tensor-parallel cut is off its superblocks; else Q4_K runs as stored)
-//                            = f32 d, f32 m + 16 bytes of nibbles as Q4_1 (w = d q + m);
-//   Q8_M32 (from Q5_K, Q5_1) = f32 d, f32 m + 32 bytes u (w = d u + m);
+// The superblock types convert (convert_quant) where a tensor-parallel cut is off their 256 weights (and
+// for dequantize, with the Q5 types) into blocks of 32 of our own, exactly: every weight keeps its value,
+// because a K-quant's sub-block scale d * sc and min dmin * m (fp16 times a 6-bit integer) are exact in
+// float32. Ids past GGML's:
+//   Q4_M32 (from Q4_K)       = f32 d, f32 m + 16 bytes of nibbles as Q4_1 (w = d q + m);
+//   Q8_M32 (from Q5_K; Q5_1 for dequantize) = f32 d, f32 m + 32 bytes u (w = d u + m);
 //   Q8_H32 (from Q6_K, Q3_K, likewise) = f32 d0, f32 d1 + 32 bytes u (w = d0 (u - 32) for weights 0..15, d1
 //                              for 16..31: they scale every 16 weights);
 //   IQ4_F32 (from IQ4_XS, likewise) = f32 d + 16 bytes of nibbles as IQ4_NL (below);
 //   Q4_HM32 (from Q2_K, likewise) = f32 d0, d1, m0, m1 + 16 bytes of nibbles (w = d0 q + m0 for weights
 //                              0..15, d1 q + m1 for 16..31: Q2_K scales and offsets every 16 weights).
-// Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
+// For dequantize Q5_0 becomes Q8_0 (w = d (q - 16), q - 16 fits a signed byte). A fused projection whose parts differ in
 // type (Q4_K_M files store some layers' V as Q6_K, their Q and K as Q4_K) runs as its parts (decoder.h).
 //
 // Q2_K to Q6_K (GGML's 10 to 14) are kept as the file stores them, superblocks of 256 weights (Q2_K: 84 bytes,
@@ -251,7 +251,7 @@ struct PackedLayout {
   int64_t block_bytes;   // quants and scales, per panel and block
   int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants, IQ4_XS), or none
   bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
-  int high_bits = 0;       // 4-bit types: planes of a fifth (and sixth) bit after the nibbles (Q5_K 1, Q6_K 2)
+  int high_bits = 0;       // 4-bit types: planes of a fifth (and sixth) bit after the nibbles (Q5_*: 1, Q6_K: 2)
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 

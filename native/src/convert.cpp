@@ -1,6 +1,6 @@
-// GGUF types without a packed layout of their own, converted once at load into blocks of 32 the kernels
-// run (kernels.h): every weight keeps its exact value; and the K-quant superblocks decoded for their
-// packing (quant.cpp). Plain C++ (load time, not per ISA); the block
+// GGUF superblock types converted into blocks of 32 the kernels run (kernels.h) where a tensor-parallel cut
+// is off 256, and the Q5 types for dequantize: every weight keeps its exact value; and the K-quant
+// superblocks decoded for their packing (quant.cpp). Plain C++ (load time, not per ISA); the block
 // formats are GGML's (ggml-common.h), decoded here the way its reference dequantizers read them.
 #include <cstring>
 

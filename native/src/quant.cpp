@@ -1,6 +1,6 @@
-// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q8_0, IQ4_NL, and the
-// superblock types Q2_K to Q6_K and IQ4_XS as stored, the Q5 types as convert_quant's exact blocks of 32: Q8_0, Q8_M32),
-// and on bfloat16 weights
+// Linear layers on GGUF-quantized weights that stay quantized in memory (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+// and the superblock types Q2_K to Q6_K and IQ4_XS as stored; where a tensor-parallel cut is off 256, the
+// superblock types as convert_quant's exact blocks of 32), and on bfloat16 weights
 // packed the same way (BF16: vdpbf16ps with AVX512-BF16 where it is fast, kernels.h bf16_dot; float32 FMAs
 // elsewhere).
 //
@@ -421,7 +421,7 @@ inline void prefetch_next(const Tiles& t, int64_t pre, int64_t b) {
   asm volatile("" ::: "memory");  // as in prefetch_blocks
 }
 
-// Vector g of a 4-bit block: its low (h = 0) or high (h = 1) nibbles, and with BITS 5 or 6 (Q5_K, Q6_K) its
+// Vector g of a 4-bit block: its low (h = 0) or high (h = 1) nibbles, and with BITS 5 or 6 (Q5_0, Q5_1, Q5_K; Q6_K) its
 // weights' fifth and sixth bits from the planes after the nibbles (kernels.h): one masked byte add a plane.
 template <int BITS>
 inline I32x16 nibble_weights(const uint8_t* blk, const I32x16& v, int g, int h) {
@@ -454,8 +454,8 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // Integer tile. Per block: int32 dot products into two accumulators per (row, panel) (the two planes,
 // or with one plane the two halves of the block, so that enough independent chains are in flight),
 // then acc += float(sum - zero * sum(x)) * d * scale (+ m * sum(x) for Q4_1).
-// kMin: the type has a min per block and no zero point (Q4_1, Q4_K, Q5_K, Q4_M32, Q8_M32), else a zero point
-// and no min (Q4_0, Q8_0, the IQ4 types); known at compile time, so that neither costs a test or a dead
+// kMin: the type has a min per block and no zero point (Q4_1, Q5_1, Q4_K, Q5_K, Q4_M32, Q8_M32), else a zero
+// point and no min (Q4_0, Q5_0, Q8_0, the IQ4 types); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
 // kLut: the nibbles index the IQ4 codebook; one vpshufb a vector maps them to their u (any byte, as Q8_0's).
@@ -782,7 +782,8 @@ template <int NP, int BITS>
 Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
   PackedLayout L = t.layout;
   const int64_t scale_bytes = L.block_bytes - L.quant_bytes;
-  L.bits = 8, L.high_bits = 0, L.quant_bytes = 8 * 64, L.block_bytes = L.quant_bytes + scale_bytes;
+  // (Q5_0's and Q5_1's 32 and 64 bytes of scales padded to a cache line, so that every block's vectors sit on lines)
+  L.bits = 8, L.high_bits = 0, L.quant_bytes = 8 * 64, L.block_bytes = L.quant_bytes + (scale_bytes + 63) / 64 * 64;
   Tiles bytes = t;  // its panel 0 is t's p0: its output starts at p0's columns
   bytes.layout = L, bytes.panel_bytes = packed_panel_bytes(L, t.blocks);
   expanded_quants.resize(static_cast<size_t>(NP * bytes.panel_bytes + 63));
