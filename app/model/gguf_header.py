@@ -33,8 +33,8 @@ class QuantType(NamedTuple):
 # for the exact blocks of 32 that the superblock types convert into where a tensor-parallel cut is off 256.
 PACKED_QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 18), 3: QuantType("Q4_1", 32, 20, 20),
                       6: QuantType("Q5_0", 32, 22, 22), 7: QuantType("Q5_1", 32, 24, 24),
-                      8: QuantType("Q8_0", 32, 34, 34), 10: QuantType("Q2_K", 256, 84, 164),
-                      11: QuantType("Q3_K", 256, 110, 148), 12: QuantType("Q4_K", 256, 144, 148),
+                      8: QuantType("Q8_0", 32, 34, 34), 10: QuantType("Q2_K", 256, 84, 100),
+                      11: QuantType("Q3_K", 256, 110, 116), 12: QuantType("Q4_K", 256, 144, 148),
                       13: QuantType("Q5_K", 256, 176, 180), 14: QuantType("Q6_K", 256, 210, 212),
                       20: QuantType("IQ4_NL", 32, 18, 18), 23: QuantType("IQ4_XS", 256, 136, 140),
                       100: QuantType("Q4_M32", 32, 24, 24), 101: QuantType("Q8_M32", 32, 40, 40),

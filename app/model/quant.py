@@ -2,9 +2,10 @@
 
 Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (32 weights a block, along each row) stay quantized: a decode step then reads
 4.5-8.5 bits a weight (5 for Q4_1) instead of 16 or 32. Q2_K, Q3_K, Q4_K, Q5_K and Q6_K stay as the file
-stores them, superblocks of 256 weights, and run packed with their superblock scales (5.1, 4.6, 4.6, 5.6 and
-6.6 bits a weight; the file's are 2.6, 3.4, 4.5, 5.5 and 6.6: Q2_K's and Q3_K's quants run as nibbles, Q5_K's
-and Q6_K's as nibbles and one or two planes of their high bits).
+stores them, superblocks of 256 weights, and run packed with their superblock scales (3.1, 3.6, 4.6, 5.6 and
+6.6 bits a weight; the file's are 2.6, 3.4, 4.5, 5.5 and 6.6: Q2_K's quants run as 2-bit crumbs, Q3_K's as
+crumbs and a plane of their third bits, Q5_K's and Q6_K's as nibbles and one or two planes of their high bits;
+the rest is the scale codes, a byte each).
 IQ4_NL and IQ4_XS (4-bit indices into a codebook of 16 values) stay as stored too (4.5 and 4.4 bits a weight,
 the file's 4.5 and 4.25); the tile looks the values up. The superblock types convert
 (`kernels.convert_quant`) into blocks of 32 that keep every weight's value where a tensor-parallel cut

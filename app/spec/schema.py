@@ -40,8 +40,8 @@ class ModelSpec(Section):
     dense weights run on native bfloat16 kernels (AVX512-BF16 where present); float32 weights on torch."""
     quantized: Literal["keep", "dequantize"] = "keep"
     """GGUF quantized weights: "keep" runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL and IQ4_XS weights
-    on native kernels as they are stored (4.4-5.1 bits a weight for Q2_K, Q3_K, Q4_* and IQ4_*, 5.5-6.6 for the
-    Q5 types and Q6_K, 8.5 for Q8_0), against 16 for bfloat16 and 32 for float32 (IQ1_S to IQ3_S are
+    on native kernels as they are stored (3.1 bits a weight for Q2_K, 3.6 for Q3_K, 4.4-5 for Q4_* and IQ4_*,
+    5.5-6.6 for the Q5 types and Q6_K, 8.5 for Q8_0), against 16 for bfloat16 and 32 for float32 (IQ1_S to IQ3_S are
     dequantized at load, logged);
     "dequantize" expands every weight to the compute dtype at load. The compute dtype applies to activations."""
     quantized_activations: Literal["int16", "int8", "float"] = "int16"

@@ -231,10 +231,13 @@ void iq4_xs_parts(const uint8_t* block, IQ4XSParts& out);
 //   Q6_K: the same with a head of 16 f32 d and per block 16 int8 codes for each half (sc0, sc1), then
 //           the 8 blocks' nibbles and two planes (384 bytes): w = d sc_h (u - 32), exact in float32
 //           likewise. A block's low nibbles are its first half (weights 0..15), the high ones its second.
-//   Q3_K: Q6_K's head, and the 8 blocks' 4-bit quants u = q + 4 as the 4-bit types', halves as Q6_K's.
+//   2-bit types (Q2_K; Q3_K with one plane): 2 vectors of 64 bytes, one a half of the block; in vector h,
+//           bits 2t..2t+1 of bytes 4j..4j+3 (row j) hold weights 16h+4t..16h+4t+3 (vector t of half h,
+//           as a 4-bit block's low or high nibbles are). Then any plane of high bits as above (bit 2 + p).
+//   Q3_K: Q6_K's head, and the 8 blocks' 3-bit quants u = q + 4 as a 2-bit type with one plane, halves as
+//           Q6_K's.
 //   Q2_K: Q4_K's head of fp16 d and -dmin, then per block the codes of each half's scale and min (sc0, sc1,
-//           m0, m1: 4 x 16 bytes), then the blocks' 2-bit quants as nibbles (as Q3_K's halves):
-//           w = d sc_h u - dmin m_h.
+//           m0, m1: 4 x 16 bytes), then the blocks' 2-bit quants: w = d sc_h u - dmin m_h.
 //   IQ4_XS: a head of 16 f32 d and per block 16 int8 codes (sc: one a row), then the blocks' nibbles; the
 //           tile maps each nibble through kIq4Unsigned (lut), so that u - 128 is the codebook's value.
 //   IQ4_NL, IQ4_F32: Q4_0's layout (fp16 d; IQ4_F32: f32 d) with the codebook likewise.
@@ -242,7 +245,7 @@ constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelGroup = 4;
 
 struct PackedLayout {
-  int bits;              // 4, 8 or 16 (bfloat16)
+  int bits;              // 2, 4, 8 or 16 (bfloat16): the low bits a weight, as crumbs, nibbles or bytes
   int zero;              // subtracted from every u
   bool has_min;          // 16 m follow the 16 d (with halves: 16 m0, 16 m1 follow d0 and d1)
   bool halves;           // 16 d1 follow the 16 d: d scales weights 0..15 of a block, d1 16..31
@@ -251,7 +254,7 @@ struct PackedLayout {
   int64_t block_bytes;   // quants and scales, per panel and block
   int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants, IQ4_XS), or none
   bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
-  int high_bits = 0;       // 4-bit types: planes of a fifth (and sixth) bit after the nibbles (Q5_*: 1, Q6_K: 2)
+  int high_bits = 0;       // planes of a further bit each after the crumbs or nibbles (Q3_K, Q5_*: 1; Q6_K: 2)
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 
@@ -267,8 +270,8 @@ inline PackedLayout packed_layout(QType t) {
     case QType::q4_k: return {4, 0, true, false, 1, 256, 256, 64 + 32 * kSuperBlocks};
     case QType::q5_k: return {4, 0, true, false, 1, 320, 320, 64 + 32 * kSuperBlocks, false, 1};
     case QType::q6_k: return {4, 32, false, true, 1, 384, 384, 64 + 32 * kSuperBlocks, false, 2};
-    case QType::q3_k: return {4, 4, false, true, 1, 256, 256, 64 + 32 * kSuperBlocks};
-    case QType::q2_k: return {4, 0, true, true, 1, 256, 256, 64 + 64 * kSuperBlocks};
+    case QType::q3_k: return {2, 4, false, true, 1, 192, 192, 64 + 32 * kSuperBlocks, false, 1};
+    case QType::q2_k: return {2, 0, true, true, 1, 128, 128, 64 + 64 * kSuperBlocks};
     case QType::q4_hm32: return {4, 0, true, true, 4, 256, 256 + 256};
     case QType::iq4_xs: return {4, 128, false, false, 1, 256, 256, 64 + 16 * kSuperBlocks, true};
     case QType::iq4_nl: return {4, 128, false, false, 2, 256, 256 + 32, 0, true};
@@ -277,10 +280,12 @@ inline PackedLayout packed_layout(QType t) {
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }
 }
-// Where a 4-bit block's bit planes start, and the 8 bytes of plane p that vector g's low (h = 0) or high
-// (h = 1) nibbles take their bits from (bit n of the 8 bytes: byte n of the vector).
-constexpr int64_t kNibbleBytes = 4 * 64;
-constexpr int64_t high_bits_offset(int p, int g, int h) { return kNibbleBytes + 64 * p + 16 * g + 8 * h; }
+// Where a block's bit planes start (after its nibbles, or with LOW 2 its crumbs), and the 8 bytes of plane p that
+// vector g of half h takes its bits from (bit n of the 8 bytes: byte n of the vector).
+constexpr int64_t kNibbleBytes = 4 * 64, kCrumbBytes = 2 * 64;
+constexpr int64_t high_bits_offset(int p, int g, int h, int low = 4) {
+  return (low == 2 ? kCrumbBytes : kNibbleBytes) + 64 * p + 16 * g + 8 * h;
+}
 inline int64_t packed_panels(int64_t rows) {
   const int64_t panels = (rows + kPanelRows - 1) / kPanelRows;
   return (panels + kPanelGroup - 1) / kPanelGroup * kPanelGroup;

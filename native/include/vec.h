@@ -310,6 +310,7 @@ struct I32x16 {
   void store(uint8_t* p) const { _mm512_storeu_si512(p, v); }
   I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
   I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
+  I32x16 crumbs(int t) const { return {_mm512_and_si512(_mm512_srli_epi16(v, 2 * t), _mm512_set1_epi8(3))}; }  // bits 2t, 2t+1 of each byte
   // a 16-byte table in every 128-bit lane; lookup: each byte (below 16) replaced by its entry
   static I32x16 table16(const uint8_t* t) { return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))}; }
   I32x16 lookup(I32x16 table) const { return {_mm512_shuffle_epi8(table.v, v)}; }
@@ -380,6 +381,10 @@ struct I32x16 {
   static __m256i high(__m256i x) { return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0f)); }
   I32x16 low_nibbles() const { return {low(a), low(b)}; }
   I32x16 high_nibbles() const { return {high(a), high(b)}; }
+  I32x16 crumbs(int t) const {
+    const __m256i m = _mm256_set1_epi8(3);
+    return {_mm256_and_si256(_mm256_srli_epi16(a, 2 * t), m), _mm256_and_si256(_mm256_srli_epi16(b, 2 * t), m)};
+  }
   static I32x16 table16(const uint8_t* t) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
     return {table, table};
@@ -450,6 +455,7 @@ struct I32x16 {
   void store(uint8_t* p) const { std::memcpy(p, v, 64); }
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
+  I32x16 crumbs(int t) const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (2 * t)) & 0x03030303u)) }
   static I32x16 table16(const uint8_t* t) { I32x16 r{}; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
   I32x16 lookup(I32x16 table) const {
     const uint8_t* entries = reinterpret_cast<const uint8_t*>(table.v);

@@ -421,13 +421,23 @@ inline void prefetch_next(const Tiles& t, int64_t pre, int64_t b) {
   asm volatile("" ::: "memory");  // as in prefetch_blocks
 }
 
-// Vector g of a 4-bit block: its low (h = 0) or high (h = 1) nibbles, and with BITS 5 or 6 (Q5_0, Q5_1, Q5_K; Q6_K) its
-// weights' fifth and sixth bits from the planes after the nibbles (kernels.h): one masked byte add a plane.
+// Vector g of half h of a block (weights 16h+4g..16h+4g+3 of its rows, kernels.h): its `low` low bits w, plus
+// bit low + p from each of `planes` planes after them, one masked byte add a plane (Q3_K, Q5_0, Q5_1, Q5_K:
+// one; Q6_K: two). The tiles pass constants; the float tile the layout's.
+inline I32x16 plus_planes(I32x16 w, const uint8_t* blk, int g, int h, int low, int planes) {
+  for (int p = 0; p < planes; ++p) w = w.plus_where(blk + high_bits_offset(p, g, h, low), 1 << (low + p));
+  return w;
+}
+// BITS 4 to 6: the low bits are vector g's low (h = 0) or high (h = 1) nibbles, v (loaded once for both).
 template <int BITS>
 inline I32x16 nibble_weights(const uint8_t* blk, const I32x16& v, int g, int h) {
-  I32x16 w = h == 0 ? v.low_nibbles() : v.high_nibbles();
-  for (int p = 0; p < BITS - 4; ++p) w = w.plus_where(blk + high_bits_offset(p, g, h), 16 << p);
-  return w;
+  return plus_planes(h == 0 ? v.low_nibbles() : v.high_nibbles(), blk, g, h, 4, BITS - 4);
+}
+// BITS 2 to 6: BITS 2 and 3 (Q2_K; Q3_K) hold their low bits as crumbs, bits 2g and 2g + 1 of vector h.
+template <int BITS>
+inline I32x16 block_weights(const uint8_t* blk, int g, int h) {
+  if constexpr (BITS < 4) return plus_planes(I32x16::load(blk + 64 * h).crumbs(g), blk, g, h, 2, BITS - 2);
+  else return nibble_weights<BITS>(blk, I32x16::load(blk + 64 * g), g, h);
 }
 
 // Byte weights' groups [g0, g1) of a block (4 weights each) against x's bytes: into hi and lo, the two
@@ -526,14 +536,14 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// 4-bit weights' half h of a block against x's bytes (h = 0: the low nibbles, weights 0..15; 1: the high
-// ones, 16..31; BITS 6: Q6_K's, with their high bits), into hi and lo as byte_groups does.
+// 2- to 6-bit weights' half h of a block against x's bytes (h = 0: weights 0..15, the low nibbles; 1: 16..31,
+// the high ones; or the crumbs of vector h), into hi and lo as byte_groups does.
 template <int MR, int NP, int BITS, int PLANES>
-inline void nibble_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb)[MR], int h, I32x16 (&hi)[MR][NP],
-                        I32x16 (&lo)[MR][NP]) {
+inline void quant_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb)[MR], int h, I32x16 (&hi)[MR][NP],
+                       I32x16 (&lo)[MR][NP]) {
   for (int g = 0; g < 4; ++g)
     for (int j = 0; j < NP; ++j) {
-      const I32x16 w = nibble_weights<BITS>(blk[j], I32x16::load(blk[j] + 64 * g), g, h);
+      const I32x16 w = block_weights<BITS>(blk[j], g, h);
       for (int r = 0; r < MR; ++r) {
         if constexpr (PLANES == 2) {
           hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 16 * h + 4 * g));
@@ -547,8 +557,8 @@ inline void nibble_half(const uint8_t* const (&blk)[NP], const int8_t* const (&x
     }
 }
 
-// Integer tile for weights with a scale per 16 (Q8_H32; Q6_K's and Q3_K's nibbles; with a min per 16, Q2_K's and
-// Q4_HM32's): as int_tile, each half of a block folded into the float accumulators under its own scale, with
+// Integer tile for weights with a scale per 16 (Q8_H32; Q6_K's nibbles and Q3_K's crumbs, with their planes; with a
+// min per 16, Q2_K's crumbs and Q4_HM32's nibbles): as int_tile, each half of a block folded into the float accumulators under its own scale, with
 // its own share of the zero correction (kMin: of the min times x's sum). Their u < 64, so the 16-bit pairs of
 // the emulated dot4 cannot saturate (kSmall).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin>
@@ -571,7 +581,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
-      if constexpr (BITS <= 6) nibble_half<MR, NP, BITS, PLANES>(blk, xb, h, hi, lo);
+      if constexpr (BITS <= 6) quant_half<MR, NP, BITS, PLANES>(blk, xb, h, hi, lo);
       else byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
       for (int r = 0; r < MR; ++r) {
         const int64_t cell = (r0 + r) * t.blocks + b;
@@ -599,11 +609,11 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const Activations& x = *t.x;
   const int64_t k = t.blocks * kQuantBlock;
   const I32x16 zero = I32x16::set1(L.zero), table = I32x16::table16(kIq4Unsigned);
-  auto nibbles = [&](const uint8_t* block, int g, int h) {  // as nibble_weights, through the codebook for IQ4
-    const I32x16 v = I32x16::load(block + 64 * g);
-    I32x16 n = h == 0 ? v.low_nibbles() : v.high_nibbles();
-    for (int p = 0; p < L.high_bits; ++p) n = n.plus_where(block + high_bits_offset(p, g, h), 16 << p);
-    return L.lut ? n.lookup(table) : n;
+  auto weights = [&](const uint8_t* block, int g, int h) {  // as block_weights, through the codebook for IQ4
+    I32x16 w = BITS == 2 ? I32x16::load(block + 64 * h).crumbs(g)
+                         : h == 0 ? I32x16::load(block + 64 * g).low_nibbles() : I32x16::load(block + 64 * g).high_nibbles();
+    w = plus_planes(w, block, g, h, BITS, L.high_bits);
+    return L.lut ? w.lookup(table) : w;
   };
   F32x16 acc[MR][NP];
   zero_all(acc);
@@ -642,18 +652,18 @@ void float_tile(const Tiles& t, int64_t r0, int64_t p0) {
           if (L.has_min) acc[r][j] = F32x16::fmadd(hm[h][j], xsum[h][r], acc[r][j]);
         }
     };
-    if constexpr (BITS == 4) {
-      if (L.halves) {  // Q2_K, Q3_K, Q6_K: the low nibbles (the first half), then the high ones
+    if constexpr (BITS <= 4) {
+      if (L.halves) {  // Q2_K, Q3_K, Q6_K, Q4_HM32: the first half (the low nibbles, or crumb vector 0), then the second
         for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < NP; ++j) group(j, nibbles(blk[j], g, 0), 4 * g);
+          for (int j = 0; j < NP; ++j) group(j, weights(blk[j], g, 0), 4 * g);
         half_under_its_scale(0);
         for (int g = 0; g < 4; ++g)
-          for (int j = 0; j < NP; ++j) group(j, nibbles(blk[j], g, 1), 16 + 4 * g);
+          for (int j = 0; j < NP; ++j) group(j, weights(blk[j], g, 1), 16 + 4 * g);
       } else {
         for (int g = 0; g < 4; ++g)
           for (int j = 0; j < NP; ++j) {
-            group(j, nibbles(blk[j], g, 0), 4 * g);
-            group(j, nibbles(blk[j], g, 1), 16 + 4 * g);
+            group(j, weights(blk[j], g, 0), 4 * g);
+            group(j, weights(blk[j], g, 1), 16 + 4 * g);
           }
       }
     } else {
@@ -715,6 +725,9 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
     else bf16_tile<MR, NP, bf16>(t, r0, p0);
   } else if constexpr (PLANES == 0) {
     float_tile<MR, NP, BITS>(t, r0, p0);
+  } else if constexpr (BITS == 2) {  // crumbs, a scale per 16
+    if (t.layout.has_min) halves_tile<MR, NP, 2, PLANES, kHalfCodesMin, true>(t, r0, p0);  // Q2_K
+    else halves_tile<MR, NP, 3, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K: a plane of third bits
   } else if (BITS == 4 && t.layout.lut) {  // the IQ4 types: a zero point (128), no min
     if constexpr (BITS == 4) {
       if (t.layout.scale_bytes == 1) int_tile_pre<MR, NP, BITS, PLANES, kSignedCodes, false, true>(t, r0, p0, pre);  // IQ4_XS
@@ -730,8 +743,7 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
       else int_tile_pre<MR, NP, 5, PLANES, kCodes, true>(t, r0, p0, pre);
     }
   } else if (t.layout.halves) {
-    if (t.layout.scale_bytes == 1 && t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kHalfCodesMin, true>(t, r0, p0);  // Q2_K
-    else if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K
+    if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K, Q6_K as bytes
     else if (t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0);  // Q4_HM32
     else halves_tile<MR, NP, BITS, PLANES, kF32, false>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
@@ -772,7 +784,7 @@ void expand_scales(const Tiles& t, int64_t p0) {
     }
 }
 
-// Q5_0, Q5_1, Q5_K and Q6_K under more than four row tiles: panels [p0, p0 + NP) with their high bits added
+// Q3_K, Q5_0, Q5_1, Q5_K and Q6_K under more than four row tiles: panels [p0, p0 + NP) with their high bits added
 // once, into the byte layout (8 vectors a block, as Q8_0's; scales and superblock heads as they are), which the
 // row tiles then run as bytes. Adding them in every row tile made a 2,048 x 8,192 linear 25% (Q5_K) and 27%
 // (Q6_K) slower at 128 rows than the bytes these types were stored as before, 20-30% at 32; expanded, 3-4%
@@ -800,11 +812,8 @@ Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
     for (int j = 0; j < NP; ++j) {
       uint8_t* to = buffer + (panel_block(bytes, j, b) - bytes.weight);
       if (L.super_head && b % kSuperBlocks == 0) std::memcpy(to - L.super_head, from[j] - L.super_head, L.super_head);
-      for (int g = 0; g < 4; ++g) {  // weights 4g..4g+3 of each row into vector g, 16+4g.. into vector 4 + g
-        const I32x16 v = I32x16::load(from[j] + 64 * g);
-        nibble_weights<BITS>(from[j], v, g, 0).store(to + 64 * g);
-        nibble_weights<BITS>(from[j], v, g, 1).store(to + 64 * (4 + g));
-      }
+      for (int h = 0; h < 2; ++h)  // weights 16h+4g..16h+4g+3 of each row into vector 4h + g
+        for (int g = 0; g < 4; ++g) block_weights<BITS>(from[j], g, h).store(to + 64 * (4 * h + g));
       std::memcpy(to + L.quant_bytes, from[j] + t.layout.quant_bytes, scale_bytes);
     }
   }
@@ -815,10 +824,11 @@ template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   int64_t r = r_begin;
   constexpr int kMR = PLANES == 2 ? 3 : 4;
-  if constexpr (BITS == 4 && PLANES != 0) {
+  if constexpr ((BITS == 2 || BITS == 4) && PLANES != 0) {
     if (t.layout.high_bits && r_end - r_begin > 4 * kMR) {
-      const Tiles bytes = t.layout.high_bits == 2 ? expand_quants<NP, 6>(t, p0, r_begin, pre)
-                                                  : expand_quants<NP, 5>(t, p0, r_begin, pre);
+      const Tiles bytes = BITS == 2 ? expand_quants<NP, 3>(t, p0, r_begin, pre)
+                          : t.layout.high_bits == 2 ? expand_quants<NP, 6>(t, p0, r_begin, pre)
+                                                    : expand_quants<NP, 5>(t, p0, r_begin, pre);
       return row_tiles<NP, 8, PLANES>(bytes, r_begin, r_end, 0, -1);
     }
   }
@@ -933,10 +943,11 @@ void dequant_packed_row(const uint8_t* w, const PackedLayout& L, int64_t panel_b
     }
     for (int i = 0; i < kQuantBlock; ++i) {
       int u;
-      if (L.bits == 4) {
-        const int64_t n = 4 * j + i % 4;  // weight i's byte in its vector
-        u = (blk[64 * (i % 16 / 4) + n] >> (i < 16 ? 0 : 4)) & 15;
-        for (int p = 0; p < L.high_bits; ++p) u |= (blk[high_bits_offset(p, i % 16 / 4, i / 16) + n / 8] >> (n % 8) & 1) << (4 + p);
+      if (L.bits <= 4) {
+        const int64_t n = 4 * j + i % 4;  // weight i's byte in vector g of half h
+        const int g = i % 16 / 4, h = i / 16;
+        u = L.bits == 4 ? (blk[64 * g + n] >> (4 * h)) & 15 : (blk[64 * h + n] >> (2 * g)) & 3;
+        for (int p = 0; p < L.high_bits; ++p) u |= (blk[high_bits_offset(p, g, h, L.bits) + n / 8] >> (n % 8) & 1) << (L.bits + p);
       } else {
         u = blk[64 * (i / 4) + 4 * j + i % 4];
       }
@@ -970,21 +981,26 @@ void pack_superblocks(const PackArgs& a, Row row) {
 void put_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* nibbles, int planes = 0) {
   for (int g = 0; g < 4; ++g) std::memcpy(blocks + (kNibbleBytes + 64 * planes) * i + 64 * g + 4 * j, nibbles + 4 * g, 4);
 }
-// Row j's weight w of a block: its bit 4 + p set in plane p (kernels.h; the plane starts zeroed).
-void put_high_bit(uint8_t* block, int p, int64_t j, int w) {
-  const int64_t n = 4 * j + w % 4;  // the byte of vector w % 16 / 4 that holds weight w's nibble
-  block[high_bits_offset(p, w % 16 / 4, w / 16) + n / 8] |= static_cast<uint8_t>(1 << (n % 8));
+// Row j's weight w of a block: its bit low + p set in plane p (kernels.h; the plane starts zeroed).
+void put_high_bit(uint8_t* block, int p, int64_t j, int w, int low = 4) {
+  const int64_t n = 4 * j + w % 4;  // weight w's byte in vector w % 16 / 4 of half w / 16
+  block[high_bits_offset(p, w % 16 / 4, w / 16, low) + n / 8] |= static_cast<uint8_t>(1 << (n % 8));
 }
-// The same from 32 values u in weight order: Q2_K's and Q3_K's (below 16), Q5_K's and Q6_K's (below 16 << planes,
-// their bit 4 + p into plane p).
-void put_nibble_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* u, int planes = 0) {
-  uint8_t low[kQuantBlock], nibbles[16];
-  for (int w = 0; w < kQuantBlock; ++w) low[w] = u[w] & 15;
-  put_nibbles(nibbles, low);
-  put_quants(blocks, i, j, nibbles, planes);
+// The same from 32 values u in weight order, below 1 << (low + planes): their `low` low bits as nibbles (Q5_K's
+// and Q6_K's) or crumbs (low 2: Q2_K's, Q3_K's), bit low + p into plane p. The blocks start zeroed.
+void put_bit_quants(uint8_t* blocks, int i, int64_t j, const uint8_t* u, int low, int planes) {
+  uint8_t* block = blocks + ((low == 2 ? kCrumbBytes : kNibbleBytes) + 64 * planes) * i;
+  if (low == 4) {
+    uint8_t bits[kQuantBlock], nibbles[16];
+    for (int w = 0; w < kQuantBlock; ++w) bits[w] = u[w] & 15;
+    put_nibbles(nibbles, bits);
+    put_quants(blocks, i, j, nibbles, planes);
+  } else {
+    for (int w = 0; w < kQuantBlock; ++w) block[64 * (w / 16) + 4 * j + w % 4] |= static_cast<uint8_t>((u[w] & 3) << (2 * (w % 16 / 4)));
+  }
   for (int p = 0; p < planes; ++p)
     for (int w = 0; w < kQuantBlock; ++w)
-      if (u[w] >> (4 + p) & 1) put_high_bit(blocks + (kNibbleBytes + 64 * planes) * i, p, j, w);
+      if (u[w] >> (low + p) & 1) put_high_bit(block, p, j, w, low);
 }
 
 // Row j's fp16 d and -dmin (the sign bit flipped) in a superblock's head (Q2_K, Q4_K, Q5_K).
@@ -1012,16 +1028,16 @@ void pack_q5_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes,
   Q5KParts parts;
   q5_k_parts(src, parts);
   put_head_with_mins(parts, j, head, codes);
-  for (int i = 0; i < kSuperBlocks; ++i) put_nibble_quants(blocks, i, j, parts.u + 32 * i, 1);
+  for (int i = 0; i < kSuperBlocks; ++i) put_bit_quants(blocks, i, j, parts.u + 32 * i, 4, 1);
 }
 
 // Q6_K and Q3_K: f32 d, a signed byte for each half's scale code; nibbles and 2 planes of high bits (Q6_K)
-// or none (Q3_K).
-void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks, int planes) {
+// or crumbs and one (Q3_K).
+void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks, int low, int planes) {
   const float d = fp16_to_float(parts.d);
   std::memcpy(head + 4 * j, &d, 4);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    put_nibble_quants(blocks, i, j, parts.u + 32 * i, planes);
+    put_bit_quants(blocks, i, j, parts.u + 32 * i, low, planes);
     codes[32 * i + j] = static_cast<uint8_t>(parts.sc[2 * i]), codes[32 * i + kPanelRows + j] = static_cast<uint8_t>(parts.sc[2 * i + 1]);
   }
 }
@@ -1029,22 +1045,22 @@ void put_half_scaled(const Q6KParts& parts, int64_t j, uint8_t* head, uint8_t* c
 void pack_q6_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q6KParts parts;
   q6_k_parts(src, parts);
-  put_half_scaled(parts, j, head, codes, blocks, 2);
+  put_half_scaled(parts, j, head, codes, blocks, 4, 2);
 }
 
 void pack_q3_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q6KParts parts;
   q3_k_parts(src, parts);
-  put_half_scaled(parts, j, head, codes, blocks, 0);
+  put_half_scaled(parts, j, head, codes, blocks, 2, 1);
 }
 
-// Q2_K: Q4_K's head (fp16 d and -dmin), a byte code a row for each half's scale and min, u as nibbles.
+// Q2_K: Q4_K's head (fp16 d and -dmin), a byte code a row for each half's scale and min, u as crumbs.
 void pack_q2_k_row(const uint8_t* src, int64_t j, uint8_t* head, uint8_t* codes, uint8_t* blocks) {
   Q2KParts parts;
   q2_k_parts(src, parts);
   put_d_and_dmin(parts, j, head);
   for (int i = 0; i < kSuperBlocks; ++i) {
-    put_nibble_quants(blocks, i, j, parts.u + 32 * i);
+    put_bit_quants(blocks, i, j, parts.u + 32 * i, 2, 0);
     for (int h = 0; h < 2; ++h)
       codes[64 * i + kPanelRows * h + j] = parts.sc[2 * i + h], codes[64 * i + kPanelRows * (2 + h) + j] = parts.m[2 * i + h];
   }
@@ -1135,9 +1151,9 @@ void packed_linear(const PackedLinearArgs& a) {
     return run<16, 0>(t, a, nullptr);
   }
   size_for(a, x);
-  if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : run<8, 2>(t, a, &x);
-  else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : run<8, 1>(t, a, &x);
-  else bits == 4 ? run<4, 0>(t, a, &x) : run<8, 0>(t, a, &x);
+  if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : bits == 2 ? run<2, 2>(t, a, &x) : run<8, 2>(t, a, &x);
+  else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : bits == 2 ? run<2, 1>(t, a, &x) : run<8, 1>(t, a, &x);
+  else bits == 4 ? run<4, 0>(t, a, &x) : bits == 2 ? run<2, 0>(t, a, &x) : run<8, 0>(t, a, &x);
 }
 
 void packed_rows(const PackedRowsArgs& a) {

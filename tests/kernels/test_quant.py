@@ -181,11 +181,12 @@ def test_converted_types_keep_their_size_and_refuse_bad_input():
                         (GT.IQ4_XS, 4.25), (GT.Q5_0, 5.5), (GT.Q5_1, 6)):
         q, _ = quantized(3, 512, qtype)
         assert q.nbytes * 8 == bits * 3 * 512, qtype.name
-    for qtype, bits, packed in ((GT.Q2_K, 8, 5.125), (GT.Q3_K, 10, 4.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 5.625),
+    for qtype, bits, packed in ((GT.Q2_K, 8, 3.125), (GT.Q3_K, 10, 3.625), (GT.Q4_K, 6, 4.625), (GT.Q5_K, 10, 5.625),
                                 (GT.Q6_K, 10, 6.625), (GT.IQ4_XS, 5, 4.375)):
         q, _ = quantized(3, 512, qtype)
         assert q.in_blocks_of_32().nbytes * 8 == bits * 3 * 512  # Q4_HM32, Q8_H32, Q4_M32, Q8_M32, Q8_H32, IQ4_F32
-        # packed: per 16 rows and 256 weights, 8 blocks of nibbles (Q5_K, Q6_K: and 1 or 2 planes of high bits),
+        # packed: per 16 rows and 256 weights, 8 blocks of nibbles (Q5_K, Q6_K: and 1 or 2 planes of high bits;
+        # Q2_K: of crumbs; Q3_K: crumbs and a plane),
         # a byte code each for scale and min (Q3_K, Q6_K: the scales of both halves) and a head of fp16 d and
         # -dmin (Q3_K, Q6_K: f32 d; IQ4_XS: f32 d and one code a block; Q2_K: fp16 d and -dmin, a scale and a
         # min code each per half block)
