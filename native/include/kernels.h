@@ -255,6 +255,7 @@ struct PackedLayout {
   int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants, IQ4_XS), or none
   bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
   int high_bits = 0;       // planes of a further bit each after the crumbs or nibbles (Q3_K, Q5_*: 1; Q6_K: 2)
+  int words = 0;           // quant.cpp's expanded words only (expand_words): 1, or 2 where a block's sum may pass int32
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 

@@ -299,6 +299,7 @@ struct F32x16 {
   static F32x16 load_i8(const int8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))}; }
   static F32x16 fmadd(F32x16 a, F32x16 b, F32x16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   friend F32x16 operator*(F32x16 a, F32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend F32x16 operator+(F32x16 a, F32x16 b) { return {_mm512_add_ps(a.v, b.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 };
 
@@ -311,6 +312,19 @@ struct I32x16 {
   I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
   I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
   I32x16 crumbs(int t) const { return {_mm512_and_si512(_mm512_srli_epi16(v, 2 * t), _mm512_set1_epi8(3))}; }  // bits 2t, 2t+1 of each byte
+  // 16-bit words: bytes 0 and 2 of each lane (odd: 1 and 3), unsigned; and (w - zero) f word by word (the low 16 bits)
+  I32x16 byte_words(int odd) const { return {_mm512_and_si512(odd ? _mm512_srli_epi16(v, 8) : v, _mm512_set1_epi16(0xff))}; }
+  I32x16 words_times(int zero, I32x16 f) const {
+    return {_mm512_mullo_epi16(_mm512_sub_epi16(v, _mm512_set1_epi16(static_cast<int16_t>(zero))), f.v)};
+  }
+  // acc + each lane's two signed words . x2's (two int16, the same for every lane)
+  static I32x16 dot2(I32x16 acc, I32x16 w, int32_t x2) {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+    return {_mm512_dpwssd_epi32(acc.v, w.v, _mm512_set1_epi32(x2))};
+#else
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, _mm512_set1_epi32(x2)))};
+#endif
+  }
   // a 16-byte table in every 128-bit lane; lookup: each byte (below 16) replaced by its entry
   static I32x16 table16(const uint8_t* t) { return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))}; }
   I32x16 lookup(I32x16 table) const { return {_mm512_shuffle_epi8(table.v, v)}; }
@@ -364,6 +378,7 @@ struct F32x16 {
   }
   static F32x16 fmadd(F32x16 x, F32x16 y, F32x16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   friend F32x16 operator*(F32x16 x, F32x16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  friend F32x16 operator+(F32x16 x, F32x16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
   void store(float* p) const { _mm256_storeu_ps(p, a), _mm256_storeu_ps(p + 8, b); }
 };
 
@@ -384,6 +399,18 @@ struct I32x16 {
   I32x16 crumbs(int t) const {
     const __m256i m = _mm256_set1_epi8(3);
     return {_mm256_and_si256(_mm256_srli_epi16(a, 2 * t), m), _mm256_and_si256(_mm256_srli_epi16(b, 2 * t), m)};
+  }
+  I32x16 byte_words(int odd) const {
+    const __m256i m = _mm256_set1_epi16(0xff);
+    return {_mm256_and_si256(odd ? _mm256_srli_epi16(a, 8) : a, m), _mm256_and_si256(odd ? _mm256_srli_epi16(b, 8) : b, m)};
+  }
+  I32x16 words_times(int zero, I32x16 f) const {
+    const __m256i z = _mm256_set1_epi16(static_cast<int16_t>(zero));
+    return {_mm256_mullo_epi16(_mm256_sub_epi16(a, z), f.a), _mm256_mullo_epi16(_mm256_sub_epi16(b, z), f.b)};
+  }
+  static I32x16 dot2(I32x16 acc, I32x16 w, int32_t x2) {
+    const __m256i x = _mm256_set1_epi32(x2);
+    return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(w.a, x)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(w.b, x))};
   }
   static I32x16 table16(const uint8_t* t) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
@@ -442,6 +469,7 @@ struct F32x16 {
   static F32x16 load_i8(const int8_t* p) { APPLIANCE_LANES(static_cast<float>(p[i])) }
   static F32x16 fmadd(F32x16 a, F32x16 b, F32x16 c) { APPLIANCE_LANES(a.v[i] * b.v[i] + c.v[i]) }
   friend F32x16 operator*(F32x16 a, F32x16 b) { APPLIANCE_LANES(a.v[i] * b.v[i]) }
+  friend F32x16 operator+(F32x16 a, F32x16 b) { APPLIANCE_LANES(a.v[i] + b.v[i]) }
 #undef APPLIANCE_LANES
   void store(float* p) const { for (int i = 0; i < 16; ++i) p[i] = v[i]; }
 };
@@ -456,6 +484,15 @@ struct I32x16 {
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
   I32x16 crumbs(int t) const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (2 * t)) & 0x03030303u)) }
+  I32x16 byte_words(int odd) const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (8 * odd)) & 0x00ff00ffu)) }
+  static int32_t word(int32_t lane, int w) { return static_cast<int16_t>(static_cast<uint16_t>(static_cast<uint32_t>(lane) >> (16 * w))); }
+  static uint32_t words(int32_t low, int32_t high) { return static_cast<uint16_t>(low) | static_cast<uint32_t>(static_cast<uint16_t>(high)) << 16; }
+  I32x16 words_times(int zero, I32x16 f) const {
+    APPLIANCE_LANES(static_cast<int32_t>(words((word(v[i], 0) - zero) * word(f.v[i], 0), (word(v[i], 1) - zero) * word(f.v[i], 1))))
+  }
+  static I32x16 dot2(I32x16 acc, I32x16 w, int32_t x2) {
+    APPLIANCE_LANES(acc.v[i] + word(w.v[i], 0) * word(x2, 0) + word(w.v[i], 1) * word(x2, 1))
+  }
   static I32x16 table16(const uint8_t* t) { I32x16 r{}; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
   I32x16 lookup(I32x16 table) const {
     const uint8_t* entries = reinterpret_cast<const uint8_t*>(table.v);

@@ -159,7 +159,14 @@ struct Activations {
   std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
+  bool words = false;         // the word tiles run (Q2_K, Q3_K, Q6_K under many row tiles): xw too
+  std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers (256 h + l, or h), each 4 as x0, x2, x1, x3
 };
+
+// Rows a row tile takes: int16 keeps two int32 accumulators per (row, panel) (see row_tiles).
+constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
+// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk holds more than four row tiles.
+inline bool word_type(const PackedLayout& L) { return L.halves && L.scale_bytes == 1; }
 
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
@@ -216,13 +223,18 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
     if (a.halves) quantize_block<T, true>(x + b * kQuantBlock, a.planes, q, a.scale[at + b], a.isum[at + b], &a.isum_first[at + b]);
     else quantize_block<T, false>(x + b * kQuantBlock, a.planes, q, a.scale[at + b], a.isum[at + b], nullptr);
     a.fsum[at + b] = a.scale[at + b] * static_cast<float>(a.isum[at + b]);
+    if (a.words) {
+      int16_t* w = a.xw.data() + (at + b) * kQuantBlock;
+      for (int i = 0; i < kQuantBlock; ++i)  // (i % 4: 0, 1, 2, 3 to 0, 2, 1, 3)
+        w[i / 4 * 4 + i % 2 * 2 + i % 4 / 2] = static_cast<int16_t>(a.planes == 2 ? 256 * q[i] + q[kQuantBlock + i] : q[i]);
+    }
   }
 }
 
 // Room for x's blocks, sized before any thread writes them.
 void size_for(const PackedLinearArgs& p, Activations& a) {
   a.planes = static_cast<int>(p.act), a.rows = p.rows, a.blocks = p.in_features / kQuantBlock;
-  a.halves = packed_layout(p.qtype).halves;
+  a.halves = packed_layout(p.qtype).halves, a.words = false;
   const size_t cells = static_cast<size_t>(a.rows * a.blocks);
   a.fsum.resize(cells);
   if (a.planes == 0) {
@@ -230,6 +242,8 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
+    a.words = word_type(packed_layout(p.qtype)) && a.rows > 4 * tile_rows(a.planes);
+    if (a.words) a.xw.resize(cells * kQuantBlock);
   }
 }
 
@@ -820,11 +834,143 @@ Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
   return bytes;
 }
 
+// Q2_K, Q3_K and Q6_K under more than four row tiles: panels [p0, p0 + NP) as signed words w = (u - zero) sc_h,
+// each half's scale code taken into its weights (exact: |w| <= 4,096), and per block the superblock's d (and
+// Q2_K's mins, dmin m_h) in float32, 16 each: 16 vectors of words a block, word pair v of a row its weights
+// 4(v/2) + (0, 2) for even v, + (1, 3) for odd (byte_words). The halves tile at 128 rows spent ~12 operations a
+// block, row and panel beside its 16 vpdpbusd to add the two halves under their scales and zero points; the
+// word tile's vpdpwssd (as many: two words a lane against one pair of x's) leave it 3.
+thread_local std::vector<uint8_t> expanded_words;
+template <int NP, int BITS>
+Tiles expand_words(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
+  const PackedLayout& from_layout = t.layout;
+  const bool q2_k = from_layout.has_min;
+  PackedLayout L{8, 0, q2_k, false, 4, 16 * 64, 16 * 64 + (q2_k ? 3 : 1) * 4 * kPanelRows};
+  L.words = BITS == 6 ? 2 : 1;  // Q6_K: |w| up to 4,096 against |x| up to 32,639, 16 a half: a half's sum fits int32, a block's may not
+  Tiles words = t;
+  words.layout = L, words.panel_bytes = packed_panel_bytes(L, t.blocks);
+  expanded_words.resize(static_cast<size_t>(NP * words.panel_bytes + 63));
+  uint8_t* buffer = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(expanded_words.data()) + 63) & ~uintptr_t{63});
+  words.weight = buffer;
+  words.out = static_cast<char*>(t.out) + p0 * kPanelRows * (t.out_dtype == DType::f32 ? 4 : 2);
+  words.out_features = t.out_features - p0 * kPanelRows;
+  const int64_t ahead = blocks_ahead(t, r0);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* from[NP];
+    panel_blocks(t, p0, b, from);
+    prefetch_blocks(t, from, b, ahead);
+    if (pre >= 0) prefetch_next<NP>(t, pre, b);
+    for (int j = 0; j < NP; ++j) {
+      uint8_t* to = buffer + (j * t.blocks + b) * L.block_bytes;
+      const uint8_t* head = super_head(from_layout, from[j], b);
+      const uint8_t* codes = block_codes(from_layout, head, b);
+      alignas(64) int16_t factor[2][2 * kPanelRows];  // each half's scale code, twice a row (both words of its lane)
+      float* scalars = reinterpret_cast<float*>(to + L.quant_bytes);  // d, then Q2_K's m0, m1
+      for (int row = 0; row < kPanelRows; ++row) {
+        for (int h = 0; h < 2; ++h)
+          factor[h][2 * row] = factor[h][2 * row + 1] =
+              q2_k ? codes[kPanelRows * h + row] : static_cast<int8_t>(codes[kPanelRows * h + row]);
+        if (q2_k) {  // fp16 d and -dmin
+          const uint16_t* halfs = reinterpret_cast<const uint16_t*>(head);
+          scalars[row] = fp16_to_float(halfs[row]);
+          for (int h = 0; h < 2; ++h)
+            scalars[kPanelRows * (1 + h) + row] = fp16_to_float(halfs[kPanelRows + row]) * static_cast<float>(codes[kPanelRows * (2 + h) + row]);
+        } else {  // f32 d
+          std::memcpy(&scalars[row], head + 4 * row, 4);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const I32x16 f = I32x16::load(reinterpret_cast<const uint8_t*>(factor[h]));
+        for (int g = 0; g < 4; ++g) {  // weights 16h+4g.. : group 4h + g, word vectors 2(4h + g) and the next
+          const I32x16 u = block_weights<BITS>(from[j], g, h);
+          u.byte_words(0).words_times(from_layout.zero, f).store(to + 128 * (4 * h + g));
+          u.byte_words(1).words_times(from_layout.zero, f).store(to + 128 * (4 * h + g) + 64);
+        }
+      }
+    }
+  }
+  return words;
+}
+
+// Word tile (expand_words' panels): per block and half, int32 sums of the words against x's combined integers
+// (Activations::xw: pairs x0, x2 and x1, x3 of each 4), then acc += float(sums) d scale (kMin: + m_h times the
+// half's x). kWide: the halves' sums added in float32 (Q6_K's may pass int32 together).
+template <int MR, int NP, bool kMin, bool kWide>
+void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  const Activations& x = *t.x;
+  F32x16 acc[MR][NP];
+  zero_all(acc);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* blk[NP];
+    panel_blocks<NP, false>(t, p0, b, blk);
+    const int8_t* xw[MR];
+    for (int r = 0; r < MR; ++r) xw[r] = reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock);
+    I32x16 sum[2][MR][NP];
+    auto half = [&](int h, I32x16 (&s)[MR][NP]) {  // (one array a half: indexed by a loop's half, GCC kept them on the stack)
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NP; ++j) s[r][j] = I32x16::zero();
+#pragma GCC unroll 4
+      for (int group = 4 * h; group < 4 * h + 4; ++group)
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 even = I32x16::load(blk[j] + 128 * group), odd = I32x16::load(blk[j] + 128 * group + 64);
+          for (int r = 0; r < MR; ++r) {
+            s[r][j] = I32x16::dot2(s[r][j], even, load4(xw[r] + 8 * group));
+            s[r][j] = I32x16::dot2(s[r][j], odd, load4(xw[r] + 8 * group + 4));
+          }
+        }
+    };
+    half(0, sum[0]);
+    half(1, sum[1]);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t cell = (r0 + r) * t.blocks + b;
+      const F32x16 scale = F32x16::set1(x.scale[cell]);
+      const int32_t first = x.isum_first[cell];
+      const F32x16 x0 = F32x16::set1(x.scale[cell] * static_cast<float>(first));
+      const F32x16 x1 = F32x16::set1(x.scale[cell] * static_cast<float>(x.isum[cell] - first));
+      for (int j = 0; j < NP; ++j) {
+        const float* scalars = reinterpret_cast<const float*>(blk[j] + t.layout.quant_bytes);
+        const F32x16 total = kWide ? sum[0][r][j].to_float() + sum[1][r][j].to_float() : (sum[0][r][j] + sum[1][r][j]).to_float();
+        acc[r][j] = F32x16::fmadd(total, F32x16::load(scalars) * scale, acc[r][j]);
+        if constexpr (kMin) {
+          acc[r][j] = F32x16::fmadd(F32x16::load(scalars + kPanelRows), x0, acc[r][j]);
+          acc[r][j] = F32x16::fmadd(F32x16::load(scalars + 2 * kPanelRows), x1, acc[r][j]);
+        }
+      }
+    }
+  }
+  store_tile<MR, NP>(t, r0, p0, acc);
+}
+
+template <int MR, int NP>
+void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  if (t.layout.has_min) word_tile<MR, NP, true, false>(t, r0, p0);  // Q2_K
+  else if (t.layout.words == 2) word_tile<MR, NP, false, true>(t, r0, p0);  // Q6_K
+  else word_tile<MR, NP, false, false>(t, r0, p0);  // Q3_K
+}
+
+template <int NP, int PLANES>
+void word_rows(const Tiles& t, int64_t r_begin, int64_t r_end) {
+  constexpr int kMR = tile_rows(PLANES);
+  int64_t r = r_begin;
+  for (; r + kMR <= r_end; r += kMR) word_tile<kMR, NP>(t, r, 0);
+  switch (r_end - r) {
+    case 3: word_tile<3, NP>(t, r, 0); break;
+    case 2: word_tile<2, NP>(t, r, 0); break;
+    case 1: word_tile<1, NP>(t, r, 0); break;
+    default: break;
+  }
+}
+
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   int64_t r = r_begin;
-  constexpr int kMR = PLANES == 2 ? 3 : 4;
+  constexpr int kMR = tile_rows(PLANES);
   if constexpr ((BITS == 2 || BITS == 4) && PLANES != 0) {
+    if (t.x->words && r_end - r_begin > 4 * kMR) {  // (word_type: Q2_K, Q3_K, Q6_K)
+      const Tiles words = BITS == 2 ? (t.layout.has_min ? expand_words<NP, 2>(t, p0, r_begin, pre) : expand_words<NP, 3>(t, p0, r_begin, pre))
+                                    : expand_words<NP, 6>(t, p0, r_begin, pre);
+      return word_rows<NP, PLANES>(words, r_begin, r_end);
+    }
     if (t.layout.high_bits && r_end - r_begin > 4 * kMR) {
       const Tiles bytes = BITS == 2 ? expand_quants<NP, 3>(t, p0, r_begin, pre)
                           : t.layout.high_bits == 2 ? expand_quants<NP, 6>(t, p0, r_begin, pre)
