@@ -107,7 +107,7 @@ struct LinearArgs {  // out[s, v] = sum_k x[s, k] * weight[v, k], accumulated an
 // 2-bit quants, a 4-bit scale and min code per 16, fp16 d and dmin; Q3_K: 110 bytes, 3-bit quants as 2 low bits and a high-bit mask, a 6-bit scale code per 16, fp16 d;
 // Q4_K: 144 bytes, fp16 d and dmin, 6-bit scale and min codes per 32, nibbles; Q5_K: 176, the same with
 // a fifth bit per weight; Q6_K: 210 bytes, 6-bit quants, an int8 scale code per 16, fp16 d), and packed
-// with their superblock scales (below): 5.1, 4.6, 4.6, 5.6 and 6.6 bits a weight where Q4_HM32, Q8_H32,
+// with their superblock scales (below): 3.1, 3.6, 4.6, 5.6 and 6.6 bits a weight where Q4_HM32, Q8_H32,
 // Q4_M32, Q8_M32 and Q8_H32 take 8, 10, 6, 10 and 10. Their rows convert to those (convert_quant) where a cut does not fall
 // on 256 (a tensor-parallel shard).
 //
@@ -255,7 +255,6 @@ struct PackedLayout {
   int64_t super_head = 0;  // bytes of superblock scalars before every kSuperBlocks blocks (K-quants, IQ4_XS), or none
   bool lut = false;        // 4-bit indices into the IQ4 codebook (kIq4Unsigned), not values
   int high_bits = 0;       // planes of a further bit each after the crumbs or nibbles (Q3_K, Q5_*: 1; Q6_K: 2)
-  int words = 0;           // quant.cpp's expanded words only (expand_words): 1, or 2 where a block's sum may pass int32
   int64_t mean_block_bytes() const { return block_bytes + super_head / kSuperBlocks; }
 };
 

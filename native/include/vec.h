@@ -308,6 +308,8 @@ struct I32x16 {
   static I32x16 zero() { return {_mm512_setzero_si512()}; }
   static I32x16 set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
   static I32x16 load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+  static I32x16 load_i8(const int8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static I32x16 load_u8(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
   void store(uint8_t* p) const { _mm512_storeu_si512(p, v); }
   I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
   I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
@@ -338,6 +340,7 @@ struct I32x16 {
   I32x16 shl8() const { return {_mm512_slli_epi32(v, 8)}; }
   friend I32x16 operator+(I32x16 a, I32x16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
   friend I32x16 operator-(I32x16 a, I32x16 b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+  friend I32x16 operator*(I32x16 a, I32x16 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
   F32x16 to_float() const { return {_mm512_cvtepi32_ps(v)}; }
   // each lane's two bfloat16 (a packed BF16 weight pair) as floats: the low half, the high half (exact)
   F32x16 bf16_low() const { return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))}; }
@@ -389,6 +392,14 @@ struct I32x16 {
   static I32x16 load(const uint8_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
   }
+  static I32x16 load_i8(const int8_t* p) {
+    return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static I32x16 load_u8(const uint8_t* p) {
+    return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
   void store(uint8_t* p) const {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a), _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), b);
   }
@@ -435,6 +446,7 @@ struct I32x16 {
   I32x16 shl8() const { return {_mm256_slli_epi32(a, 8), _mm256_slli_epi32(b, 8)}; }
   friend I32x16 operator+(I32x16 x, I32x16 y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
   friend I32x16 operator-(I32x16 x, I32x16 y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
+  friend I32x16 operator*(I32x16 x, I32x16 y) { return {_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)}; }
   F32x16 to_float() const { return {_mm256_cvtepi32_ps(a), _mm256_cvtepi32_ps(b)}; }
   F32x16 bf16_low() const { return {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))}; }
   F32x16 bf16_high() const {
@@ -480,6 +492,8 @@ struct I32x16 {
   static I32x16 zero() { APPLIANCE_LANES(0) }
   static I32x16 set1(int32_t x) { APPLIANCE_LANES(x) }
   static I32x16 load(const uint8_t* p) { I32x16 r; std::memcpy(r.v, p, 64); return r; }  // little-endian lanes
+  static I32x16 load_i8(const int8_t* p) { APPLIANCE_LANES(p[i]) }
+  static I32x16 load_u8(const uint8_t* p) { APPLIANCE_LANES(p[i]) }
   void store(uint8_t* p) const { std::memcpy(p, v, 64); }
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
@@ -526,6 +540,7 @@ struct I32x16 {
   I32x16 shl8() const { APPLIANCE_LANES(static_cast<int32_t>(static_cast<uint32_t>(v[i]) << 8)) }
   friend I32x16 operator+(I32x16 a, I32x16 b) { APPLIANCE_LANES(a.v[i] + b.v[i]) }
   friend I32x16 operator-(I32x16 a, I32x16 b) { APPLIANCE_LANES(a.v[i] - b.v[i]) }
+  friend I32x16 operator*(I32x16 a, I32x16 b) { APPLIANCE_LANES(static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) * static_cast<uint32_t>(b.v[i]))) }
 #undef APPLIANCE_LANES
   F32x16 to_float() const { F32x16 r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(v[i]); return r; }
   F32x16 bf16_low() const { return bits(0); }

@@ -160,12 +160,13 @@ struct Activations {
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
   bool words = false;         // the word tiles run (Q2_K, Q3_K, Q6_K under many row tiles): xw too
-  std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers (256 h + l, or h), each 4 as x0, x2, x1, x3
+  std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers 256 h + l, each 4 as x0, x2, x1, x3
 };
 
 // Rows a row tile takes: int16 keeps two int32 accumulators per (row, panel) (see row_tiles).
 constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
-// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk holds more than four row tiles.
+// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk holds more than four row tiles of int16
+// activations (with int8's one plane, words would take twice the halves tile's multiplies).
 inline bool word_type(const PackedLayout& L) { return L.halves && L.scale_bytes == 1; }
 
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
@@ -226,7 +227,7 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
     if (a.words) {
       int16_t* w = a.xw.data() + (at + b) * kQuantBlock;
       for (int i = 0; i < kQuantBlock; ++i)  // (i % 4: 0, 1, 2, 3 to 0, 2, 1, 3)
-        w[i / 4 * 4 + i % 2 * 2 + i % 4 / 2] = static_cast<int16_t>(a.planes == 2 ? 256 * q[i] + q[kQuantBlock + i] : q[i]);
+        w[i / 4 * 4 + i % 2 * 2 + i % 4 / 2] = static_cast<int16_t>(256 * q[i] + q[kQuantBlock + i]);
     }
   }
 }
@@ -242,7 +243,7 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
-    a.words = word_type(packed_layout(p.qtype)) && a.rows > 4 * tile_rows(a.planes);
+    a.words = a.planes == 2 && word_type(packed_layout(p.qtype)) && a.rows > 4 * tile_rows(a.planes);
     if (a.words) a.xw.resize(cells * kQuantBlock);
   }
 }
@@ -572,12 +573,16 @@ inline void quant_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb
 }
 
 // Integer tile for weights with a scale per 16 (Q8_H32; Q6_K's nibbles and Q3_K's crumbs, with their planes; with a
-// min per 16, Q2_K's crumbs and Q4_HM32's nibbles): as int_tile, each half of a block folded into the float accumulators under its own scale, with
-// its own share of the zero correction (kMin: of the min times x's sum). Their u < 64, so the 16-bit pairs of
-// the emulated dot4 cannot saturate (kSmall).
+// min per 16, Q2_K's crumbs and Q4_HM32's nibbles): as int_tile, each half of a block summed apart with its own
+// share of the zero correction. Their u < 64, so the 16-bit pairs of the emulated dot4 cannot saturate (kSmall).
+// Float32 scales (Q8_H32, Q4_HM32): each half folded into the float accumulators under its own scale (kMin: and
+// its min times the half's x). Scale codes (Q2_K, Q3_K, Q6_K): each half's integer sum times its code, then
+// float(sum0) + float(sum1) under d scale (kMin: then m0 and m1 times each half's x), the word tile's sums in its
+// order, so that a row's result does not depend on which of the two its batch took (|sum_h| < 2^31: word_tile).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   constexpr bool kSmall = true;
+  constexpr bool kCodes = SCALES == kHalfCodes || SCALES == kHalfCodesMin;
   const PackedLayout& L = t.layout;
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -585,18 +590,26 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const int64_t ahead = blocks_ahead(t, r0);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* blk[NP];
-    panel_blocks<NP, SCALES == kHalfCodes || SCALES == kHalfCodesMin>(t, p0, b, blk);
+    panel_blocks<NP, kCodes>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     F32x16 d[2][NP], m[2][NP];
-    for (int j = 0; j < NP; ++j) half_scales<SCALES, kMin>(L, blk[j], b, d[0][j], d[1][j], m[0][j], m[1][j]);
+    if constexpr (!kCodes)
+      for (int j = 0; j < NP; ++j) half_scales<SCALES, kMin>(L, blk[j], b, d[0][j], d[1][j], m[0][j], m[1][j]);
+    F32x16 first_half[MR][NP];  // (codes) float(sum0)
     for (int h = 0; h < 2; ++h) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
       if constexpr (BITS <= 6) quant_half<MR, NP, BITS, PLANES>(blk, xb, h, hi, lo);
       else byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
+      I32x16 code[NP];
+      if constexpr (kCodes)
+        for (int j = 0; j < NP; ++j) {
+          const uint8_t* codes = block_codes(L, super_head(L, blk[j], b), b) + kPanelRows * h;
+          code[j] = SCALES == kHalfCodesMin ? I32x16::load_u8(codes) : I32x16::load_i8(reinterpret_cast<const int8_t*>(codes));
+        }
       for (int r = 0; r < MR; ++r) {
         const int64_t cell = (r0 + r) * t.blocks + b;
         const int32_t first = x.isum_first[cell], part = h == 0 ? first : x.isum[cell] - first;
@@ -606,8 +619,27 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
         for (int j = 0; j < NP; ++j) {
           I32x16 total = PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
           if constexpr (!kMin) total = total - correction;
-          acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
-          if constexpr (kMin) acc[r][j] = F32x16::fmadd(m[h][j], xsum, acc[r][j]);
+          if constexpr (kCodes) {
+            if (h == 0) {
+              first_half[r][j] = (total * code[j]).to_float();
+              continue;
+            }
+            const F32x16 sums = first_half[r][j] + (total * code[j]).to_float();
+            const uint8_t* head = super_head(L, blk[j], b);
+            const F32x16 dj = SCALES == kHalfCodesMin ? F32x16::load_half(reinterpret_cast<const uint16_t*>(head))
+                                                      : F32x16::load(reinterpret_cast<const float*>(head));
+            acc[r][j] = F32x16::fmadd(sums, dj * scale, acc[r][j]);
+            if constexpr (kMin) {  // -dmin m_h times each half's x
+              const uint8_t* mins = block_codes(L, head, b) + 2 * kPanelRows;
+              const F32x16 dmin = F32x16::load_half(reinterpret_cast<const uint16_t*>(head) + kPanelRows);
+              const F32x16 x0 = F32x16::set1(x.scale[cell] * static_cast<float>(first));
+              acc[r][j] = F32x16::fmadd(dmin * F32x16::load_u8(mins), x0, acc[r][j]);
+              acc[r][j] = F32x16::fmadd(dmin * F32x16::load_u8(mins + kPanelRows), xsum, acc[r][j]);
+            }
+          } else {
+            acc[r][j] = F32x16::fmadd(total.to_float(), d[h][j] * scale, acc[r][j]);
+            if constexpr (kMin) acc[r][j] = F32x16::fmadd(m[h][j], xsum, acc[r][j]);
+          }
         }
       }
     }
@@ -798,7 +830,7 @@ void expand_scales(const Tiles& t, int64_t p0) {
     }
 }
 
-// Q3_K, Q5_0, Q5_1, Q5_K and Q6_K under more than four row tiles: panels [p0, p0 + NP) with their high bits added
+// Q5_0, Q5_1, Q5_K (and, with int8 activations, Q3_K and Q6_K) under more than four row tiles: panels [p0, p0 + NP) with their high bits added
 // once, into the byte layout (8 vectors a block, as Q8_0's; scales and superblock heads as they are), which the
 // row tiles then run as bytes. Adding them in every row tile made a 2,048 x 8,192 linear 25% (Q5_K) and 27%
 // (Q6_K) slower at 128 rows than the bytes these types were stored as before, 20-30% at 32; expanded, 3-4%
@@ -834,19 +866,20 @@ Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
   return bytes;
 }
 
-// Q2_K, Q3_K and Q6_K under more than four row tiles: panels [p0, p0 + NP) as signed words w = (u - zero) sc_h,
-// each half's scale code taken into its weights (exact: |w| <= 4,096), and per block the superblock's d (and
-// Q2_K's mins, dmin m_h) in float32, 16 each: 16 vectors of words a block, word pair v of a row its weights
-// 4(v/2) + (0, 2) for even v, + (1, 3) for odd (byte_words). The halves tile at 128 rows spent ~12 operations a
-// block, row and panel beside its 16 vpdpbusd to add the two halves under their scales and zero points; the
-// word tile's vpdpwssd (as many: two words a lane against one pair of x's) leave it 3.
+// Q2_K, Q3_K and Q6_K under more than four row tiles of int16 activations: panels [p0, p0 + NP) as signed words
+// w = (u - zero) sc_h, each half's scale code taken into its weights (exact: |w| <= 4,096), and per block the
+// superblock's d (and Q2_K's mins, -dmin m_h) in float32, 16 each: 16 vectors of words a block, word pair v of a
+// row its weights 4(v/2) + (0, 2) for even v, + (1, 3) for odd (byte_words). Beside its 16 vpdpbusd a block, row
+// and panel, the halves tile spends ~14 operations on the two halves' planes, zero points and codes; the word
+// tile's vpdpwssd (as many: two words a lane against a pair of x's) leave 5. A 2,048 x 8,192 linear at 128 rows
+// (Xeon): Q6_K 15.8-16.1 -> 12.1-13.1 ms, Q3_K 14.9-15.5 -> 11.7-12.8, Q2_K 18.1 -> 14.8-15.9; at 8 rows the
+// words cost more to make than they save (Q6_K 1.6 against 1.35 ms).
 thread_local std::vector<uint8_t> expanded_words;
 template <int NP, int BITS>
 Tiles expand_words(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
   const PackedLayout& from_layout = t.layout;
   const bool q2_k = from_layout.has_min;
   PackedLayout L{8, 0, q2_k, false, 4, 16 * 64, 16 * 64 + (q2_k ? 3 : 1) * 4 * kPanelRows};
-  L.words = BITS == 6 ? 2 : 1;  // Q6_K: |w| up to 4,096 against |x| up to 32,639, 16 a half: a half's sum fits int32, a block's may not
   Tiles words = t;
   words.layout = L, words.panel_bytes = packed_panel_bytes(L, t.blocks);
   expanded_words.resize(static_cast<size_t>(NP * words.panel_bytes + 63));
@@ -893,9 +926,10 @@ Tiles expand_words(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
 }
 
 // Word tile (expand_words' panels): per block and half, int32 sums of the words against x's combined integers
-// (Activations::xw: pairs x0, x2 and x1, x3 of each 4), then acc += float(sums) d scale (kMin: + m_h times the
-// half's x). kWide: the halves' sums added in float32 (Q6_K's may pass int32 together).
-template <int MR, int NP, bool kMin, bool kWide>
+// (Activations::xw: pairs x0, x2 and x1, x3 of each 4), then acc += (float(sum0) + float(sum1)) d scale (kMin: then
+// m0 and m1 times each half's x), as halves_tile sums the same rows. A half's sum fits int32 (Q6_K's |w| <= 4,096
+// against |x| <= 32,639, 16 of them: < 2^31), a block's may not.
+template <int MR, int NP, bool kMin>
 void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
   const Activations& x = *t.x;
   F32x16 acc[MR][NP];
@@ -929,7 +963,7 @@ void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
       const F32x16 x1 = F32x16::set1(x.scale[cell] * static_cast<float>(x.isum[cell] - first));
       for (int j = 0; j < NP; ++j) {
         const float* scalars = reinterpret_cast<const float*>(blk[j] + t.layout.quant_bytes);
-        const F32x16 total = kWide ? sum[0][r][j].to_float() + sum[1][r][j].to_float() : (sum[0][r][j] + sum[1][r][j]).to_float();
+        const F32x16 total = sum[0][r][j].to_float() + sum[1][r][j].to_float();
         acc[r][j] = F32x16::fmadd(total, F32x16::load(scalars) * scale, acc[r][j]);
         if constexpr (kMin) {
           acc[r][j] = F32x16::fmadd(F32x16::load(scalars + kPanelRows), x0, acc[r][j]);
@@ -943,9 +977,8 @@ void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
 
 template <int MR, int NP>
 void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
-  if (t.layout.has_min) word_tile<MR, NP, true, false>(t, r0, p0);  // Q2_K
-  else if (t.layout.words == 2) word_tile<MR, NP, false, true>(t, r0, p0);  // Q6_K
-  else word_tile<MR, NP, false, false>(t, r0, p0);  // Q3_K
+  if (t.layout.has_min) word_tile<MR, NP, true>(t, r0, p0);  // Q2_K
+  else word_tile<MR, NP, false>(t, r0, p0);  // Q3_K, Q6_K
 }
 
 template <int NP, int PLANES>

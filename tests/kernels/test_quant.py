@@ -133,8 +133,9 @@ def test_float32_weights_stay_torch_tensors():
                                            (65, 64, 256), (131, 17, 256), (2, 40, 2304)])
 def test_superblock_types_match_dequantize_then_matmul(isa, qtype, activations, m, n, k):
     """K-quants and IQ4_XS in their superblocks: the same check as above (Q2_K's, Q3_K's and Q6_K's scale per 16
-    weights takes its own tile, which sums each half of a block apart; 17 rows and more form a superblock's
-    scales once for all their row tiles)."""
+    weights takes its own tile, which sums each half of a block apart, or with int16 activations and more than
+    12 rows in a chunk, the word tile; 17 rows and more form a superblock's scales once for all their row
+    tiles; 65 and 131 rows leave chunks of 1 and 3 rows to the halves tile)."""
     q, w = quantized(n, k, qtype, seed=m + n + k)
     packed = q.pack(activations)
     x = torch.randn(m, k)
@@ -240,20 +241,40 @@ def test_linear_takes_strided_rows_and_leading_dimensions(isa):
     torch.testing.assert_close(packed.linear(many), many @ w.T, atol=2e-5, rtol=2e-5)
 
 
-def test_a_row_gives_the_same_result_in_any_batch(isa):
-    """Each activation row is quantized and summed on its own, in the same order whatever the tile: a
+@pytest.mark.parametrize("qtype", [GT.Q4_1, GT.Q5_0, GT.Q2_K, GT.Q3_K, GT.Q5_K, GT.Q6_K], ids=lambda t: t.name)
+def test_a_row_gives_the_same_result_in_any_batch(isa, qtype):
+    """Each activation row is quantized and summed on its own, in the same order whatever the tile (37 rows
+    take the expanded bytes or words of the 5- and 6-bit and 2- and 3-bit types, one row their own tiles): a
     sequence's logits do not depend on what else is in the step."""
-    q, _ = quantized(96, 160, gguf.GGMLQuantizationType.Q4_1)
-    x = torch.randn(37, 160)
+    k = 512 if qtype.value >= GT.Q2_K.value else 160
+    q, _ = quantized(96, k, qtype)
+    x = torch.randn(37, k)
     for activations in ("int16", "int8"):
         packed = q.pack(activations)
         alone = torch.cat([packed.linear(x[i:i + 1]) for i in range(37)])
         assert torch.equal(packed.linear(x), alone)
         assert torch.equal(packed.linear(x[5:9]), alone[5:9])
+    if qtype != GT.Q4_1:
+        return
     dense = pack((torch.randn(96, 160) * 0.1).to(torch.bfloat16), "int16")  # BF16 weights, bfloat16 rows
     xb = x.to(torch.bfloat16)
     alone = torch.cat([dense.linear(xb[i:i + 1], torch.float32) for i in range(37)])
     assert torch.equal(dense.linear(xb, torch.float32), alone)
+
+
+def test_q6_k_words_do_not_overflow_at_their_bound(isa):
+    """The word tile's largest sums: every Q6_K weight q = -32 under the scale code -128 (w = 4,096) against a
+    constant x (every combined integer 32,512): 2.13e9 a half, within int32; a block's 4.26e9 is not, and
+    its halves add in float32."""
+    block = np.zeros(210, np.uint8)  # ql and qh 0 (q = -32), 16 int8 scales, fp16 d
+    block[192:208] = np.array([-128] * 16, np.int8).view(np.uint8)
+    block[208:210] = np.array([1.0], np.float16).view(np.uint8)
+    rows, k = 16, 512
+    q = QuantizedTensor(torch.from_numpy(np.tile(block, (rows, k // 256))), GT.Q6_K.value, k)
+    x = torch.full((20, k), 0.5)
+    expected = torch.full((20, rows), 4096.0 * 0.5 * k)
+    for m in (1, 8, 20):  # the halves tile, and (more than 12 rows) the words
+        torch.testing.assert_close(q.pack("int16").linear(x[:m]), expected[:m], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q2_K, "Q4_HM32"), (GT.Q3_K, "Q8_H32"), (GT.Q4_K, "Q4_M32"),
