@@ -165,9 +165,14 @@ struct Activations {
 
 // Rows a row tile takes: int16 keeps two int32 accumulators per (row, panel) (see row_tiles).
 constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
-// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk holds more than four row tiles of int16
-// activations (with int8's one plane, words would take twice the halves tile's multiplies).
-inline bool word_type(const PackedLayout& L) { return L.halves && L.scale_bytes == 1; }
+// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk of int16 activations holds more rows than
+// this (with int8's one plane, words would take twice the halves tile's multiplies): four row tiles, or for Q2_K,
+// whose crumbs make 8 times their bytes of words, twelve (2,048 x 8,192 on the Xeon: Q2_K at 13-24 rows 20-30%
+// slower as words; at 128, 15% faster).
+inline int64_t word_rows_above(const PackedLayout& L) {
+  const bool word_type = L.halves && L.scale_bytes == 1;
+  return !word_type ? INT64_MAX : L.has_min ? 12 * tile_rows(2) : 4 * tile_rows(2);
+}
 
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
@@ -243,7 +248,7 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
-    a.words = a.planes == 2 && word_type(packed_layout(p.qtype)) && a.rows > 4 * tile_rows(a.planes);
+    a.words = a.planes == 2 && a.rows > word_rows_above(packed_layout(p.qtype));
     if (a.words) a.xw.resize(cells * kQuantBlock);
   }
 }
@@ -999,7 +1004,7 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
   int64_t r = r_begin;
   constexpr int kMR = tile_rows(PLANES);
   if constexpr ((BITS == 2 || BITS == 4) && PLANES != 0) {
-    if (t.x->words && r_end - r_begin > 4 * kMR) {  // (word_type: Q2_K, Q3_K, Q6_K)
+    if (t.x->words && r_end - r_begin > word_rows_above(t.layout)) {  // Q2_K, Q3_K, Q6_K
       const Tiles words = BITS == 2 ? (t.layout.has_min ? expand_words<NP, 2>(t, p0, r_begin, pre) : expand_words<NP, 3>(t, p0, r_begin, pre))
                                     : expand_words<NP, 6>(t, p0, r_begin, pre);
       return word_rows<NP, PLANES>(words, r_begin, r_end);
