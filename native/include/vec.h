@@ -314,8 +314,11 @@ struct I32x16 {
   I32x16 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0f))}; }
   I32x16 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f))}; }
   I32x16 crumbs(int t) const { return {_mm512_and_si512(_mm512_srli_epi16(v, 2 * t), _mm512_set1_epi8(3))}; }  // bits 2t, 2t+1 of each byte
-  // 16-bit words: bytes 0 and 2 of each lane (odd: 1 and 3), unsigned; and (w - zero) f word by word (the low 16 bits)
-  I32x16 byte_words(int odd) const { return {_mm512_and_si512(odd ? _mm512_srli_epi16(v, 8) : v, _mm512_set1_epi16(0xff))}; }
+  // 16-bit words: bytes 0 and 1 of each lane (odd: 2 and 3), unsigned; and (w - zero) f word by word (the low 16 bits)
+  I32x16 byte_words(int odd) const {
+    const __m128i pick = _mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128, 12, -128, 13, -128);
+    return {_mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_add_epi8(pick, _mm_set1_epi16(static_cast<int16_t>(2 * odd)))))};
+  }
   I32x16 words_times(int zero, I32x16 f) const {
     return {_mm512_mullo_epi16(_mm512_sub_epi16(v, _mm512_set1_epi16(static_cast<int16_t>(zero))), f.v)};
   }
@@ -412,8 +415,10 @@ struct I32x16 {
     return {_mm256_and_si256(_mm256_srli_epi16(a, 2 * t), m), _mm256_and_si256(_mm256_srli_epi16(b, 2 * t), m)};
   }
   I32x16 byte_words(int odd) const {
-    const __m256i m = _mm256_set1_epi16(0xff);
-    return {_mm256_and_si256(odd ? _mm256_srli_epi16(a, 8) : a, m), _mm256_and_si256(odd ? _mm256_srli_epi16(b, 8) : b, m)};
+    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128, 12, -128, 13, -128),
+                                      _mm_set1_epi16(static_cast<int16_t>(2 * odd)));
+    const __m256i both = _mm256_broadcastsi128_si256(pick);
+    return {_mm256_shuffle_epi8(a, both), _mm256_shuffle_epi8(b, both)};
   }
   I32x16 words_times(int zero, I32x16 f) const {
     const __m256i z = _mm256_set1_epi16(static_cast<int16_t>(zero));
@@ -498,7 +503,9 @@ struct I32x16 {
   I32x16 low_nibbles() const { APPLIANCE_LANES(v[i] & 0x0f0f0f0f) }
   I32x16 high_nibbles() const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> 4) & 0x0f0f0f0fu)) }
   I32x16 crumbs(int t) const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (2 * t)) & 0x03030303u)) }
-  I32x16 byte_words(int odd) const { APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (8 * odd)) & 0x00ff00ffu)) }
+  I32x16 byte_words(int odd) const {
+    APPLIANCE_LANES(static_cast<int32_t>((static_cast<uint32_t>(v[i]) >> (16 * odd) & 0xffu) | (static_cast<uint32_t>(v[i]) >> (16 * odd + 8) & 0xffu) << 16))
+  }
   static int32_t word(int32_t lane, int w) { return static_cast<int16_t>(static_cast<uint16_t>(static_cast<uint32_t>(lane) >> (16 * w))); }
   static uint32_t words(int32_t low, int32_t high) { return static_cast<uint16_t>(low) | static_cast<uint32_t>(static_cast<uint16_t>(high)) << 16; }
   I32x16 words_times(int zero, I32x16 f) const {

@@ -160,7 +160,7 @@ struct Activations {
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
   bool words = false;         // the word tiles run (Q2_K, Q3_K, Q6_K under many row tiles): xw too
-  std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers 256 h + l, each 4 as x0, x2, x1, x3
+  std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers 256 h + l
 };
 
 // Rows a row tile takes: int16 keeps two int32 accumulators per (row, panel) (see row_tiles).
@@ -231,8 +231,7 @@ void prepare_row(const T* x, int64_t k, Activations& a, int64_t row) {
     a.fsum[at + b] = a.scale[at + b] * static_cast<float>(a.isum[at + b]);
     if (a.words) {
       int16_t* w = a.xw.data() + (at + b) * kQuantBlock;
-      for (int i = 0; i < kQuantBlock; ++i)  // (i % 4: 0, 1, 2, 3 to 0, 2, 1, 3)
-        w[i / 4 * 4 + i % 2 * 2 + i % 4 / 2] = static_cast<int16_t>(256 * q[i] + q[kQuantBlock + i]);
+      for (int i = 0; i < kQuantBlock; ++i) w[i] = static_cast<int16_t>(256 * q[i] + q[kQuantBlock + i]);
     }
   }
 }
@@ -874,7 +873,7 @@ Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
 // Q2_K, Q3_K and Q6_K under more than four row tiles of int16 activations: panels [p0, p0 + NP) as signed words
 // w = (u - zero) sc_h, each half's scale code taken into its weights (exact: |w| <= 4,096), and per block the
 // superblock's d (and Q2_K's mins, -dmin m_h) in float32, 16 each: 16 vectors of words a block, word pair v of a
-// row its weights 4(v/2) + (0, 2) for even v, + (1, 3) for odd (byte_words). Beside its 16 vpdpbusd a block, row
+// row its weights 2v and 2v + 1 (byte_words). Beside its 16 vpdpbusd a block, row
 // and panel, the halves tile spends ~14 operations on the two halves' planes, zero points and codes; the word
 // tile's vpdpwssd (as many: two words a lane against a pair of x's) leave 5. A 2,048 x 8,192 linear at 128 rows
 // (Xeon): Q6_K 15.8-16.1 -> 12.1-13.1 ms, Q3_K 14.9-15.5 -> 11.7-12.8, Q2_K 18.1 -> 14.8-15.9; at 8 rows the
@@ -931,7 +930,7 @@ Tiles expand_words(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
 }
 
 // Word tile (expand_words' panels): per block and half, int32 sums of the words against x's combined integers
-// (Activations::xw: pairs x0, x2 and x1, x3 of each 4), then acc += (float(sum0) + float(sum1)) d scale (kMin: then
+// (Activations::xw), then acc += (float(sum0) + float(sum1)) d scale (kMin: then
 // m0 and m1 times each half's x), as halves_tile sums the same rows. A half's sum fits int32 (Q6_K's |w| <= 4,096
 // against |x| <= 32,639, 16 of them: < 2^31), a block's may not.
 template <int MR, int NP, bool kMin>
