@@ -834,6 +834,31 @@ void expand_scales(const Tiles& t, int64_t p0) {
     }
 }
 
+// A thread's copy of panels [p0, p0 + NP) in layout L (see expand_quants, expand_words) in `storage`, on cache lines
+// as the packed weights (a vector split across two lines loads at half speed); its panel 0 is t's p0, so its output
+// starts at p0's columns. expand(b, from, to) writes block b of a panel from the packed block `from`, the blocks
+// visited in order with a first row tile's prefetches.
+template <int NP, typename Expand>
+Tiles expanded(const Tiles& t, const PackedLayout& L, std::vector<uint8_t>& storage, int64_t p0, int64_t r0, int64_t pre,
+               Expand expand) {
+  Tiles e = t;
+  e.layout = L, e.panel_bytes = packed_panel_bytes(L, t.blocks);
+  storage.resize(static_cast<size_t>(NP * e.panel_bytes + 63));
+  uint8_t* buffer = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  e.weight = buffer;
+  e.out = static_cast<char*>(t.out) + p0 * kPanelRows * (t.out_dtype == DType::f32 ? 4 : 2);
+  e.out_features = t.out_features - p0 * kPanelRows;
+  const int64_t ahead = blocks_ahead(t, r0);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* from[NP];
+    panel_blocks(t, p0, b, from);
+    prefetch_blocks(t, from, b, ahead);
+    if (pre >= 0) prefetch_next<NP>(t, pre, b);
+    for (int j = 0; j < NP; ++j) expand(b, from[j], buffer + (panel_block(e, j, b) - e.weight));
+  }
+  return e;
+}
+
 // Q5_0, Q5_1, Q5_K (and, with int8 activations, Q3_K and Q6_K) under more than four row tiles: panels [p0, p0 + NP) with their high bits added
 // once, into the byte layout (8 vectors a block, as Q8_0's; scales and superblock heads as they are), which the
 // row tiles then run as bytes. Adding them in every row tile made a 2,048 x 8,192 linear 25% (Q5_K) and 27%
@@ -846,28 +871,12 @@ Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
   const int64_t scale_bytes = L.block_bytes - L.quant_bytes;
   // (Q5_0's and Q5_1's 32 and 64 bytes of scales padded to a cache line, so that every block's vectors sit on lines)
   L.bits = 8, L.high_bits = 0, L.quant_bytes = 8 * 64, L.block_bytes = L.quant_bytes + (scale_bytes + 63) / 64 * 64;
-  Tiles bytes = t;  // its panel 0 is t's p0: its output starts at p0's columns
-  bytes.layout = L, bytes.panel_bytes = packed_panel_bytes(L, t.blocks);
-  expanded_quants.resize(static_cast<size_t>(NP * bytes.panel_bytes + 63));
-  uint8_t* buffer = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(expanded_quants.data()) + 63) & ~uintptr_t{63});
-  bytes.weight = buffer;  // on cache lines, as the packed weights: a vector split across two lines loads at half speed
-  bytes.out = static_cast<char*>(t.out) + p0 * kPanelRows * (t.out_dtype == DType::f32 ? 4 : 2);
-  bytes.out_features = t.out_features - p0 * kPanelRows;
-  const int64_t ahead = blocks_ahead(t, r0);
-  for (int64_t b = 0; b < t.blocks; ++b) {
-    const uint8_t* from[NP];
-    panel_blocks(t, p0, b, from);
-    prefetch_blocks(t, from, b, ahead);
-    if (pre >= 0) prefetch_next<NP>(t, pre, b);
-    for (int j = 0; j < NP; ++j) {
-      uint8_t* to = buffer + (panel_block(bytes, j, b) - bytes.weight);
-      if (L.super_head && b % kSuperBlocks == 0) std::memcpy(to - L.super_head, from[j] - L.super_head, L.super_head);
-      for (int h = 0; h < 2; ++h)  // weights 16h+4g..16h+4g+3 of each row into vector 4h + g
-        for (int g = 0; g < 4; ++g) block_weights<BITS>(from[j], g, h).store(to + 64 * (4 * h + g));
-      std::memcpy(to + L.quant_bytes, from[j] + t.layout.quant_bytes, scale_bytes);
-    }
-  }
-  return bytes;
+  return expanded<NP>(t, L, expanded_quants, p0, r0, pre, [&](int64_t b, const uint8_t* from, uint8_t* to) {
+    if (L.super_head && b % kSuperBlocks == 0) std::memcpy(to - L.super_head, from - L.super_head, L.super_head);
+    for (int h = 0; h < 2; ++h)  // weights 16h+4g..16h+4g+3 of each row into vector 4h + g
+      for (int g = 0; g < 4; ++g) block_weights<BITS>(from, g, h).store(to + 64 * (4 * h + g));
+    std::memcpy(to + L.quant_bytes, from + t.layout.quant_bytes, scale_bytes);
+  });
 }
 
 // Q2_K, Q3_K and Q6_K under more than four row tiles of int16 activations: panels [p0, p0 + NP) as signed words
@@ -883,50 +892,34 @@ template <int NP, int BITS>
 Tiles expand_words(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
   const PackedLayout& from_layout = t.layout;
   const bool q2_k = from_layout.has_min;
-  PackedLayout L{8, 0, q2_k, false, 4, 16 * 64, 16 * 64 + (q2_k ? 3 : 1) * 4 * kPanelRows};
-  Tiles words = t;
-  words.layout = L, words.panel_bytes = packed_panel_bytes(L, t.blocks);
-  expanded_words.resize(static_cast<size_t>(NP * words.panel_bytes + 63));
-  uint8_t* buffer = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(expanded_words.data()) + 63) & ~uintptr_t{63});
-  words.weight = buffer;
-  words.out = static_cast<char*>(t.out) + p0 * kPanelRows * (t.out_dtype == DType::f32 ? 4 : 2);
-  words.out_features = t.out_features - p0 * kPanelRows;
-  const int64_t ahead = blocks_ahead(t, r0);
-  for (int64_t b = 0; b < t.blocks; ++b) {
-    const uint8_t* from[NP];
-    panel_blocks(t, p0, b, from);
-    prefetch_blocks(t, from, b, ahead);
-    if (pre >= 0) prefetch_next<NP>(t, pre, b);
-    for (int j = 0; j < NP; ++j) {
-      uint8_t* to = buffer + (j * t.blocks + b) * L.block_bytes;
-      const uint8_t* head = super_head(from_layout, from[j], b);
-      const uint8_t* codes = block_codes(from_layout, head, b);
-      alignas(64) int16_t factor[2][2 * kPanelRows];  // each half's scale code, twice a row (both words of its lane)
-      float* scalars = reinterpret_cast<float*>(to + L.quant_bytes);  // d, then Q2_K's m0, m1
-      for (int row = 0; row < kPanelRows; ++row) {
+  const PackedLayout L{8, 0, q2_k, false, 4, 16 * 64, 16 * 64 + (q2_k ? 3 : 1) * 4 * kPanelRows};
+  return expanded<NP>(t, L, expanded_words, p0, r0, pre, [&](int64_t b, const uint8_t* from, uint8_t* to) {
+    const uint8_t* head = super_head(from_layout, from, b);
+    const uint8_t* codes = block_codes(from_layout, head, b);
+    alignas(64) int16_t factor[2][2 * kPanelRows];  // each half's scale code, twice a row (both words of its lane)
+    float* scalars = reinterpret_cast<float*>(to + L.quant_bytes);  // d, then Q2_K's m0, m1
+    for (int row = 0; row < kPanelRows; ++row) {
+      for (int h = 0; h < 2; ++h)
+        factor[h][2 * row] = factor[h][2 * row + 1] =
+            q2_k ? codes[kPanelRows * h + row] : static_cast<int8_t>(codes[kPanelRows * h + row]);
+      if (q2_k) {  // fp16 d and -dmin
+        const uint16_t* halfs = reinterpret_cast<const uint16_t*>(head);
+        scalars[row] = fp16_to_float(halfs[row]);
         for (int h = 0; h < 2; ++h)
-          factor[h][2 * row] = factor[h][2 * row + 1] =
-              q2_k ? codes[kPanelRows * h + row] : static_cast<int8_t>(codes[kPanelRows * h + row]);
-        if (q2_k) {  // fp16 d and -dmin
-          const uint16_t* halfs = reinterpret_cast<const uint16_t*>(head);
-          scalars[row] = fp16_to_float(halfs[row]);
-          for (int h = 0; h < 2; ++h)
-            scalars[kPanelRows * (1 + h) + row] = fp16_to_float(halfs[kPanelRows + row]) * static_cast<float>(codes[kPanelRows * (2 + h) + row]);
-        } else {  // f32 d
-          std::memcpy(&scalars[row], head + 4 * row, 4);
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const I32x16 f = I32x16::load(reinterpret_cast<const uint8_t*>(factor[h]));
-        for (int g = 0; g < 4; ++g) {  // weights 16h+4g.. : group 4h + g, word vectors 2(4h + g) and the next
-          const I32x16 u = block_weights<BITS>(from[j], g, h);
-          u.byte_words(0).words_times(from_layout.zero, f).store(to + 128 * (4 * h + g));
-          u.byte_words(1).words_times(from_layout.zero, f).store(to + 128 * (4 * h + g) + 64);
-        }
+          scalars[kPanelRows * (1 + h) + row] = fp16_to_float(halfs[kPanelRows + row]) * static_cast<float>(codes[kPanelRows * (2 + h) + row]);
+      } else {  // f32 d
+        std::memcpy(&scalars[row], head + 4 * row, 4);
       }
     }
-  }
-  return words;
+    for (int h = 0; h < 2; ++h) {
+      const I32x16 f = I32x16::load(reinterpret_cast<const uint8_t*>(factor[h]));
+      for (int g = 0; g < 4; ++g) {  // weights 16h+4g.. : group 4h + g, word vectors 2(4h + g) and the next
+        const I32x16 u = block_weights<BITS>(from, g, h);
+        u.byte_words(0).words_times(from_layout.zero, f).store(to + 128 * (4 * h + g));
+        u.byte_words(1).words_times(from_layout.zero, f).store(to + 128 * (4 * h + g) + 64);
+      }
+    }
+  });
 }
 
 // Word tile (expand_words' panels): per block and half, int32 sums of the words against x's combined integers
