@@ -280,6 +280,8 @@ inline PackedLayout packed_layout(QType t) {
     default: return {8, 32, false, true, 4, 512, 512 + 128};  // q8_h32
   }
 }
+// A block's scalars: d; d and m (or d1 with halves); d0, d1, m0, m1 (halves with a min: Q2_K's, Q4_HM32)
+inline int scalar_count(const PackedLayout& L) { return L.halves && L.has_min ? 4 : 1 + (L.has_min || L.halves); }
 // Where a block's bit planes start (after its nibbles, or with LOW 2 its crumbs), and the 8 bytes of plane p that
 // vector g of half h takes its bits from (bit n of the 8 bytes: byte n of the vector).
 constexpr int64_t kNibbleBytes = 4 * 64, kCrumbBytes = 2 * 64;

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 
 NATIVE = REPO / "native"
-SOURCES = ["norm", "rope", "activation", "cache", "attention", "linear", "quant"]
+SOURCES = ["norm", "rope", "activation", "cache", "attention", "linear", "quant", "pack"]
 
 
 def test_neon_kernels_match_portable_ones(tmp_path):
