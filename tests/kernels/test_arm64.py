@@ -15,7 +15,8 @@ import pytest
 from tests.conftest import REPO
 
 NATIVE = REPO / "native"
-SOURCES = ["norm", "rope", "activation", "cache", "attention", "linear", "quant", "pack"]
+SOURCES = ["norm", "rope", "activation", "cache", "attention", "linear", "quant", "act_quant", "words", "float_tiles",
+           "dequant", "pack"]
 
 
 def test_neon_kernels_match_portable_ones(tmp_path):

@@ -23,14 +23,14 @@ from tests.conftest import REPO
 # OpenMP workers that hold them have no names to match.
 PREFETCHES = {
     # locality 2 (L2): attention's next key tile, a few lines from each inner-product loop (attention.cpp's
-    # Prefetcher), and the integer tiles' next panels (quant.cpp's prefetch_next). In the x86-64 Release
+    # Prefetcher), and the integer tiles' next panels (packed.h's prefetch_next). In the x86-64 Release
     # build 580 with both, 244 with attention's alone (every block shape, 4 ISA copies): fewer than 400 and
     # the tiles' were dropped. On arm64 test_arm64.py counts them per object; a handful here if a compiler
     # kept Prefetcher::some out of line
     "attention and the integer tiles' next panels": (
         {"x86_64": r"\bprefetcht1\b", "AMD64": r"\bprefetcht1\b", "aarch64": r"\bprfm\s+pldl2keep\b"},
         {"x86_64": 400, "AMD64": 400, "aarch64": 8}),
-    # locality 3 (L1): the integer tiles' weights, 2 KiB ahead (quant.cpp). 848 in the x86-64 Release
+    # locality 3 (L1): the integer tiles' weights, 2 KiB ahead (packed.h's prefetch_blocks). 848 in the x86-64 Release
     # build (every integer and halves tile shape, with and without the next panels, 4 ISA copies); a
     # handful if kept out of line
     "quantized tiles": ({"x86_64": r"\bprefetcht0\b", "AMD64": r"\bprefetcht0\b", "aarch64": r"\bprfm\s+pldl1keep\b"},
@@ -51,5 +51,5 @@ def test_prefetches_survive_compilation(kernels):
 def test_only_attention_and_the_quantized_tiles_prefetch():
     sources = sorted((REPO / "native").rglob("*.[ch]*"))
     prefetching = [p.name for p in sources if "__builtin_prefetch" in p.read_text()]
-    assert prefetching == ["attention.cpp", "quant.cpp"], \
+    assert prefetching == ["packed.h", "attention.cpp"], \
         "a new prefetch: make sure it is emitted (see this file's docstring)"
