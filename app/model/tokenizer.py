@@ -163,7 +163,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-EXPORT_WAIT_SECONDS = 600  # the bootstrap gives the export as long (app/bootstrap/serve.py)
+EXPORT_WAIT_SECONDS = 600  # the bootstrap gives the export as long (app/bootstrap/supervisor.py)
 
 
 def wait_for_export(directory: str | Path, timeout: float = EXPORT_WAIT_SECONDS, poll: float = 0.02) -> None:
