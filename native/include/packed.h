@@ -252,20 +252,6 @@ inline I32x16 block_weights(const uint8_t* blk, int g, int h) {
   else return nibble_weights<BITS>(blk, I32x16::load(blk + 64 * g), g, h);
 }
 
-// Rows [r_begin, r_end) in tiles of kMR rows, then one tile of the 1 to kMR - 1 rows left: tile(mr, r) for the
-// tile of rows [r, r + mr), mr a std::integral_constant, so that each row count is its own instantiation.
-template <int kMR, typename Tile>
-void for_row_tiles(int64_t r_begin, int64_t r_end, Tile tile) {
-  int64_t r = r_begin;
-  for (; r + kMR <= r_end; r += kMR) tile(std::integral_constant<int, kMR>{}, r);
-  const int64_t rest = r_end - r;
-  if constexpr (kMR > 3) {
-    if (rest == 3) return tile(std::integral_constant<int, 3>{}, r);
-  }
-  if (rest == 2) tile(std::integral_constant<int, 2>{}, r);
-  else if (rest == 1) tile(std::integral_constant<int, 1>{}, r);
-}
-
 // A thread's copy of panels [p0, p0 + NP) in layout L (see expand_quants, expand_words) in `storage`, on cache lines
 // as the packed weights (a vector split across two lines loads at half speed); its panel 0 is t's p0, so its output
 // starts at p0's columns. expand(b, from, to) writes block b of a panel from the packed block `from`, the blocks

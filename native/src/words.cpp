@@ -115,7 +115,11 @@ void word_rows(const Tiles& packed, int64_t r_begin, int64_t r_end, int64_t p0, 
   const PackedLayout& L = packed.layout;
   const Tiles t = L.bits == 4 ? expand_words<NP, 6>(packed, p0, r_begin, pre)
                   : L.has_min ? expand_words<NP, 2>(packed, p0, r_begin, pre) : expand_words<NP, 3>(packed, p0, r_begin, pre);
-  for_row_tiles<tile_rows(2)>(r_begin, r_end, [&](auto mr, int64_t r) { word_tile<decltype(mr)::value, NP>(t, r, 0); });
+  constexpr int kMR = tile_rows(2);  // 3: then 2 or 1 rows are left
+  int64_t r = r_begin;
+  for (; r + kMR <= r_end; r += kMR) word_tile<kMR, NP>(t, r, 0);
+  if (r_end - r == 2) word_tile<2, NP>(t, r, 0);
+  else if (r_end - r == 1) word_tile<1, NP>(t, r, 0);
 }
 
 }  // namespace appliance::APPLIANCE_ISA
