@@ -215,7 +215,7 @@ inline void prefetch_blocks(const Tiles& t, const uint8_t* const (&blk)[NP], int
   const int64_t stride = t.layout.mean_block_bytes();  // (a K-quant superblock's head spread over its blocks)
   for (int j = 0; j < NP; ++j)
     for (int64_t line = 0; line < stride; line += 64) __builtin_prefetch(blk[j] + ahead * stride + line, 0, 3);
-  // Keeps GCC from dropping prefetches as side-effect free (see attention.cpp). It also makes the compiler
+  // Keeps GCC from dropping prefetches as side-effect free (see attention_tile.h). It also makes the compiler
   // reload what it kept of memory in registers, once a block in the first tile: measured as a net gain.
   asm volatile("" ::: "memory");
 }

@@ -22,7 +22,7 @@ from tests.conftest import REPO
 # how many the library must hold at least there. Counted over the whole library: in a stripped build the
 # OpenMP workers that hold them have no names to match.
 PREFETCHES = {
-    # locality 2 (L2): attention's next key tile, a few lines from each inner-product loop (attention.cpp's
+    # locality 2 (L2): attention's next key tile, a few lines from each inner-product loop (attention_tile.h's
     # Prefetcher), and the integer tiles' next panels (packed.h's prefetch_next). In the x86-64 Release
     # build 580 with both, 244 with attention's alone (every block shape, 4 ISA copies): fewer than 400 and
     # the tiles' were dropped. On arm64 test_arm64.py counts them per object; a handful here if a compiler
@@ -51,5 +51,5 @@ def test_prefetches_survive_compilation(kernels):
 def test_only_attention_and_the_quantized_tiles_prefetch():
     sources = sorted((REPO / "native").rglob("*.[ch]*"))
     prefetching = [p.name for p in sources if "__builtin_prefetch" in p.read_text()]
-    assert prefetching == ["packed.h", "attention.cpp"], \
+    assert prefetching == ["attention_tile.h", "packed.h"], \
         "a new prefetch: make sure it is emitted (see this file's docstring)"
