@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.sampler import Sampler, apply_penalties, new_state
+from app.engine import sampler as sampler_module
+from app.engine.sampler import Sampler, apply_penalties, draw, filtered_probs, new_state
 
 # Token probabilities of the test distribution, most likely first, placed at shuffled token ids so
 # that a sampler mixing up sorted positions and token ids fails.
@@ -106,6 +107,64 @@ def run_steps(states, target: int, steps: int, sampler_seed: int) -> list[int]:
             state.output_ids.append(token)
         tokens.append(out[target].item())
     return tokens
+
+
+def kept_by_definition(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """By the definitions, with numpy's full sort in float64: [V] probabilities a row keeps (0 elsewhere, not
+    renormalized), and [V] bool: tokens so close to the top-p or min-p bound that float32 may decide otherwise."""
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    ranked = p[order]
+    if top_k > 0:
+        ranked[top_k:] = 0
+        ranked /= ranked.sum()
+    before = np.cumsum(ranked) - ranked
+    in_p = (before < top_p) | (top_p >= 1)
+    close = ((np.abs(before - top_p) < 1e-5) & (top_p < 1)) | (np.abs(ranked - min_p * ranked[0]) < 1e-5 * ranked[0])
+    ranked = np.where(in_p & (ranked >= min_p * ranked[0]), ranked, 0)
+    out, borderline = np.zeros_like(p), np.zeros(len(p), dtype=bool)
+    out[order], borderline[order] = ranked, close
+    return out, borderline
+
+
+@pytest.mark.parametrize("head", [16, 1024])  # the default, and one small enough that some rows sort whole
+def test_filters_on_a_large_vocabulary_match_the_definitions(monkeypatch, head):
+    """5,000 tokens, rows of mixed knobs and peakedness: the kept set and its odds are the definitions'."""
+    monkeypatch.setattr(sampler_module, "_NUCLEUS", head)
+    gen = torch.Generator().manual_seed(5)
+    knobs = [dict(), dict(top_k=7), dict(min_p=0.02), dict(top_k=40, min_p=0.05), dict(top_p=0.5),
+             dict(top_p=0.95, temperature=0.7), dict(top_p=0.8, top_k=30), dict(top_p=0.9, top_k=3000),
+             dict(top_p=0.9, min_p=0.01, temperature=1.3), dict(top_p=0.999)]
+    params = [SamplingParams(**k) for k in knobs for _ in range(2)]
+    logits = torch.randn(len(params), 5000, generator=gen) * torch.tensor([1.0, 6.0] * len(knobs)).unsqueeze(1)
+    got = filtered_probs(logits, params).numpy()
+    for row, (p, k) in enumerate(zip(got, [k for k in knobs for _ in range(2)])):
+        expected, borderline = kept_by_definition(logits[row].numpy().astype(np.float64), **k)
+        assert ((p > 0) == (expected > 0))[~borderline].all(), (row, k)
+        assert np.count_nonzero(expected) > 0 and np.count_nonzero(p) > 0
+        both = (p > 0) & (expected > 0)
+        assert np.allclose(p[both] / p[both].sum(), expected[both] / expected[both].sum(), rtol=1e-4, atol=1e-9)
+
+
+def test_draw_follows_the_odds_and_never_picks_a_token_without_mass():
+    """A vocabulary not a multiple of the draw's block, mass at both ends and at a block's edges only."""
+    vocab = 1000
+    mass = {0: 0.1, 255: 0.2, 256: 0.3, 511: 0.05, 999: 0.35}
+    probs = torch.zeros(DRAWS, vocab)
+    for token, p in mass.items():
+        probs[:, token] = p * 7  # not normalized: draw takes odds
+    u = torch.rand(DRAWS, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    tokens = draw(probs, u)
+    counts = np.bincount(tokens.numpy(), minlength=vocab) / DRAWS
+    assert set(np.flatnonzero(counts)) <= set(mass)
+    assert tvd(counts[list(mass)], np.array(list(mass.values()))) < TVD_LIMIT
+    # the extremes of u: the first token with mass, and the last one
+    ends = draw(probs[:2], torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
+    assert ends.tolist() == [0, 999]
+    tail = torch.zeros(1, vocab)
+    tail[0, 3] = 1.0  # everything after token 3 has no mass
+    assert draw(tail, torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [3]
 
 
 def seeded(seed: int):
