@@ -55,6 +55,7 @@ class SequenceText:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | None = None
+    min_tokens: int = 0  # stop strings are looked for once this many tokens are out (as vLLM does)
     text: str = ""
     sent: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -65,7 +66,7 @@ class SequenceText:
     def of(cls, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> SequenceText:
         """The text of one sequence of a request with these params: the one place stop strings come from."""
         return cls(Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens), params.stop, params.stop_token_ids,
-                   eos_token_id)
+                   eos_token_id, params.min_tokens)
 
     def take(self, token_id: int | None, logprobs: TokenLogprobs | None,
              engine_reason: FinishReason | None) -> FinishReason | None:
@@ -89,7 +90,7 @@ class SequenceText:
             return False
         start = len(self.text)
         self.text += self.detokenizer.add(token_id)
-        return self._cut_at_stop(start)
+        return len(self.token_ids) >= self.min_tokens and self._cut_at_stop(start)
 
     def _cut_at_stop(self, start: int) -> bool:
         longest = max((len(s) for s in self.stop), default=0)

@@ -103,16 +103,19 @@ class Context:
             raise APIError(400, "the prompt is empty", param, "empty_prompt")
         bad = [t for t in ids if t >= self.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{self.vocab_size - 1})", param)
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{self.vocab_size - 1})", param,
+                           "invalid_value")
 
-    def output_limit(self, ids: list[int], requested: int | None, param: str) -> int:
-        """How many tokens a sequence may generate; 400 when prompt plus request exceed the context."""
+    def output_limit(self, ids: list[int], requested: int | None, param: str, prompt_param: str) -> int:
+        """How many tokens a sequence may generate; 400 when prompt plus request exceed the context (naming
+        `prompt_param` when the prompt alone leaves no room, else `param`, the field that asked for more)."""
         room = self.max_model_len - len(ids)
         if room < 1 or (requested is not None and requested > room):
             asked = f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion)" \
                 if requested is not None else f"{len(ids)} tokens in the prompt"
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {asked}. Please reduce the prompt or the completion.", param,
+                                f"requested {asked}. Please reduce the prompt or the completion.",
+                           prompt_param if room < 1 or requested is None else param,
                            "context_length_exceeded")
         return room if requested is None else requested
 
@@ -218,7 +221,8 @@ async def detokenize(request: Request) -> Response:
     ctx.check_model(body.model)
     bad = [t for t in body.tokens if t >= ctx.vocab_size]
     if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{ctx.vocab_size - 1})", "tokens")
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{ctx.vocab_size - 1})", "tokens",
+                       "invalid_value")
     return JSONResponse({"prompt": await ctx.text.decode(body.tokens)})
 
 

@@ -9,12 +9,12 @@ import time
 from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
-from app.server.errors import APIError, from_validation_error
+from app.server.errors import TYPES, APIError, from_validation_error
 from app.server.generation import Event, Generation
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -23,7 +23,11 @@ MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill
 
 async def read_body(request: Request, model):
     """The body as `model`; anything JSON or the tokenizer cannot take is a 400 that names the problem."""
-    data = parse_json(await request.body())
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # hung up before the body was all there: nobody to answer, nothing to log
+        raise APIError(499, "the client closed the connection") from None
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
     where = _lone_surrogate(data)
@@ -73,10 +77,11 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
     prompts = await ctx.prompt_ids(body.prompt)
     if len(prompts) * body.n > MAX_SEQUENCES:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n")
+        raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
+                       "invalid_value")
     gen = _generation(ctx, body, body.logprobs, "cmpl")
     for ids in prompts:
-        _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens"))
+        _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens", "prompt"))
     echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
     await _start(gen)
     if body.stream:
@@ -100,7 +105,7 @@ async def chat_completions(request: Request) -> Response:
     top = (body.top_logprobs or 0) if body.logprobs else None
     gen = _generation(ctx, body, top, "chatcmpl")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param))
+    _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
     if body.stream:
         return _sse(_chat_chunks(gen, body, ctx.served_name))
@@ -204,23 +209,20 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
-        except EngineRejected as exc:
-            yield _sse_error(exc.status, exc.message)
-        except EngineUnavailable as exc:
-            yield _sse_error(503, str(exc))
+        except (EngineRejected, EngineUnavailable) as exc:  # the same error as the JSON answer would carry
+            yield _sse_error(_api_error(exc))
         except Exception:  # whatever happens, the client gets an error event and the end of the stream
             log.exception("a stream failed")
-            yield _sse_error(500, "internal server error")
+            yield _sse_error(APIError(500, "internal server error", None, "internal_error"))
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _sse_error(status: int, message: str) -> bytes:
-    from app.server.errors import TYPES
-
-    error = {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": None, "code": status}}
-    return f"data: {json.dumps(error)}\n\n".encode()
+def _sse_error(error: APIError) -> bytes:
+    body = {"error": {"message": error.message, "type": TYPES.get(error.status, "server_error"), "param": error.param,
+                      "code": error.code}}
+    return f"data: {json.dumps(body)}\n\n".encode()
 
 
 async def _completion_chunks(gen: Generation, body: CompletionRequest, model: str,
@@ -279,8 +281,10 @@ def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, start: in
     for token in tokens:
         offsets.append(at)
         at += len(token)
+    # as OpenAI's and vLLM's: the sampled token is always among its position's top logprobs (up to logprobs + 1)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{tokenizer.decode([t]): p for t, p in lp.top} for lp in logprobs],
+            "top_logprobs": [{**{tokenizer.decode([t]): p for t, p in lp.top}, token: lp.logprob}
+                             for token, lp in zip(tokens, logprobs)],
             "text_offset": offsets}
 
 

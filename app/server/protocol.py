@@ -42,7 +42,8 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] | None = None
+    # bounded: the engine checks each sampled token against them, and masks them all until min_tokens
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1024)] | None = None
     skip_special_tokens: bool = True
 
     @field_validator("stop")
@@ -57,6 +58,8 @@ class SamplingFields(_Body):
     def _unsupported(self):
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     def stops(self) -> tuple[str, ...]:

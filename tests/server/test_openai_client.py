@@ -79,8 +79,14 @@ def test_logprobs_in_both_shapes(client):
     comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
                                      logprobs=2)
     lp = comp.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(2 <= len(t) <= 3 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == comp.choices[0].text
+    # as OpenAI's and vLLM's: the sampled token is among its top logprobs, even with logprobs=0 or sampled far down
+    for logprobs, temperature in [(0, 0), (2, 1.8)]:
+        lp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, seed=3,
+                                       temperature=temperature, logprobs=logprobs).choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == pytest.approx(logprob) and len(top) <= logprobs + 1
     chat = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3,
                                           messages=[{"role": "user", "content": "Hi"}])
     content = chat.choices[0].logprobs.content
@@ -94,6 +100,11 @@ def test_stop_sequences_and_echo(client):
     cut = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0, stop=[stop])
     assert stop not in cut.choices[0].text and free.startswith(cut.choices[0].text)
     assert cut.choices[0].finish_reason == "stop"
+    # as vLLM: stop strings are not looked for before min_tokens tokens
+    held = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0, stop=[" "],
+                                     extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens >= 5 and free.startswith(held.choices[0].text), held
+    assert held.choices[0].text.count(" ") >= 2, (free, held)  # the spaces of the first tokens stay
     echoed = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=3, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("Monday, Tuesday,")
 
