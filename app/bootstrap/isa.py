@@ -5,6 +5,9 @@ Refusing here, with the flag that is missing, is what keeps a SIGILL from ever r
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 from app.spec.errors import Described, Problem, SpecError
 from app.topology.machine import Topology
 
@@ -21,6 +24,17 @@ def check_isa(topo: Topology) -> None:
     if not topo.has(flag):
         raise SpecError([Problem("(cpu)", f"a {topo.arch} CPU with {name}; the kernels need it",
                                  Described(f"{topo.cpu_model} without {name} (no '{flag}' in /proc/cpuinfo)"))])
+
+
+def check_native_build() -> None:
+    """Raise unless the `app` package Python found has its native kernels (app._native) beside it."""
+    if importlib.util.find_spec("app._native") is None:
+        import app
+
+        raise SpecError([Problem("(build)", "the native kernels built into the app package Python runs: `pip install "
+                                 "-e .` in the repository builds them in place (a non-editable install keeps them in "
+                                 "site-packages, which Python does not use while it runs in the repository's root)",
+                                 Described(f"no app._native beside {Path(app.__file__).parent}"))])
 
 
 def has_native_bf16(topo: Topology) -> bool:

@@ -58,12 +58,13 @@ def _log_plan(deployment) -> None:
 def _preflight(spec, topo) -> str:
     """Logging, the ISA check and the preloaded libraries, before anything heavy: the preflight may
     re-execute this process with LD_PRELOAD set. Returns the OpenMP runtime found."""
-    from app.bootstrap.isa import check_isa
+    from app.bootstrap.isa import check_isa, check_native_build
     from app.bootstrap.preflight import run_preflight
     from app.logs import configure_logging
 
     configure_logging(spec.runtime.log_level, spec.runtime.log_format, "bootstrap")
     check_isa(topo)
+    check_native_build()
     report = run_preflight(spec.runtime, topo.arch)  # may re-execute this process with LD_PRELOAD
     for warning in report.warnings:
         log.warning("preflight: %s", warning)

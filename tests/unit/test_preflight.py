@@ -107,3 +107,18 @@ def test_reexec_happens_once_even_when_the_library_will_not_load(tmp_path):
     report, stderr = _preflight_child({"LD_PRELOAD": "", "APPLIANCE_LIB_PATH": str(tmp_path)})
     assert report["reexecuted"] is True and report["loaded"] == []
     assert "did not load; continuing without" in stderr
+
+
+def test_a_missing_native_build_is_named_before_anything_starts(monkeypatch):
+    """Run from the repository root, a non-editable install's `app` is shadowed by the source tree, which has
+    no built kernels: the bootstrap says so, instead of an engine dying on an ImportError."""
+    import importlib.util
+
+    from app.bootstrap.isa import check_native_build
+    from app.spec.errors import SpecError
+
+    check_native_build()  # this checkout's are built
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "app._native" else real(name, *a))
+    with pytest.raises(SpecError, match=r"\(build\).*no app\._native beside .*app.*pip install\s+-e \."):
+        check_native_build()
