@@ -84,6 +84,9 @@ def _bench_parsers(commands) -> None:
     serve.add_argument("--seed", type=int, default=0,
                        help="random prompts' seed (default: 0); a second run against the same server with the same "
                             "seed finds its prompts in the prefix cache: give it a new seed")
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature of every request (default: 0, greedy, as vllm bench serve's runs "
+                            "here; 1 is OpenAI's default)")
     serve.add_argument("--json", dest="json_out", metavar="FILE", help="append the results to this JSON list")
     serve.add_argument("--plot", metavar="PNG", help="draw latency vs throughput of the results (and the JSON's)")
     serve.set_defaults(run=_bench_serve)
@@ -225,7 +228,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
     workloads = [Workload(args.input_len, args.output_len, args.num_prompts, c, args.request_rate, args.warmup,
-                          args.seed) for c in args.concurrency]
+                          args.seed, args.temperature) for c in args.concurrency]
     results = run(args.base_url, model, workloads, args.label or model, api_key,
                   Path(args.prompts_file) if args.prompts_file else None)
     if args.json_out:

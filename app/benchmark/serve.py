@@ -44,6 +44,7 @@ class Workload:
     request_rate: float = math.inf  # requests per second, Poisson arrivals; inf: all at once
     warmup: int = 1
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy, as the anchors' runs; 1 is OpenAI's default
 
 
 # --- the arithmetic ---
@@ -112,8 +113,8 @@ def level_prompts(w: Workload, level: int, prompts_file: Path | None = None) -> 
 
 # --- the client ---
 
-async def _one(client, url: str, model: str, prompt, output_len: int, trace: Trace) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+async def _one(client, url: str, model: str, prompt, output_len: int, trace: Trace, temperature: float = 0.0) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     trace.start = time.perf_counter()
     chunks = 0
@@ -155,7 +156,7 @@ async def _run(base_url: str, model: str, prompts: list, w: Workload, api_key: s
     limits = httpx.Limits(max_connections=max(w.concurrency or len(prompts), 1) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits, headers=headers) as client:
         for prompt in prompts[:w.warmup]:  # warm-up: not measured (first-call allocations, caches)
-            await _one(client, url, model, prompt, min(w.output_len, 16), Trace(0))
+            await _one(client, url, model, prompt, min(w.output_len, 16), Trace(0), w.temperature)
         measured = prompts[w.warmup:]
         traces = [Trace(len(p) if isinstance(p, list) else 0) for p in measured]
         gate = asyncio.Semaphore(w.concurrency) if w.concurrency else None
@@ -163,10 +164,10 @@ async def _run(base_url: str, model: str, prompts: list, w: Workload, api_key: s
 
         async def send(prompt, trace: Trace) -> None:
             if gate is None:
-                await _one(client, url, model, prompt, w.output_len, trace)
+                await _one(client, url, model, prompt, w.output_len, trace, w.temperature)
             else:
                 async with gate:
-                    await _one(client, url, model, prompt, w.output_len, trace)
+                    await _one(client, url, model, prompt, w.output_len, trace, w.temperature)
             progress.update(1)
 
         started = time.perf_counter()
