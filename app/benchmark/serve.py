@@ -113,6 +113,19 @@ def level_prompts(w: Workload, level: int, prompts_file: Path | None = None) -> 
 
 # --- the client ---
 
+async def sse_lines(response):
+    """The lines of a server-sent event stream: ended by LF, CRLF or CR only, as the SSE spec says (httpx's
+    aiter_lines also breaks at U+2028, U+0085 and others, which a server may send raw inside a JSON string)."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        lines = (pending + data).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if pending:
+        yield pending.decode("utf-8", "replace")
+
+
 async def _one(client, url: str, model: str, prompt, output_len: int, trace: Trace, temperature: float = 0.0) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": temperature, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -123,7 +136,7 @@ async def _one(client, url: str, model: str, prompt, output_len: int, trace: Tra
             if response.status_code != 200:
                 trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

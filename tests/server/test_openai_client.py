@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -144,3 +145,15 @@ def test_streamed_logprobs_cover_every_token_even_when_text_is_held_back(client)
     offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert len(tokens) == chunks[-1].usage.completion_tokens == 12
     assert offsets == sorted(offsets) and offsets[0] == 0 and len(set(offsets)) == len(offsets)
+
+
+def test_stream_lines_survive_unicode_line_separators(appliance):
+    """Echoed text holding U+2028, U+2029 and U+0085 (which a sampled token can hold too) arrives escaped: a
+    client that splits lines as str.splitlines does (httpx's aiter_lines) still reads whole JSON events."""
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True}
+    with httpx.stream("POST", appliance.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    events = [json.loads(line[6:]) for line in lines]  # each line a whole event
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).startswith(prompt)
+

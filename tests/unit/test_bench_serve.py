@@ -78,3 +78,30 @@ def test_plot_reads_our_results_and_vllm_bench_serve_results(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(ValueError, match="neither"):
         read_results(tmp_path / "other.json")
+
+
+class _Chunks:
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = chunks
+
+    async def aiter_bytes(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+def test_sse_lines_break_at_line_ends_only():
+    """U+2028 and U+0085 inside a JSON string are not line ends (httpx's aiter_lines took them for some), and a
+    line or a UTF-8 character cut between network chunks is whole again."""
+    import asyncio
+
+    from app.benchmark.serve import sse_lines
+
+    stream = 'data: {"text": "a\u2028b\x85c"}\r\n\r\ndata: {"text": "é"}\n\ndata: [DONE]\r'.encode()
+    cut = stream.index("é".encode()) + 1  # inside the two bytes of é
+    chunks = [stream[:7], stream[7:cut], stream[cut:]]
+
+    async def collect():
+        return [line async for line in sse_lines(_Chunks(chunks))]
+
+    lines = [line for line in asyncio.run(collect()) if line]
+    assert lines == ['data: {"text": "a\u2028b\x85c"}', 'data: {"text": "é"}', "data: [DONE]"]
