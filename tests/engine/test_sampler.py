@@ -214,6 +214,44 @@ def test_penalties_exact_values():
     assert torch.equal(logits, before)
 
 
+def dense_penalties(logits: torch.Tensor, states) -> torch.Tensor:
+    """The definitions as whole-vocabulary passes (the sampler's own code before it touched only seen tokens)."""
+    def column(values):
+        return torch.tensor(values, dtype=torch.float32).unsqueeze(1)
+
+    rep = column([s.params.repetition_penalty for s in states])
+    freq = column([s.params.frequency_penalty for s in states])
+    presence = column([s.params.presence_penalty for s in states])
+    counts, in_prompt = torch.zeros(logits.shape), torch.zeros(logits.shape, dtype=torch.bool)
+    for row, state in enumerate(states):
+        for token in state.output_ids:
+            counts[row, token] += 1
+        if state.params.repetition_penalty != 1:
+            in_prompt[row, state.prompt_ids] = True
+    generated = counts > 0
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    return torch.where(in_prompt | generated, repeated, logits) - freq * counts - presence * generated
+
+
+def test_penalties_equal_the_dense_definitions_step_after_step():
+    """Random rows of every penalty mix, prompts and outputs with repeats, over steps whose outputs grow:
+    bit for bit the whole-vocabulary formulas (the same float32 operations in the same order)."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, knobs = 300, [dict(), dict(repetition_penalty=1.3), dict(repetition_penalty=0.7), dict(frequency_penalty=0.4),
+                         dict(presence_penalty=-0.6), dict(repetition_penalty=1.2, frequency_penalty=-0.3,
+                                                           presence_penalty=1.5)]
+    states = [new_state(SamplingParams(**knobs[i % len(knobs)]),
+                        torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist(),
+                        None) for i in range(13)]
+    for _ in range(5):
+        for state in states:
+            state.output_ids.extend(torch.randint(0, 60, (7,), generator=gen).tolist())  # repeats within and across steps
+        logits = torch.randn(len(states), vocab, generator=gen) * 4
+        before = logits.clone()
+        assert torch.equal(apply_penalties(logits, states), dense_penalties(logits, states))
+        assert torch.equal(logits, before)
+
+
 def test_penalty_changes_greedy_choice():
     logits = torch.tensor([[1.0, 1.2, 0.0]])
     state = penalty_state([], [1], temperature=0, presence_penalty=0.5)
