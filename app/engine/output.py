@@ -55,8 +55,9 @@ class SequenceText:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | None = None
-    min_tokens: int = 0  # stop strings are looked for once this many tokens are out (as vLLM does)
+    min_tokens: int = 0  # stop strings count only where they end in the text of a later token (as vLLM's)
     text: str = ""
+    checked: int = 0  # no stop string may end in text[:checked], that of the first min_tokens tokens
     sent: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -90,12 +91,14 @@ class SequenceText:
             return False
         start = len(self.text)
         self.text += self.detokenizer.add(token_id)
-        return len(self.token_ids) >= self.min_tokens and self._cut_at_stop(start)
+        if len(self.token_ids) <= self.min_tokens:
+            self.checked = len(self.text)
+            return False
+        return self._cut_at_stop(max(start, self.checked))
 
     def _cut_at_stop(self, start: int) -> bool:
-        longest = max((len(s) for s in self.stop), default=0)
-        search_from = max(start - longest + 1, 0)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        # each stop string where it ends past `start`: one ending before was looked for with an earlier token
+        hits = [i for i in (self.text.find(s, max(start - len(s) + 1, 0)) for s in self.stop) if i >= 0]
         if not hits:
             return False
         self.text = self.text[:min(hits)]

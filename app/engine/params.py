@@ -28,7 +28,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     """Most tokens to generate (None: until the context is full)."""
     min_tokens: int = 0
-    """EOS and stop token ids are not sampled, and stop strings not looked for, before this many tokens."""
+    """EOS and stop token ids are not sampled before this many tokens; stop strings count only where they end
+    in a later token's text (as vLLM's)."""
     ignore_eos: bool = False
     """Keep generating past EOS."""
     stop: tuple[str, ...] = ()

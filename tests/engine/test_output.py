@@ -83,3 +83,39 @@ def test_hidden_stop_token_is_kept_in_ids_but_not_in_text(tokenizer):
     seq.add(tokenizer("Hi", add_special_tokens=False).input_ids[0], None)
     seq.add(eos, None, hidden=True)
     assert seq.token_ids[-1] == eos and seq.text == "Hi"
+
+
+class _Pieces:
+    """A tokenizer whose token i is pieces[i]: exact control over where each token's text starts and ends."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _run(pieces: list[str], stop: tuple[str, ...], min_tokens: int) -> tuple[str, int, FinishReason | None]:
+    from app.engine.params import SamplingParams
+
+    seq = SequenceText.of(_Pieces(pieces), [0], SamplingParams(stop=stop, min_tokens=min_tokens), None)
+    for token in range(1, len(pieces)):
+        if seq.take(token, None, None):
+            break
+    return seq.text, len(seq.token_ids), seq.finish_reason
+
+
+@pytest.mark.parametrize(("stop", "min_tokens", "text", "tokens", "reason"), [
+    # vLLM's own case (tests/detokenizer/test_min_tokens.py): only an "e" ending in a token after the 2nd counts
+    (("e",), 2, " is Lee, and I'm a stud", 8, FinishReason.STOP),
+    (("e",), 0, " is L", 2, FinishReason.STOP),
+    # one ending inside the min_tokens-th token does not count either
+    (("Lee",), 2, " is Lee, and I'm a student!", 9, None),
+    (("Lee",), 1, " is ", 2, FinishReason.STOP),
+    # each stop string is looked for where it could end in the new text: one that ended within the first
+    # min_tokens tokens is not found later because a longer one widens the window
+    ((" is", "and I'm a"), 3, " is Lee, ", 7, FinishReason.STOP),
+])
+def test_stop_strings_count_only_after_min_tokens(stop, min_tokens, text, tokens, reason):
+    pieces = ["Hello", " is", " Lee", ",", " and", " I", "'m", " a", " student", "!"]
+    assert _run(pieces, stop, min_tokens) == (text, tokens, reason)

@@ -104,7 +104,7 @@ def test_stop_sequences_and_echo(client):
     # as vLLM: stop strings are not looked for before min_tokens tokens
     held = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0, stop=[" "],
                                      extra_body={"min_tokens": 5})
-    assert held.usage.completion_tokens >= 5 and free.startswith(held.choices[0].text), held
+    assert held.usage.completion_tokens > 5 and free.startswith(held.choices[0].text), held
     assert held.choices[0].text.count(" ") >= 2, (free, held)  # the spaces of the first tokens stay
     echoed = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=3, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("Monday, Tuesday,")
