@@ -31,10 +31,10 @@ def check_native_build() -> None:
     if importlib.util.find_spec("app._native") is None:
         import app
 
-        raise SpecError([Problem("(build)", "the native kernels built into the app package Python runs: `pip install "
-                                 "-e .` in the repository builds them in place (a non-editable install keeps them in "
-                                 "site-packages, which Python does not use while it runs in the repository's root)",
-                                 Described(f"no app._native beside {Path(app.__file__).parent}"))])
+        raise SpecError([Problem("(build)", "an app package with its native kernels: `pip install -e .` in the "
+                                 "repository builds them for it (a non-editable install has them in site-packages' "
+                                 "app, which Python does not import while it runs in the repository's root)",
+                                 Described(f"no app._native for the app package at {Path(app.__file__).parent}"))])
 
 
 def has_native_bf16(topo: Topology) -> bool:

@@ -12,6 +12,7 @@ else shares its batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,10 +108,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token i of each row with probability probs[i] / sum(probs): the first whose running sum passes u x sum.
 
     probs: [R, V] >= 0, not normalized; u: [R] float64 in [0, 1) -> [R] int64. The running sum is taken in
-    two levels: over blocks of 256 tokens (a float32 sum a block, so a token's odds move by ~1e-7 of
-    themselves at most), then in float64 inside the one block u falls in, so tail tokens keep their odds
-    (a float32 running sum over 49,152 tokens would round them to multiples of ~6e-8). A token without
-    mass is never drawn. The exponential race (argmax p / q, q ~ Exp(1) a token) is as exact, but its
+    two levels: over blocks of 256 tokens (float32 sums), then in float64 inside the one block u falls in,
+    scaled to that block's sum, so a token's odds move by ~1e-7 of themselves at most (a float32 running sum
+    over 49,152 tokens would round them to multiples of ~6e-8). A token without mass is never drawn. The exponential race (argmax p / q, q ~ Exp(1) a token) is as exact, but its
     49,152 exponentials a row took 72 ms of a 64-row step's 100 on the Xeon of docs/PERFORMANCE.md.
     """
     rows, vocab = probs.shape
@@ -123,13 +123,16 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = ends[:, -1:].contiguous()  # [R, 1]
     target = u.unsqueeze(1) * total
     block = torch.minimum(torch.searchsorted(ends, target, right=True),  # the first block ending past it,
-                          torch.searchsorted(ends, total))  # or, rounded up to the sum, the last with mass
-    inside = tiles[torch.arange(rows), block.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)  # [R, width]
-    inside += torch.nn.functional.pad(ends, (1, 0)).gather(1, block)  # plus the mass before the block
-    # the first token past the target, or the block's last with mass where its float64 sum fell short of the
-    # float32 one
-    token = torch.minimum(torch.searchsorted(inside, target, right=True), torch.searchsorted(inside, inside[:, -1:].contiguous()))
-    return (block * width + token).squeeze(1)
+                          torch.searchsorted(ends, total)).clamp_(max=blocks - 1)  # or (rounding) the last with mass
+    before = torch.nn.functional.pad(ends, (1, 0)).gather(1, block)  # [R, 1]: the mass before the block
+    inner = tiles[torch.arange(rows), block.squeeze(1)].cumsum(dim=-1, dtype=torch.float64)  # [R, width]
+    # scaled to the block's float32 sum that chose it: so a token's odds move by ~1e-7 of themselves, not of its block's
+    inside = before + inner * ((ends.gather(1, block) - before) / inner[:, -1:])
+    token = torch.minimum(torch.searchsorted(inside, target, right=True),  # the first token ending past the target,
+                          torch.searchsorted(inside, inside[:, -1:].contiguous())).clamp_(max=width - 1)  # or the last
+    # A row without a finite, positive mass (NaN or infinite logits, all -inf) gets token 0, as before this draw
+    # existed; the others are not held up by it.
+    return torch.where((total > 0) & (total < math.inf), block * width + token, 0).squeeze(1)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -267,31 +270,34 @@ def _keep_at_least(x: torch.Tensor, rows: list[int], bound: torch.Tensor, value:
 def _sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     # scaled: [R, V] logits / temperature of rows with top-p (top-k and min-p too, if set) -> [R, V].
     # Top-p needs the most likely tokens in order only until their mass reaches top_p: the _NUCLEUS most
-    # likely are selected (numpy's argpartition) and sorted; a row whose nucleus (or top-k) reaches past
-    # them sorts its whole vocabulary. 64 rows of 49,152 on docs/PERFORMANCE.md's Xeon: ~13 ms, a full
-    # stable sort 260 ms.
+    # likely are selected (numpy's argpartition) and sorted; a row whose nucleus (or top-k, or a tie at its
+    # k-th) reaches past them sorts its whole vocabulary. 64 rows of 49,152 on docs/PERFORMANCE.md's Xeon:
+    # ~13 ms, a full stable sort 260 ms. Every reduction here is a row's own (numpy's, or torch's cumsum): a
+    # seeded row gets the same bits in any batch (torch's sum over a whole row split it among threads when alone).
     vocab = scaled.shape[1]
     probs = scaled.softmax(dim=-1)
     head = min(_NUCLEUS, vocab)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(1)  # [R, 1]
-    top_p = _column([p.top_p for p in params])
-    min_p = _column([p.min_p for p in params])
+    k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params])[:, None]  # [R, 1]
     flat = probs.numpy()
     ids = np.argpartition(flat, vocab - head, axis=-1)[:, vocab - head:]  # [R, head], any order
     values = np.take_along_axis(flat, ids, axis=-1)
     # Stable, so tied tokens keep a fixed order and a seeded row's draw never depends on the sort.
     order = np.argsort(-values, axis=-1, kind="stable")
-    ids = torch.from_numpy(np.take_along_axis(ids, order, axis=-1))
-    values = torch.from_numpy(np.take_along_axis(values, order, axis=-1))  # [R, head], descending
-    in_k = torch.arange(head) < top_k
-    mass = torch.where(top_k >= vocab, probs.sum(dim=-1, keepdim=True), (values * in_k).sum(dim=-1, keepdim=True))
-    ordered = values * in_k / mass  # renormalized over the top k
+    ids, values = np.take_along_axis(ids, order, axis=-1), np.take_along_axis(values, order, axis=-1)  # descending
+    # top-k keeps every token at least as likely as the k-th (ties stay in, as without top-p); renormalized over them
+    kth = np.take_along_axis(values, np.minimum(k, head) - 1, axis=-1)
+    in_k = (values >= kth) | (k >= vocab)
+    mass = np.where(k >= vocab, np.float32(1), (values * in_k).sum(axis=-1, keepdims=True, dtype=np.float32))
+    ordered = torch.from_numpy(values * in_k / mass)
     before = ordered.cumsum(dim=-1) - ordered  # mass of the more likely tokens; 0 for the top token
-    keep = in_k & (before < top_p) & (ordered >= min_p * ordered[:, :1])
-    # rows whose nucleus may reach past the head: top_k beyond it (and not all), or top_p not reached in it
-    whole = ((top_k > head) & (top_k < vocab)) | ((top_k > head) & (before[:, -1:] + ordered[:, -1:] < top_p))
-    out = torch.zeros_like(probs).scatter_(1, ids, ordered.masked_fill(~keep, 0))
-    rows = whole.squeeze(1).nonzero().squeeze(1).tolist()
+    top_p, min_p = _column([p.top_p for p in params]), _column([p.min_p for p in params])
+    keep = torch.from_numpy(in_k) & (before < top_p) & (ordered >= min_p * ordered[:, :1])
+    # rows whose kept set may reach past the head: a top-k beyond it (and not all), a tie at the k-th reaching its
+    # end, or a nucleus not reached in it
+    whole = ((k > head) & (k < vocab)) | ((k <= head) & (values[:, -1:] >= kth) & (k < vocab)) | \
+        ((k >= vocab) & (before[:, -1:] + ordered[:, -1:] < top_p).numpy())
+    out = torch.zeros_like(probs).scatter_(1, torch.from_numpy(ids), ordered.masked_fill(~keep, 0))
+    rows = np.flatnonzero(whole[:, 0]).tolist()
     if rows:
         out[rows] = _fully_sorted_probs(scaled[rows], [params[r] for r in rows])
     return out
@@ -300,12 +306,12 @@ def _sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 def _fully_sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     # scaled: [R, V] -> [R, V]: _sorted_probs over the whole vocabulary
     vocab = scaled.shape[1]
-    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params])
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(1)  # [R, 1]
     top_p = _column([p.top_p for p in params])
     min_p = _column([p.min_p for p in params])
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V]
-    keep = torch.arange(vocab) < top_k
-    probs = ordered.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over the top k
+    keep = ordered >= ordered.gather(1, k - 1)  # the top k, and any tied with the k-th
+    probs = ordered.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over them
     before = probs.cumsum(dim=-1) - probs
     keep &= before < top_p
     keep &= probs >= min_p * probs[:, :1]

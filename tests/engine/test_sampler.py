@@ -117,7 +117,7 @@ def kept_by_definition(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, 
     order = np.argsort(-p, kind="stable")
     ranked = p[order]
     if top_k > 0:
-        ranked[top_k:] = 0
+        ranked[ranked < ranked[min(top_k, len(ranked)) - 1]] = 0  # ties with the k-th stay in
         ranked /= ranked.sum()
     before = np.cumsum(ranked) - ranked
     in_p = (before < top_p) | (top_p >= 1)
@@ -165,6 +165,58 @@ def test_draw_follows_the_odds_and_never_picks_a_token_without_mass():
     tail = torch.zeros(1, vocab)
     tail[0, 3] = 1.0  # everything after token 3 has no mass
     assert draw(tail, torch.tensor([1 - 2**-53], dtype=torch.float64)).tolist() == [3]
+
+
+def test_a_row_gets_the_same_probabilities_in_any_batch():
+    """Bit for bit, on SmolLM2's vocabulary (where one row alone is big enough for torch to split a reduction
+    among threads): every path of the filters, the seeded draw's inputs."""
+    gen = torch.Generator().manual_seed(8)
+    # (knobs, logit scale): peaked rows keep their nucleus in the sorted head, flat ones sort the whole row
+    rows = [(dict(), 4), (dict(top_k=40), 1), (dict(min_p=0.05), 4), (dict(top_p=0.9), 4), (dict(top_p=0.9), 1),
+            (dict(top_p=0.9, top_k=50), 4), (dict(top_p=0.999, temperature=1.5), 4), (dict(top_p=0.95, top_k=3000), 1),
+            (dict(top_p=0.8, min_p=0.01), 4), (dict(top_p=0.5), 3)] + [(dict(top_p=p), 5) for p in (0.7, 0.9, 0.95, 0.98)]
+    knobs = [k for k, _ in rows]
+    params = [SamplingParams(seed=1, **k) for k in knobs]
+    logits = torch.randn(len(params), 49152, generator=gen) * torch.tensor([float(x) for _, x in rows]).unsqueeze(1)
+    batch = filtered_probs(logits, params)
+    for row, p in enumerate(params):
+        assert torch.equal(filtered_probs(logits[row:row + 1], [p])[0], batch[row]), knobs[row]
+        assert torch.equal(filtered_probs(logits[[row, 0, 3]], [p, params[0], params[3]])[0], batch[row]), knobs[row]
+
+
+@pytest.mark.parametrize("head", [2, 1024])  # 2: the top-p rows sort whole
+def test_ties_at_the_kth_stay_in_on_every_path(monkeypatch, head):
+    monkeypatch.setattr(sampler_module, "_NUCLEUS", head)
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]]).expand(3, 5)
+    params = [SamplingParams(top_k=2), SamplingParams(top_k=2, top_p=0.99999), SamplingParams(top_k=2, min_p=0.01)]
+    kept = filtered_probs(logits, params) > 0
+    assert kept.tolist() == [[True, True, True, True, False]] * 3
+
+
+def test_rows_without_finite_mass_get_token_0_and_hold_up_no_other_row():
+    """NaN or infinite logits, or all -inf: that row gets token 0 (as before the draw existed), the others
+    their own draws."""
+    vocab, gen = 1000, torch.Generator().manual_seed(4)
+    good = torch.randn(vocab, generator=gen)
+    bad_rows = [torch.full((vocab,), float("nan")), torch.full((vocab,), float("-inf")), good.clone(), good.clone()]
+    bad_rows[2][7] = float("inf")
+    bad_rows[3][9] = float("nan")
+    for knobs in [dict(), dict(top_k=20), dict(min_p=0.1), dict(top_p=0.9)]:
+        alone = Sampler(vocab)(good.unsqueeze(0), [new_state(SamplingParams(seed=5, **knobs), [], None)]).tokens
+        states = [new_state(SamplingParams(seed=5, **knobs), [], None)] + \
+            [new_state(SamplingParams(**knobs), [], None) for _ in bad_rows]
+        tokens = Sampler(vocab)(torch.stack([good] + bad_rows), states).tokens
+        assert tokens[0] == alone[0] and tokens[1:].tolist() == [0, 0, 0, 0], knobs
+
+
+def test_draw_keeps_a_light_tokens_odds_beside_a_heavy_one():
+    """Token 255 (1e-9) shares its 256-token block with token 0 (0.9): u inside its sliver still draws it."""
+    probs = torch.zeros(3, 512)
+    probs[:, 0], probs[:, 255], probs[:, 256] = 0.9, 1e-9, 0.1
+    heavy, light, next_block = (float(probs[0, i]) for i in (0, 255, 256))  # as float32 holds them
+    total = heavy + next_block  # the light token is below the float32 block sum's rounding: the block's sum is heavy's
+    u = torch.tensor([heavy - 2 * light, heavy - light / 2, heavy + 1e-12], dtype=torch.float64) / total
+    assert draw(probs, u).tolist() == [0, 255, 256]
 
 
 def seeded(seed: int):

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from app.engine.ipc import Heartbeat, encoder, heartbeat_address
 from app.engine.params import SamplingParams
-from app.server.engine_client import DEAD_AFTER, EngineClient, EngineUnavailable
+from app.server.engine_client import DEAD_AFTER, EngineClient, EngineRejected, EngineUnavailable
 
 
 async def _until(condition, seconds: float = 2.0) -> None:
@@ -92,3 +92,31 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
     finally:
         beacon.close()
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(("failure", "status_type", "code"), [
+    (EngineUnavailable("the engine stopped"), "service_unavailable", "engine_unavailable"),
+    (EngineRejected(429, "the waiting queue is full"), "rate_limit_error", "queue_full"),
+    (EngineRejected(400, "bad"), "invalid_request_error", "rejected"),
+    (RuntimeError("boom"), "server_error", "internal_error"),
+])
+def test_a_failed_stream_ends_with_the_error_a_json_answer_would_carry(failure, status_type, code):
+    """What the SSE stream sends when the engine fails mid-stream: one error event, with the same string code a
+    non-streamed answer carries for that failure (not the HTTP status), then [DONE]."""
+    import asyncio
+    import json
+
+    from app.server.openai_api import _sse
+
+    async def chunks():
+        yield {"choices": [{"text": "a"}]}
+        raise failure
+
+    async def body() -> list[str]:
+        response = _sse(chunks())
+        return [part.decode() if isinstance(part, bytes) else part async for part in response.body_iterator]
+
+    events = [part.removeprefix("data: ").strip() for part in asyncio.run(body())]
+    assert events[-1] == "[DONE]" and json.loads(events[0]) == {"choices": [{"text": "a"}]}
+    error = json.loads(events[1])["error"]
+    assert (error["type"], error["code"]) == (status_type, code) and error["message"]

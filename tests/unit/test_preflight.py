@@ -120,5 +120,5 @@ def test_a_missing_native_build_is_named_before_anything_starts(monkeypatch):
     check_native_build()  # this checkout's are built
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "app._native" else real(name, *a))
-    with pytest.raises(SpecError, match=r"\(build\).*no app\._native beside .*app.*pip install\s+-e \."):
+    with pytest.raises(SpecError, match=r"\(build\).*no app\._native for the app package at .*app.*pip install -e \."):
         check_native_build()
