@@ -17,11 +17,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The JSON of an error, as an answer or as a stream's last event."""
+    return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def from_api_error(error: APIError) -> JSONResponse:

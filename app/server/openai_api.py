@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
-from app.server.errors import TYPES, APIError, from_validation_error
+from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -230,9 +230,7 @@ def _sse_json(chunk: dict) -> str:
 
 
 def _sse_error(error: APIError) -> bytes:
-    body = {"error": {"message": error.message, "type": TYPES.get(error.status, "server_error"), "param": error.param,
-                      "code": error.code}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(error_body(error.status, error.message, error.param, error.code))}\n\n".encode()
 
 
 async def _completion_chunks(gen: Generation, body: CompletionRequest, model: str,
