@@ -361,6 +361,24 @@ struct I32x16 {
     return {_mm512_add_epi32(acc.v, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)))};
 #endif
   }
+  // dot4 of small weights in two steps: pairs adds each lane's two int16 pair sums (vpmaddubsw) without widening,
+  // widen_pairs makes them the lane's int32 sum (vpmaddwd by ones). Emulated, n dot4 take 2n multiplies and n pairs
+  // then one widen_pairs n + 1: the multiplier is what limits the integer tiles on CPUs without VNNI. The caller
+  // keeps the int16 sums in range: at most 32,767 / (2 * 127 * max u) pairs between widenings. (VNNI: dot4 itself.)
+  static I32x16 pairs(I32x16 acc, I32x16 w, int32_t x4) {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+    return dot4<true>(acc, w, x4);
+#else
+    return {_mm512_add_epi16(acc.v, _mm512_maddubs_epi16(w.v, _mm512_set1_epi32(x4)))};
+#endif
+  }
+  I32x16 widen_pairs() const {
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+    return *this;
+#else
+    return {_mm512_madd_epi16(v, _mm512_set1_epi16(1))};
+#endif
+  }
 };
 
 #elif APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
@@ -471,6 +489,14 @@ struct I32x16 {
     const __m256i x = _mm256_set1_epi32(x4);
     return {dot4_half<kSmall>(acc.a, w.a, x), dot4_half<kSmall>(acc.b, w.b, x)};
   }
+  static I32x16 pairs(I32x16 acc, I32x16 w, int32_t x4) {  // (as the AVX-512 tier's)
+    const __m256i x = _mm256_set1_epi32(x4);
+    return {_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(w.a, x)), _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(w.b, x))};
+  }
+  I32x16 widen_pairs() const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)};
+  }
 };
 
 #else  // portable and NEON: plain loops the compiler vectorises
@@ -567,6 +593,8 @@ struct I32x16 {
     }
     return acc;
   }
+  static I32x16 pairs(I32x16 acc, I32x16 w, int32_t x4) { return dot4<true>(acc, w, x4); }  // (int32 throughout)
+  I32x16 widen_pairs() const { return *this; }
 };
 
 #endif

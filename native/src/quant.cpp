@@ -82,6 +82,14 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
     if constexpr (BITS <= 6) {
+      // 4-bit u (< 16): an accumulator's 8 pair sums a block fit int16 (8 * 2 * 15 * 127 < 2^15), so they are
+      // widened once a block (I32x16::pairs; AMD EPYC Zen 1, AVX2: a 256-token prefill of the default model 157 -> 198
+      // tokens/s, a batch-32 decode step 342 -> 306 ms)
+      constexpr bool kPairs = BITS == 4 && !kLut;
+      const auto dot = [](I32x16 acc, I32x16 w, const int8_t* x) {
+        if constexpr (kPairs) return I32x16::pairs(acc, w, load4(x));
+        else return I32x16::dot4<kSmall>(acc, w, load4(x));
+      };
       for (int g = 0; g < 4; ++g)
         for (int j = 0; j < NP; ++j) {
           const I32x16 v = I32x16::load(blk[j] + 64 * g);
@@ -92,16 +100,19 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
           }
           for (int r = 0; r < MR; ++r) {
             if constexpr (PLANES == 2) {
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wl, load4(xb[r] + 4 * g));
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wh, load4(xb[r] + 16 + 4 * g));
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], wl, load4(xb[r] + 32 + 4 * g));
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], wh, load4(xb[r] + 48 + 4 * g));
+              hi[r][j] = dot(hi[r][j], wl, xb[r] + 4 * g);
+              hi[r][j] = dot(hi[r][j], wh, xb[r] + 16 + 4 * g);
+              lo[r][j] = dot(lo[r][j], wl, xb[r] + 32 + 4 * g);
+              lo[r][j] = dot(lo[r][j], wh, xb[r] + 48 + 4 * g);
             } else {
-              hi[r][j] = I32x16::dot4<kSmall>(hi[r][j], wl, load4(xb[r] + 4 * g));
-              lo[r][j] = I32x16::dot4<kSmall>(lo[r][j], wh, load4(xb[r] + 16 + 4 * g));
+              hi[r][j] = dot(hi[r][j], wl, xb[r] + 4 * g);
+              lo[r][j] = dot(lo[r][j], wh, xb[r] + 16 + 4 * g);
             }
           }
         }
+      if constexpr (kPairs)
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < NP; ++j) hi[r][j] = hi[r][j].widen_pairs(), lo[r][j] = lo[r][j].widen_pairs();
     } else {
       byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 0, 8, hi, lo);
     }

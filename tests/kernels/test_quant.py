@@ -277,6 +277,28 @@ def test_q6_k_words_do_not_overflow_at_their_bound(isa):
         torch.testing.assert_close(q.pack("int16").linear(x[:m]), expected[:m], rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_small_weights_do_not_overflow_the_pair_sums(isa, qtype, activations):
+    """Where the CPU has no VNNI, 4-bit weights' products add up in int16 through a block (I32x16::pairs): their
+    largest, every u = 15 (Q5_1: 31) against x's bytes at +-127 in both planes, must come out exact."""
+    head = {GT.Q4_0: [1.0], GT.Q4_1: [1.0, 0.0], GT.Q5_1: [1.0, 0.0]}[qtype]
+    block = np.concatenate([np.array(head, np.float16).view(np.uint8),
+                            np.full(4 if qtype == GT.Q5_1 else 0, 0xff, np.uint8), np.full(16, 0xff, np.uint8)])
+    rows, k = 16, 96
+    blocks = np.tile(block, (rows, k // 32))
+    weight = torch.from_numpy(np.array(gguf.quants.dequantize(blocks, qtype), dtype=np.float32))
+    q = QuantizedTensor(torch.from_numpy(blocks.copy()), qtype.value, k)
+    # each block's first x at its peak (h = 127), the rest at 126 + 127/256 of it (h = 126, l = 127), either sign
+    x = torch.full((8, k), 126.49609375 / 127)
+    x[:, ::32] = 1.0
+    x[1::2] *= -1
+    expected = (x.double() @ weight.double().T).float()
+    for m in (1, 3, 8):
+        torch.testing.assert_close(q.pack(activations).linear(x[:m]), expected[:m], rtol=1e-2 if activations == "int8" else 1e-4,
+                                   atol=0)
+
+
 @pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q2_K, "Q4_HM32"), (GT.Q3_K, "Q8_H32"), (GT.Q4_K, "Q4_M32"),
                                                 (GT.Q5_K, "Q8_M32"), (GT.Q6_K, "Q8_H32"), (GT.IQ4_XS, "IQ4_F32")],
                          ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
