@@ -37,6 +37,13 @@ struct Activations {
 
 // Rows a row tile takes: int16 keeps two int32 accumulators per (row, panel) (see row_tiles).
 constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
+// AVX2 has 16 registers, and each I32x16 takes two: 3 rows of int16 accumulators by 2 panels are 24 registers,
+// 4 of int8 16, before a weight or an x, and the compiler keeps them in memory. Its 4-bit integer tiles (the pair
+// sums: Q4_0, Q4_1, Q4_K) take 1 row (int16) or 2 (int8) a tile. AMD EPYC Zen 1, 3,072 x 768 and 768 x 1,536
+// at 8 to 256 rows: Q4_1 and Q4_K int8 1.15-1.44x faster, int16 1.0-1.06x. The other types stay at tile_rows:
+// in narrow tiles Q5_0, Q6_K and Q8_0 at 8 rows were 5-20% slower (not profiled).
+constexpr bool kNarrowTiles = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2;
+constexpr int narrow_tile_rows(int planes) { return planes == 2 ? 1 : 2; }
 // Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk of int16 activations holds more rows than
 // this (with int8's one plane, words would take twice the halves tile's multiplies): four row tiles, or for Q2_K,
 // whose crumbs make 8 times their bytes of words, twelve (2,048 x 8,192 on the Xeon: Q2_K at 13-24 rows 20-30%

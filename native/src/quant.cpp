@@ -332,6 +332,22 @@ Tiles expand_quants(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
 // path above) and prefills (several row chunks: no `pre`) unchanged. With 2-3 rows the one row tile asks
 // itself: batch 2 3.8-4.0 -> 3.3-3.4 ms, batch 3 4.3-4.5 -> 3.5-3.8 (three rounds; batch 4 and 8 as they
 // were). Integer tiles only: the BF16 tile (a panel block is 1 KiB there) was 2-6% slower with it.
+// Rows [r_begin, r_end) of a panel pair in row tiles of kMR rows, then one of the 1-3 rows left.
+template <int kMR, int NP, int BITS, int PLANES>
+void rows_in_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre, bool expand) {
+  auto pre_for = [&](int64_t row) {  // the second row tile, or the first where it is the only one (batch 2-3)
+    return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
+  };
+  int64_t r = r_begin;
+  for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand);
+  switch (r_end - r) {
+    case 3: tile<3, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
+    case 2: tile<2, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
+    case 1: tile<1, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
+    default: break;
+  }
+}
+
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   constexpr int kMR = tile_rows(PLANES);
@@ -345,21 +361,16 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
       return row_tiles<NP, 8, PLANES>(bytes, r_begin, r_end, 0, -1);
     }
   }
-  auto pre_for = [&](int64_t row) {  // the second row tile, or the first where it is the only one (batch 2-3)
-    return row == r_begin + kMR || (row == r_begin && r_end - r_begin <= kMR) ? pre : -1;
-  };
   // Q4_K, Q5_K under more than two row tiles: their scales formed once, not once a row tile
   const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && !t.layout.halves &&
                       r_end - r_begin > 2 * kMR;
   if (expand) expand_scales<NP>(t, p0);
-  int64_t r = r_begin;
-  for (; r + kMR <= r_end; r += kMR) tile<kMR, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand);
-  switch (r_end - r) {
-    case 3: tile<3, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
-    case 2: tile<2, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
-    case 1: tile<1, NP, BITS, PLANES>(t, r, p0, pre_for(r), expand); break;
-    default: break;
+  if constexpr (kNarrowTiles && BITS == 4 && PLANES != 0) {
+    const PackedLayout& L = t.layout;
+    if (!L.lut && !L.high_bits && !L.halves)  // Q4_0, Q4_1, Q4_K, Q4_M32: int_tile's pair sums
+      return rows_in_tiles<narrow_tile_rows(PLANES), NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
   }
+  rows_in_tiles<kMR, NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
 }
 
 // x is quantized into `prepared` first (unless it is null: BF16 weights read x as it is), in the same
