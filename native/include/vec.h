@@ -67,7 +67,15 @@ template <typename T> inline T from_float(float x);
 template <> inline float from_float<float>(float x) { return x; }
 template <> inline bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
 
+inline int32_t byte_sum(int32_t x4) {  // the sum of x4's four signed bytes
+  return static_cast<int8_t>(x4) + static_cast<int8_t>(x4 >> 8) + static_cast<int8_t>(x4 >> 16) + static_cast<int8_t>(x4 >> 24);
+}
+
 namespace APPLIANCE_ISA {
+
+// I32x16::centered_dot4 (below) is how weights of any byte meet x: on AVX2, where dot4<false> is emulated with twice
+// its multiplies. VNNI's vpdpbusd takes any byte as it is; the portable path sums in int32.
+constexpr bool kCenteredDots = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2;
 
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512
 
@@ -379,6 +387,9 @@ struct I32x16 {
     return {_mm512_madd_epi16(v, _mm512_set1_epi16(1))};
 #endif
   }
+  static I32x16 centered_dot4(I32x16 acc, I32x16 w, int32_t x4) {  // (kCenteredDots is false here)
+    return dot4<false>(acc, w, x4) - set1(128 * byte_sum(x4));
+  }
 };
 
 #elif APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
@@ -497,6 +508,17 @@ struct I32x16 {
     const __m256i ones = _mm256_set1_epi16(1);
     return {_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)};
   }
+  // acc + each lane's 4 bytes less 128 . x4's, for any byte: s = u - 128 is a signed byte, and |s| (up to 128,
+  // unsigned) times x with s's sign (vpsignb; x is in [-127, 127]) keeps every pair within int16 (2 * 128 * 127),
+  // so one vpmaddubsw and one vpmaddwd take what dot4<false> takes two of each for.
+  static I32x16 centered_dot4(I32x16 acc, I32x16 w, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4), flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    const auto half = [&](__m256i acc_half, __m256i u) {
+      const __m256i s = _mm256_xor_si256(u, flip);
+      return _mm256_add_epi32(acc_half, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(x, s)), ones));
+    };
+    return {half(acc.a, w.a), half(acc.b, w.b)};
+  }
 };
 
 #else  // portable and NEON: plain loops the compiler vectorises
@@ -595,6 +617,9 @@ struct I32x16 {
   }
   static I32x16 pairs(I32x16 acc, I32x16 w, int32_t x4) { return dot4<true>(acc, w, x4); }  // (int32 throughout)
   I32x16 widen_pairs() const { return *this; }
+  static I32x16 centered_dot4(I32x16 acc, I32x16 w, int32_t x4) {  // (kCenteredDots is false here)
+    return dot4<false>(acc, w, x4) - set1(128 * byte_sum(x4));
+  }
 };
 
 #endif

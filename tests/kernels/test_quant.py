@@ -299,6 +299,29 @@ def test_small_weights_do_not_overflow_the_pair_sums(isa, qtype, activations):
                                    atol=0)
 
 
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_any_byte_weights_come_out_exact_at_their_extremes(isa, activations):
+    """Where the CPU has no VNNI, Q8_0's bytes meet x as u - 128 (I32x16::centered_dot4, a vpsignb moving x's sign):
+    q = -128 (|u - 128| = 128, the one that does not fit a signed byte) and 127, in runs and alternating, against x's
+    bytes at +-127, must come out exact, in both the batch-1 and the row tiles."""
+    rows, k = 16, 96
+    pattern = np.array([[-128] * 32, [127] * 32, [-128, 127] * 16, [127, -128] * 16], np.int8)
+    qs = pattern[np.arange(rows * (k // 32)) % 4].reshape(rows, k // 32, 32)
+    head = np.broadcast_to(np.array([1.0], np.float16).view(np.uint8), (rows, k // 32, 2))
+    blocks = np.concatenate([head, qs.view(np.uint8)], axis=2).reshape(rows, -1)
+    weight = torch.from_numpy(np.array(gguf.quants.dequantize(blocks, GT.Q8_0), dtype=np.float32))
+    q = QuantizedTensor(torch.from_numpy(blocks.copy()), GT.Q8_0.value, k)
+    # x's bytes at +-127 (int16: h = 127 at each block's first x, else h = 126 and l = 127, as in the pair-sum test),
+    # in values each quantizes exactly, so that the sums, which cancel, are compared exactly
+    x = torch.full((8, k), 1.0 if activations == "int8" else 126.49609375 / 127)
+    x[:, ::32] = 1.0
+    x[1::2] *= -1
+    x[2::4, 1::2] *= -1
+    expected = (x.double() @ weight.double().T).float()
+    for m in (1, 3, 8):
+        torch.testing.assert_close(q.pack(activations).linear(x[:m]), expected[:m], rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.parametrize(("qtype", "cut_type"), [(GT.Q2_K, "Q4_HM32"), (GT.Q3_K, "Q8_H32"), (GT.Q4_K, "Q4_M32"),
                                                 (GT.Q5_K, "Q8_M32"), (GT.Q6_K, "Q8_H32"), (GT.IQ4_XS, "IQ4_F32")],
                          ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
