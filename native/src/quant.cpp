@@ -72,7 +72,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   constexpr bool kSmall = !kLut && (BITS <= 6 || SCALES != kFp16);
   // Any byte where dot4 is emulated: the sums are of u - 128, and `zero` below puts back what that took (AMD EPYC
   // Zen 1, AVX2, 3,072 x 768 and 768 x 1,536: Q8_0 and IQ4_NL 1.45-1.6x faster at 8-256 rows, 1.2-1.5x at 1; Q5_0
-  // from 32 rows, where it runs as bytes, 1.5x)
+  // above 12 rows (int16; 16 with int8), where it runs as bytes, 1.5x)
   constexpr bool kCentered = !kSmall && kCenteredDots;
   const PackedLayout& L = t.layout;
   const int32_t zero = (kMin ? 0 : L.zero) - (kCentered ? 128 : 0);  // what each x's sum takes from the block's
