@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -26,16 +27,17 @@ def test_neon_kernels_match_portable_ones(tmp_path):
             pytest.fail("aarch64-linux-gnu-g++ or qemu-aarch64 is missing but APPLIANCE_REQUIRE_ARM64=1")
         pytest.skip("no aarch64 cross compiler or qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)")
     flags = ["-std=c++17", "-O3", "-fopenmp", f"-I{NATIVE / 'include'}"]
-    objects = []
-    for isa in ("neon", "portable"):
-        for name in SOURCES:
-            obj = tmp_path / f"{isa}_{name}.o"
-            subprocess.run([compiler, *flags, f"-DAPPLIANCE_ISA={isa}", "-c", str(NATIVE / "src" / f"{name}.cpp"),
-                            "-o", str(obj)], check=True)
-            objects.append(str(obj))
-    convert = tmp_path / "convert.o"  # plain C++, not per ISA: the K-quant decoders the packing uses
-    subprocess.run([compiler, *flags, "-c", str(NATIVE / "src" / "convert.cpp"), "-o", str(convert)], check=True)
-    objects.append(str(convert))
+    isa_flags = {"neon": [], "portable": ["-O2"]}  # as native/CMakeLists.txt builds them
+    jobs = [([*flags, *isa_flags[isa], f"-DAPPLIANCE_ISA={isa}"], NATIVE / "src" / f"{name}.cpp",
+             tmp_path / f"{isa}_{name}.o") for isa in isa_flags for name in SOURCES]
+    # plain C++, not per ISA: the K-quant decoders the packing uses
+    jobs.append((flags, NATIVE / "src" / "convert.cpp", tmp_path / "convert.o"))
+    # one compiler a core, the slowest (quant.cpp) first: the build is most of this test's time
+    jobs.sort(key=lambda job: job[1].name != "quant.cpp")
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda job: subprocess.run([compiler, *job[0], "-c", str(job[1]), "-o", str(job[2])], check=True),
+                      jobs))
+    objects = [str(job[2]) for job in jobs]
     harness = tmp_path / "harness"
     subprocess.run([compiler, *flags, "-DAPPLIANCE_ISA=portable", str(REPO / "tests/kernels/arm64/neon_vs_portable.cpp"),
                     *objects, "-o", str(harness)], check=True)
