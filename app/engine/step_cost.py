@@ -17,9 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MIN_CHUNK = 16  # a prefill chunk smaller than this is not worth a step of its own: wait for the next
-# The calibration's passes of n tokens aim at this long each: n is 128 for the default model, fewer for a
-# model whose tokens cost more (a 1.2B-parameter Q4_K_M took 5 s to calibrate at 128, the engine's start).
-CALIBRATION_PASS = 0.25  # seconds
+# The calibration's passes of n tokens aim at this long each (n at most 128, at least 16), so that it takes
+# about the same time for any model: a 1.2B-parameter Q4_K_M took 5 s to calibrate at 128, the engine's
+# start. Passes of 0.25 s, best of 3, took 1.95 s of the default spec's 6.7 s start on a 2-core Zen 1.
+CALIBRATION_PASS = 0.1  # seconds
+CALIBRATION_REPEAT = 2  # passes a shape, the fastest kept
 
 
 def attention_pairs(num_computed: int, count: int) -> int:
@@ -85,12 +87,12 @@ class StepCost:
         run(first, 0)  # warm-up: first calls allocate and pick GEMM kernels
         per_token = _timed(run, first, 0, 2) / first  # an upper bound: the pass's overhead is in it
         n = max(first, min(most, int(CALIBRATION_PASS / per_token) if per_token > 0 else most))
-        # best of three each: the engine calibrates while the HTTP frontend boots on the same CPUs, and one
-        # pass disturbed by it skewed the fit up to 2x (per-token and per-pair terms alike)
+        # the fastest of two each: the HTTP frontend may still be booting on the same CPUs, and one pass
+        # disturbed by it skewed the fit up to 2x (per-token and per-pair terms alike)
         # the attention pass sees as much cached context as n = 128 did (512), so that its extra time stays
         # well above the noise with fewer new tokens
         context = max(4 * n, min(512, max_tokens - n))
-        t1, tn, tp = _timed(run, 1, 0, 3), _timed(run, n, 0, 3), _timed(run, n, context, 3)
+        t1, tn, tp = (_timed(run, count, cached, CALIBRATION_REPEAT) for count, cached in ((1, 0), (n, 0), (n, context)))
         p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(context, n)
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
         per_token = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
