@@ -46,6 +46,11 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(tmp_path):
     # counted from the command's start, its re-execution with the preloads included
     assert ready_in is not None, app.logs()[-3000:]
     assert 0 < float(ready_in.group(1)) <= time.monotonic() - launched + 0.05
+    # that re-execution came first thing (`python -m app` itself), and was the only one: the full preflight after
+    # it found every library it wants preloaded mapped (README's set-up installs jemalloc)
+    environ = open(f"/proc/{app.process.pid}/environ", "rb").read().split(b"\0")
+    assert b"APPLIANCE_PRELOAD_EARLY=1" in environ and b"APPLIANCE_PRELOAD_REEXEC=1" not in environ, environ
+    assert re.search(r"preflight: LD_PRELOAD=\S*libjemalloc", app.logs()), app.logs()[-3000:]
     out: dict = {}
     worker = threading.Thread(target=_stream, args=(app, out))
     worker.start()

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bootstrap.preflight import check, default_search_dirs, find_library, preload_env, ALLOCATORS
+from app.bootstrap.preflight import (ALLOCATORS, RUNTIME_DEFAULTS, check, default_search_dirs, early_preload_env,
+                                     find_library, preload_env)
 from app.spec.schema import RuntimeSpec
 from tests.conftest import CONFIG, run_app
 
@@ -78,6 +79,45 @@ def test_missing_libnuma_warns(tmp_path):
     report = check(RuntimeSpec(allocator="system"), "x86_64", {}, _libs(tmp_path), "")
     assert report.warnings == ["libnuma is not installed: rank memory cannot be bound to NUMA nodes "
                                "(install it: apt-get install libnuma1)"]
+
+
+def _early(tmp_path: Path, *argv: str, env: dict[str, str] | None = None, maps: str = "") -> dict[str, str] | None:
+    dirs = _libs(tmp_path, "libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libnuma.so.1")
+    return early_preload_env(list(argv), {"LD_PRELOAD": "/other.so", **(env or {})}, dirs, maps)
+
+
+def test_serve_preloads_before_its_spec_is_validated(tmp_path, tmp_spec):
+    target = _early(tmp_path, "serve", "--port", "8001")  # every default: jemalloc
+    assert target["LD_PRELOAD"] == f"{tmp_path / 'libjemalloc.so.2'} /other.so"
+    # its own marker: the full preflight still re-executes (once) if this guess missed a library
+    assert target["APPLIANCE_PRELOAD_EARLY"] == "1" and "APPLIANCE_PRELOAD_REEXEC" not in target
+    spec = tmp_spec("runtime:\n  allocator: tcmalloc\nmodel: {dtype: bfloat16}\n")
+    assert _early(tmp_path, "serve", "-c", spec)["LD_PRELOAD"].startswith(str(tmp_path / "libtcmalloc_minimal.so.4"))
+    assert _early(tmp_path, "serve", f"--config={spec}", "--set", "runtime.allocator=jemalloc")["LD_PRELOAD"] \
+        .startswith(str(tmp_path / "libjemalloc.so.2"))
+    assert _early(tmp_path, "serve", "-c", spec, "--set", "runtime.allocator=system") is None  # nothing to preload
+
+
+@pytest.mark.parametrize("case", ["not serve", "re-executed", "early already", "mapped", "no such spec", "not YAML",
+                                  "runtime not a mapping", "unknown allocator"])
+def test_no_early_reexec_where_there_is_nothing_to_do_or_the_spec_is_for_the_full_start(tmp_path, tmp_spec, case):
+    """None of these re-execute early: the full start validates the spec and names what is wrong with it."""
+    jemalloc = f"7f00-7f01 r-xp 00000000 08:01 42 {tmp_path / 'libjemalloc.so.2'}\n"
+    argv, env, maps = {
+        "not serve": (["plan"], {}, ""),
+        "re-executed": (["serve"], {"APPLIANCE_PRELOAD_REEXEC": "1"}, ""),
+        "early already": (["serve"], {"APPLIANCE_PRELOAD_EARLY": "1"}, ""),
+        "mapped": (["serve"], {}, jemalloc),
+        "no such spec": (["serve", "-c", str(tmp_path / "missing.yaml")], {}, ""),
+        "not YAML": (["serve", "-c", tmp_spec("model: [unclosed\n")], {}, ""),
+        "runtime not a mapping": (["serve", "-c", tmp_spec("runtime: 3\n")], {}, ""),
+        "unknown allocator": (["serve", "--set", "runtime.allocator=mimalloc"], {}, ""),
+    }[case]
+    assert _early(tmp_path, *argv, env=env, maps=maps) is None
+
+
+def test_the_early_defaults_are_the_specs():
+    assert RUNTIME_DEFAULTS == {key: getattr(RuntimeSpec(), key) for key in RUNTIME_DEFAULTS}
 
 
 def _preflight_child(env: dict[str, str] | None = None):
