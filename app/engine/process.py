@@ -60,15 +60,6 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
     Returns (core, LoadedModel)."""
     from pathlib import Path
 
-    import torch
-
-    from app import kernels
-    from app.engine.executor import LocalExecutor, TPExecutor
-    from app.engine.core import EngineCore
-    from app.engine.model_runner import ModelRunner
-    from app.model.loader import load_model
-    from app.model.source import ModelSource
-
     launch, rest = launches[0], launches[1:]
     group, workers = None, []
     if launch.tp > 1:
@@ -76,8 +67,19 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
         from app.parallel.worker import ready, start_workers
 
         group = ShmGroup(ShmGroup.new_name(), 0, launch.tp)
-        workers = start_workers(rest, group.name, bind)  # before this process is pinned: theirs is their own
+        # before this process is pinned (theirs is their own) and before it imports torch: the ranks import it
+        # side by side, not one after the other (~2 s each on a 2-core Zen 1)
+        workers = start_workers(rest, group.name, bind)
     try:
+        import torch
+
+        from app import kernels
+        from app.engine.core import EngineCore
+        from app.engine.executor import LocalExecutor, TPExecutor
+        from app.engine.model_runner import ModelRunner
+        from app.model.loader import load_model
+        from app.model.source import ModelSource
+
         if bind:
             placement = launch.placement
             for line in kernels.bind_threads(placement.cpus, placement.memory_nodes, placement.interleave).splitlines():

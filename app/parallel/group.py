@@ -8,8 +8,10 @@ one shared-memory segment (see native/src/collective.cpp): no Python and no pick
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch  # not at run time: rank 0 starts its TP workers before it imports torch (app.engine.process)
 
 ALL_REDUCE_SLOT = 8 << 20  # bytes per rank per all-reduce chunk; larger tensors go in several chunks
 BROADCAST_BYTES = 16 << 20  # the largest step message
