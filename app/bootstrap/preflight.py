@@ -142,15 +142,23 @@ def preload_env(report: PreflightReport, env: dict[str, str]) -> dict[str, str]:
     return {**env, "LD_PRELOAD": " ".join(report.preload + existing), REEXEC_MARKER: "1"}
 
 
+def _search_dirs(env: dict[str, str]) -> list[str]:
+    return env[SEARCH_PATH_VAR].split(":") if env.get(SEARCH_PATH_VAR) else default_search_dirs()
+
+
+def _reexecute(env: dict[str, str]) -> None:
+    """This command again, in `env` (does not return)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def run_preflight(runtime: RuntimeSpec, arch: str) -> PreflightReport:
     """Check this process; re-execute it with the missing libraries preloaded (does not return then)."""
     env = dict(os.environ)
-    dirs = env[SEARCH_PATH_VAR].split(":") if env.get(SEARCH_PATH_VAR) else default_search_dirs()
-    report = check(runtime, arch, env, dirs, Path("/proc/self/maps").read_text())
+    report = check(runtime, arch, env, _search_dirs(env), Path("/proc/self/maps").read_text())
     if report.needs_reexec:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], preload_env(report, env))
+        _reexecute(preload_env(report, env))
     if report.reexecuted and len(report.loaded) < len(report.preload):
         missing = [p for p in report.preload if p not in report.loaded]
         report.warnings.append(f"re-executed with LD_PRELOAD but {', '.join(missing)} did not load; continuing without")
@@ -195,11 +203,10 @@ def early_preload_env(argv: list[str], env: dict[str, str], dirs: list[str], map
 def reexec_early(argv: list[str]) -> None:
     """Re-execute `python -m app ARGV` with its libraries preloaded, if `early_preload_env` says to."""
     env = dict(os.environ)
-    dirs = env[SEARCH_PATH_VAR].split(":") if env.get(SEARCH_PATH_VAR) else default_search_dirs()
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return
-    target = early_preload_env(argv, env, dirs, maps)
+    target = early_preload_env(argv, env, _search_dirs(env), maps)
     if target is not None:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], target)
+        _reexecute(target)

@@ -92,7 +92,8 @@ class StepCost:
         # the attention pass sees as much cached context as n = 128 did (512), so that its extra time stays
         # well above the noise with fewer new tokens
         context = max(4 * n, min(512, max_tokens - n))
-        t1, tn, tp = (_timed(run, count, cached, CALIBRATION_REPEAT) for count, cached in ((1, 0), (n, 0), (n, context)))
+        t1, tn, tp = (_timed(run, count, cached, CALIBRATION_REPEAT)
+                      for count, cached in ((1, 0), (n, 0), (n, context)))
         p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(context, n)
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
         per_token = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
