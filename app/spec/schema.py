@@ -126,7 +126,8 @@ class SchedulerSpec(Section):
     """Requests that may wait for a slot; more are refused with HTTP 429 rather than queued."""
     step_time_budget: float = Field(default=0.5, ge=0, le=60)
     """Target seconds of one engine step: prompt chunks are sized so a step's estimated time (calibrated at start,
-    corrected by measured steps) fits it, which bounds running streams' inter-token latency; 0: no time limit."""
+    corrected by measured steps) fits it, which bounds running streams' inter-token latency (prompts still get 3x
+    the decodes' time where decodes take more than a quarter of it); 0: no time limit."""
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> SchedulerSpec:
