@@ -21,8 +21,9 @@ from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
 # decodes' own time. Where a step of decodes alone takes half the budget (32 streams on a 2-core Zen 1: ~0.26 s
 # of 0.5), prompts had got less of the machine than 256-token prompts with 128-token answers need (~55%), so
 # requests queued for their first token until the decode batch shrank: median TTFT 15.4 s under 32 streams.
-# With 3x (a step at most 4x a decode step) it was 3.3 s (TPOT 347 -> 404 ms, throughput the same). Nothing changes where decodes are fast (on Zen 4/5, or
-# with few streams), and a step whose decodes alone exceed the budget still takes new prompts.
+# With 3x (a step at most 4x a decode step) it was 3.3 s, TPOT 347 -> 404 ms, throughput the same. Nothing
+# changes where decodes are fast (on Zen 4/5, or with few streams), and a step whose decodes alone exceed the
+# budget still takes new prompts.
 PREFILL_PER_DECODE = 3.0
 
 
