@@ -403,8 +403,9 @@ def test_requests_do_not_queue_for_their_first_token_where_decodes_take_half_the
         send()
     while sched.has_work():
         out = sched.schedule()
-        now += seconds(out)
-        cost.observe(out.shape(), seconds(out))
+        took = seconds(out)
+        now += took
+        cost.observe(out.shape(), took)
         sampled = {r.request_id: 7 for r in out.requests if r.sample}
         for rid in sampled:
             first.setdefault(rid, now)
