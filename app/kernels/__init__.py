@@ -24,6 +24,7 @@ from app.kernels.ops import (
     supported_isas,
     use_bf16_dot,
     use_isa,
+    widens_prompts,
     write_kv_cache,
 )
 
@@ -31,5 +32,5 @@ __all__ = [
     "DecoderStack", "add_rms_norm", "bf16_dot", "bf16_dot_ratio", "bind_threads", "compiled_isas", "convert_quant",
     "dequantize", "describe", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
     "paged_attention", "rms_norm", "rotary_embedding",
-    "silu_and_mul", "supported_isas", "use_bf16_dot", "use_isa", "write_kv_cache",
+    "silu_and_mul", "supported_isas", "use_bf16_dot", "use_isa", "widens_prompts", "write_kv_cache",
 ]

@@ -164,16 +164,18 @@ def pack_quant(weight: torch.Tensor, qtype: int, in_features: int) -> torch.Tens
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features: int, out_features: int,
-                  activations: int, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  activations: int, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                  prompt: bool = False) -> torch.Tensor:
     # x: [..., K] float; weight: packed [V, K] (pack_quant) -> x @ W^T: [..., V] in out_dtype (default x's),
     # accumulated in float32; activations: 0 float32 FMAs, 1 int8 per block of 32, 2 int16 (two int8 planes).
-    # out: [rows of x, V] to write into (rows at any stride: some columns of a wider output), or None
+    # out: [rows of x, V] to write into (rows at any stride: some columns of a wider output), or None.
+    # prompt: x's rows are prompt tokens: under int16, float32 FMAs on widened weights where `widens_prompts`
     rows = _rows(x, "x")
     if out is not None and out_dtype is not None and out.dtype != out_dtype:
         raise TypeError(f"out: dtype {out.dtype} differs from out_dtype {out_dtype}")
     target = torch.empty(rows.shape[0], out_features, dtype=out_dtype or x.dtype) if out is None else out
     _native.packed_linear(_ref(target, "out", dims=2), _ref(rows, "x", dims=2), _ref(weight, "weight", (torch.uint8,), 1),
-                          int(qtype), int(in_features), int(out_features), int(activations))
+                          int(qtype), int(in_features), int(out_features), int(activations), bool(prompt))
     return target.view(*x.shape[:-1], out_features) if out is None else out
 
 
@@ -213,6 +215,12 @@ def bind_threads(cpus: Sequence[int], nodes: Sequence[int] = (), interleave: boo
 def isa() -> str:
     """The ISA whose kernels run now ("avx512bf16", "avx512", "avx2", "neon" or "portable")."""
     return _native.isa()
+
+
+def widens_prompts() -> bool:
+    """Whether these kernels run int16 prompt rows as float32 FMAs on weights widened to float32 (AVX2, where
+    that is faster than its integer multiplies: native/src/widened.cpp), exact as the reference's products."""
+    return _native.widens_prompts()
 
 
 def compiled_isas() -> list[str]:
@@ -261,6 +269,8 @@ def use_bf16_dot(mode: str) -> AbstractContextManager[None]:
 def describe() -> str:
     """The kernels in use, for logs: the ISA and, with AVX512-BF16, how bfloat16 pairs are multiplied."""
     name = _native.isa()
+    if _native.widens_prompts():
+        return f"{name} (int16 prompt rows on float32 FMAs, weights widened)"
     if name != "avx512bf16":
         return name
     ratio = _native.bf16_dot_ratio()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -24,6 +25,28 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @cached_property
+    def row_runs(self) -> list[RowRun]:
+        """The step's rows in runs of one role, as the native stack finds them (decoder.cpp, find_runs): a
+        sequence's rows are prompt tokens where it has more than one this step, else its decode token."""
+        starts = self.q_starts.tolist()
+        runs: list[RowRun] = []
+        for begin, end in zip(starts, starts[1:]):
+            prompt = end - begin > 1
+            if runs and runs[-1].prompt == prompt:
+                runs[-1] = RowRun(runs[-1].begin, end, prompt)
+            else:
+                runs.append(RowRun(begin, end, prompt))
+        return runs
+
+
+@dataclass(frozen=True)
+class RowRun:
+    """Rows [begin, end) of a step, all prompt tokens or none (kernels.packed_linear's `prompt`)."""
+    begin: int
+    end: int
+    prompt: bool
 
 
 def make_batch(blocks: Sequence[Sequence[int]], computed: Sequence[int], new: Sequence[int],

@@ -5,10 +5,12 @@ Each layer holds this rank's shard: its attention heads and MLP features (see ap
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from app import kernels
-from app.model.batch import ForwardBatch
+from app.model.batch import ForwardBatch, RowRun
 from app.model.config import ModelConfig
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -28,7 +30,7 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, cos_sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H] (summed over the TP group by the output projection)
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv.split(self.qkv(x))  # [T, Hq D], [T, Hk D], [T, Hk D]
+        q, k, v = self.qkv.split(self.qkv(x, batch.row_runs))  # [T, Hq D], [T, Hk D], [T, Hk D]
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head's features, before RoPE
             q = kernels.rms_norm(q.reshape(t * self.heads, d), self.q_norm, self.eps).view(t, -1)
             k = kernels.rms_norm(k.reshape(t * self.kv_heads, d), self.k_norm, self.eps).view(t, -1)
@@ -36,7 +38,7 @@ class Attention:
         kernels.write_kv_cache(k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d), *cache, batch.slot_mapping)
         out = kernels.paged_attention(q.view(t, self.heads, d), *cache, batch.block_tables, batch.context_lens,
                                       batch.q_starts, self.scale)
-        return self.o(out.view(t, self.heads * d))
+        return self.o(out.view(t, self.heads * d), batch.row_runs)
 
 
 class MLP:
@@ -45,9 +47,9 @@ class MLP:
     def __init__(self, gate_up: MergedColumnParallelLinear, down: RowParallelLinear):
         self.gate_up, self.down = gate_up, down
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H] (summed over the TP group by the down projection)
-        return self.down(kernels.silu_and_mul(self.gate_up(x)))
+    def __call__(self, x: torch.Tensor, runs: Sequence[RowRun] = ()) -> torch.Tensor:
+        # x: [T, H] -> [T, H] (summed over the TP group by the down projection); runs: x's rows by role
+        return self.down(kernels.silu_and_mul(self.gate_up(x, runs)), runs)
 
 
 class DecoderLayer:
@@ -65,4 +67,4 @@ class DecoderLayer:
             kernels.add_rms_norm(x, residual, self.input_norm, self.eps)
         x = self.attention(x, batch, cache, cos_sin)
         kernels.add_rms_norm(x, residual, self.post_norm, self.eps)
-        return self.mlp(x), residual
+        return self.mlp(x, batch.row_runs), residual

@@ -12,10 +12,12 @@ kernels when it is built, with the `activations` mode of app/model/quant.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from app import kernels
+from app.model.batch import RowRun
 from app.model.quant import PackedWeight, QuantizedTensor, Weight, fuse_rows, linear, pack, storage
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,8 @@ class ColumnParallelLinear:
             return full.rows(rows)
         return full[rows.start:rows.stop].clone()  # a copy, so the full tensor can be freed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, runs: Sequence[RowRun] = ()) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, runs)
 
     def tensors(self) -> list[torch.Tensor]:
         return storage(self.weight) + ([self.bias] if self.bias is not None else [])
@@ -59,12 +61,12 @@ class RowParallelLinear:
             full = full.dequantize()
         return full[:, columns.start:columns.stop].contiguous().clone()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, runs: Sequence[RowRun] = ()) -> torch.Tensor:
         if self.group.size == 1:
-            return linear(x, self.weight)
+            return linear(x, self.weight, runs=runs)
         # bfloat16: partial sums stay float32 through the all-reduce: one rounding to bfloat16, as at tp=1
         if isinstance(self.weight, PackedWeight):
-            return self.group.all_reduce(self.weight.linear(x, torch.float32)).to(x.dtype)
+            return self.group.all_reduce(linear(x, self.weight, runs=runs, out_dtype=torch.float32)).to(x.dtype)
         if self.weight.dtype == torch.bfloat16:
             return self.group.all_reduce(kernels.linear_f32_out(x, self.weight)).to(torch.bfloat16)
         return self.group.all_reduce(linear(x, self.weight))

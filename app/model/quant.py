@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from app import kernels
+from app.model.batch import RowRun
 from app.model.gguf_header import KEPT_QUANT_TYPES as KEPT_TYPES  # GGML type id: (name, packed type id)
 from app.model.gguf_header import PACKED_QUANT_TYPES as PACKED_TYPES  # packed type id: QuantType
 
@@ -133,15 +134,17 @@ class PackedWeight:
     def type_name(self) -> str:
         return "BF16" if self.qtype == BF16 else PACKED_TYPES[self.qtype].name
 
-    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+               prompt: bool = False) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's); or
-        into `out` ([rows of x, rows], at any row stride: some columns of a fused weight's output)."""
+        into `out` ([rows of x, rows], at any row stride: some columns of a fused weight's output). `prompt`:
+        x's rows are prompt tokens (int16 runs them exactly where `kernels.widens_prompts()`)."""
         rows = x.numel() // self.in_features
         if self.activations == "float" and self.qtype != BF16 and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
             result = torch.nn.functional.linear(x, self.dequantize(x.dtype))
             return result if out is None else out.copy_(result.view(-1, self.rows))
         return kernels.packed_linear(x, self.data, self.qtype, self.in_features, self.rows,
-                                     ACTIVATIONS[self.activations], out_dtype, out)
+                                     ACTIVATIONS[self.activations], out_dtype, out, prompt)
 
     @property
     def parts(self) -> tuple[PackedWeight, ...]:
@@ -208,12 +211,12 @@ class PackedParts:
     def activations(self) -> str:
         return self.parts[0].activations
 
-    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, prompt: bool = False) -> torch.Tensor:
         out = torch.empty(*x.shape[:-1], self.rows, dtype=out_dtype or x.dtype)
         columns = out.view(-1, self.rows)
         start = 0
         for part in self.parts:
-            part.linear(x, out_dtype, out=columns[:, start:start + part.rows])
+            part.linear(x, out_dtype, out=columns[:, start:start + part.rows], prompt=prompt)
             start += part.rows
         return out
 
@@ -253,9 +256,16 @@ def fuse_rows(parts: Sequence[Weight]) -> Weight:
     return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts])
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, runs: Sequence[RowRun] = (),
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias); packed weights take x's `runs` of prompt rows and decode rows apart where the kernels
+    run prompt rows their own way (int16, `kernels.widens_prompts()`), as the native stack does."""
     if isinstance(weight, Packed):
-        out = weight.linear(x)
+        if len(runs) > 1 and weight.activations == "int16" and kernels.widens_prompts() and \
+                any(p.qtype != BF16 for p in weight.parts):
+            out = torch.cat([weight.linear(x[r.begin:r.end], out_dtype, prompt=r.prompt) for r in runs])
+        else:
+            out = weight.linear(x, out_dtype, prompt=bool(runs) and runs[0].prompt)
         return out.add_(bias) if bias is not None else out
     return torch.nn.functional.linear(x, weight, bias)
 

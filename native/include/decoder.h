@@ -53,10 +53,19 @@ struct StepBatch {  // as ForwardBatch (app/model/batch.py)
   int64_t tokens, seqs, max_blocks_per_seq;
 };
 
+struct RowRun {  // rows [begin, end) of a step, all prompt tokens or none (PackedLinearArgs::prompt)
+  int64_t begin, end;
+  bool prompt;
+};
+
 class DecoderStack {
  public:
   DecoderStack(const DecoderShape& shape, ShmGroup* group) : shape_(shape), group_(group) {}
-  void add_layer(const DecoderLayerWeights& layer) { layers_.push_back(layer); }
+  void add_layer(const DecoderLayerWeights& layer) {
+    layers_.push_back(layer);
+    for (const PackedMatrix* m : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      for (const PackedPart& p : m->parts) quantized_ = quantized_ || p.qtype != QType::bf16;
+  }
   void set_cache_shape(DType dtype, int64_t block_size, int64_t num_blocks) {
     shape_.cache_dtype = dtype, shape_.block_size = block_size, shape_.num_blocks = num_blocks;
   }
@@ -67,13 +76,17 @@ class DecoderStack {
   void run(void* x, const StepBatch& batch);
 
  private:
-  void row_parallel(const PackedMatrix& w, const void* in, void* x, int64_t tokens);
+  void find_runs(const StepBatch& batch);
+  const std::vector<RowRun>& slab_runs(int64_t t0, int64_t n);
+  void row_parallel(const PackedMatrix& w, const void* in, void* x, const std::vector<RowRun>& runs);
   void* buffer(size_t index, int64_t bytes);
 
   DecoderShape shape_;
   ShmGroup* group_;  // null: a single rank
   std::vector<DecoderLayerWeights> layers_;
   std::vector<std::vector<uint8_t>> scratch_;
+  std::vector<RowRun> runs_, slab_;
+  bool quantized_ = false;  // a weight is quantized (BF16 ones run every row the same way)  // this step's (find_runs), a slab's (slab_runs)
 };
 
 }  // namespace appliance

@@ -319,6 +319,8 @@ struct PackedLinearArgs {  // out[s, v] = sum_k x[s, k] * w[v, k], accumulated i
   const void* x;          // [S, K] rows at x_stride
   const uint8_t* weight;  // packed [V, K]
   int64_t rows, in_features, out_features, x_stride, out_stride;
+  bool prompt = false;    // the rows are prompt tokens: int16 takes widened float32 weights for them where
+                          // that is faster (widens_prompts: AVX2), else the integer tiles as for any row
 };
 
 struct PackedRowsArgs {  // out[i, :] = w[ids[i], :] dequantized (an embedding lookup, or the whole weight)
@@ -351,6 +353,7 @@ struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
   void packed_linear(const PackedLinearArgs&);   \
   void packed_rows(const PackedRowsArgs&);       \
   void dequantize(const DequantArgs&);           \
+  bool widens_prompts();                         \
   double bf16_dot_issue_ratio();                 \
   }
 
@@ -374,6 +377,7 @@ struct KernelTable {
   void (*packed_linear)(const PackedLinearArgs&);
   void (*packed_rows)(const PackedRowsArgs&);
   void (*dequantize)(const DequantArgs&);
+  bool (*widens_prompts)();  // whether int16 prompt rows run as float32 FMAs on widened weights (widened.cpp)
 };
 
 const KernelTable& kernels();

@@ -284,6 +284,11 @@ Tiles expanded(const Tiles& t, const PackedLayout& L, std::vector<uint8_t>& stor
   return e;
 }
 
+// Prompt rows of int16 activations as float32 FMAs on weights widened to float32 (widened.cpp): on AVX2, whose
+// integer multiplies run at half the FMA's rate and take two a product with int16's two planes. x: float32.
+constexpr bool kWidenPrompts = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2;
+void widened_linear(const Tiles& t, int64_t rows);
+
 // Tiles in files of their own (float_tiles.cpp), for MR 1 to 4 rows by NP 2 panels and 1 row by 4.
 template <int MR, int NP, int BITS>
 void float_tile(const Tiles& t, int64_t r0, int64_t p0);

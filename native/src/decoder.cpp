@@ -45,14 +45,19 @@ void add_bias(DType dt, void* x, const void* bias, int64_t tokens, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[t * n + i] = float_to_bf16(bf16_to_float(y[t * n + i]) + bf16_to_float(b[i]));
 }
 
-// out[t, :w.rows] = in[t, :] @ w^T (in: rows of w.in_features), each part into its own columns of out's rows
-void linear(const PackedMatrix& w, ActQuant act, DType in_dt, DType out_dt, void* out, const void* in, int64_t tokens,
-            int64_t out_stride) {
-  int64_t column = 0;
-  for (const PackedPart& p : w.parts) {
-    kernels().packed_linear({p.qtype, act, in_dt, out_dt, static_cast<uint8_t*>(out) + column * element_bytes(out_dt), in,
-                             p.data, tokens, w.in_features, p.rows, w.in_features, out_stride});
-    column += p.rows;
+// out[t, :w.rows] = in[t, :] @ w^T (in: rows of w.in_features), each part into its own columns of out's rows; a
+// call for each run of rows of one role (prompt tokens or not, see RowRun)
+void linear(const PackedMatrix& w, ActQuant act, DType in_dt, DType out_dt, void* out, const void* in,
+            const std::vector<RowRun>& runs, int64_t out_stride) {
+  for (const RowRun& run : runs) {
+    const uint8_t* x = static_cast<const uint8_t*>(in) + run.begin * w.in_features * element_bytes(in_dt);
+    uint8_t* y = static_cast<uint8_t*>(out) + run.begin * out_stride * element_bytes(out_dt);
+    int64_t column = 0;
+    for (const PackedPart& p : w.parts) {
+      kernels().packed_linear({p.qtype, act, in_dt, out_dt, y + column * element_bytes(out_dt), x, p.data,
+                               run.end - run.begin, w.in_features, p.rows, w.in_features, out_stride, run.prompt});
+      column += p.rows;
+    }
   }
 }
 
@@ -64,17 +69,41 @@ void* DecoderStack::buffer(size_t index, int64_t bytes) {
   return scratch_[index].data();
 }
 
-// x = in @ w^T, summed over the tensor-parallel group (float32 partials, one rounding to bfloat16 after)
-void DecoderStack::row_parallel(const PackedMatrix& w, const void* in, void* x, int64_t tokens) {
+// The step's rows in runs of one role: a sequence's rows are prompt tokens where it has more than one this step
+// (a prompt, or a chunk of one), else its decode token. Where the kernels run prompt rows their own way
+// (kernels().widens_prompts(), int16), each run takes its own linears; else one run holds every row.
+void DecoderStack::find_runs(const StepBatch& b) {
+  runs_.clear();
+  const bool split = quantized_ && shape_.act == ActQuant::int16 && kernels().widens_prompts();
+  for (int64_t s = 0; s < b.seqs; ++s) {
+    const bool prompt = split && b.q_starts[s + 1] - b.q_starts[s] > 1;
+    if (!runs_.empty() && runs_.back().prompt == prompt) runs_.back().end = b.q_starts[s + 1];
+    else runs_.push_back({b.q_starts[s], b.q_starts[s + 1], prompt});
+  }
+}
+
+// The runs within rows [t0, t0 + n), from t0 on
+const std::vector<RowRun>& DecoderStack::slab_runs(int64_t t0, int64_t n) {
+  slab_.clear();
+  for (const RowRun& r : runs_) {
+    const int64_t begin = std::max(r.begin, t0), end = std::min(r.end, t0 + n);
+    if (begin < end) slab_.push_back({begin - t0, end - t0, r.prompt});
+  }
+  return slab_;
+}
+
+// x = in @ w^T for the rows of `runs`, summed over the tensor-parallel group (float32 partials, one rounding to
+// bfloat16 after)
+void DecoderStack::row_parallel(const PackedMatrix& w, const void* in, void* x, const std::vector<RowRun>& runs) {
   const DType dt = shape_.dtype;
-  const int64_t H = shape_.hidden;
+  const int64_t H = shape_.hidden, tokens = runs.empty() ? 0 : runs.back().end;
   if (!group_ || dt == DType::f32) {
-    linear(w, shape_.act, dt, dt, x, in, tokens, H);
+    linear(w, shape_.act, dt, dt, x, in, runs, H);
     if (group_) group_->all_reduce(x, tokens * H, 0);
     return;
   }
   float* partial = static_cast<float*>(buffer(5, tokens * H * 4));
-  linear(w, shape_.act, dt, DType::f32, partial, in, tokens, H);
+  linear(w, shape_.act, dt, DType::f32, partial, in, runs, H);
   group_->all_reduce(partial, tokens * H, 0);
   uint16_t* y = static_cast<uint16_t*>(x);
   for (int64_t i = 0; i < tokens * H; ++i) y[i] = float_to_bf16(partial[i]);
@@ -91,10 +120,11 @@ void DecoderStack::run(void* x, const StepBatch& b) {
   const int64_t mlp_rows = std::min(T, kMlpRows);
   void* gate_up = buffer(3, mlp_rows * 2 * s.inter * E);
   void* act = buffer(4, mlp_rows * s.inter * E);
+  find_runs(b);
   std::memset(residual, 0, T * H * E);  // so the first layer's add_rms_norm makes residual = x (zero bits are 0.0)
   for (const DecoderLayerWeights& l : layers_) {
     kernels().add_rms_norm({dt, x, residual, l.input_norm, T, H, H, H, s.eps});
-    linear(l.qkv, s.act, dt, dt, qkv, x, T, qkv_width);
+    linear(l.qkv, s.act, dt, dt, qkv, x, runs_, qkv_width);
     if (l.qkv_bias) add_bias(dt, qkv, l.qkv_bias, T, qkv_width);
     void* q = qkv;
     void* k = qkv + q_width * E;
@@ -109,11 +139,12 @@ void DecoderStack::run(void* x, const StepBatch& b) {
     for (int64_t t0 = 0; t0 < T; t0 += kMlpRows) {  // row-wise from here on: a slab of rows at a time
       const int64_t n = std::min(kMlpRows, T - t0);
       uint8_t* xs = static_cast<uint8_t*>(x) + t0 * H * E;
-      row_parallel(l.o, static_cast<uint8_t*>(attn) + t0 * q_width * E, xs, n);
+      const std::vector<RowRun>& runs = slab_runs(t0, n);
+      row_parallel(l.o, static_cast<uint8_t*>(attn) + t0 * q_width * E, xs, runs);
       kernels().add_rms_norm({dt, xs, residual + t0 * H * E, l.post_norm, n, H, H, H, s.eps});
-      linear(l.gate_up, s.act, dt, dt, gate_up, xs, n, 2 * s.inter);
+      linear(l.gate_up, s.act, dt, dt, gate_up, xs, runs, 2 * s.inter);
       kernels().silu_and_mul({dt, act, gate_up, n, s.inter, 2 * s.inter, s.inter});
-      row_parallel(l.down, act, xs, n);
+      row_parallel(l.down, act, xs, runs);
     }
   }
   kernels().add_rms_norm({dt, x, residual, s.final_norm, T, H, H, H, s.eps});

@@ -261,7 +261,7 @@ void pack_quant(const Ref& out_r, const Ref& w_r, int qtype, int64_t k) {
   kernels().pack_quant({q, static_cast<const uint8_t*>(w.ptr), static_cast<uint8_t*>(out.ptr), w.dim(0), k});
 }
 
-void packed_linear(const Ref& out_r, const Ref& x_r, const Ref& w_r, int qtype, int64_t k, int64_t n, int act) {
+void packed_linear(const Ref& out_r, const Ref& x_r, const Ref& w_r, int qtype, int64_t k, int64_t n, int act, bool prompt) {
   T out = tensor(out_r, "out", 2), x = tensor(x_r, "x", 2), w = tensor(w_r, "weight", 1);
   const QType q = quant_type(qtype);
   packed_weight(w, q, n, k);
@@ -269,7 +269,7 @@ void packed_linear(const Ref& out_r, const Ref& x_r, const Ref& w_r, int qtype, 
   require(x.dim(1) == k && out.dim(0) == x.dim(0) && out.dim(1) == n,
           "packed_linear: x must be [S, K] and out [S, N] for a weight [N, K]");
   kernels().packed_linear({q, static_cast<ActQuant>(act), float_type(x), float_type(out), out.ptr, x.ptr,
-                           static_cast<const uint8_t*>(w.ptr), x.dim(0), k, n, x.st(0), out.st(0)});
+                           static_cast<const uint8_t*>(w.ptr), x.dim(0), k, n, x.st(0), out.st(0), prompt});
 }
 
 void packed_rows(const Ref& out_r, const Ref& w_r, const Ref& ids_r, int qtype, int64_t k, int64_t n) {
@@ -473,6 +473,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("converted_type", [](int from) { return static_cast<int>(converted_type(file_type(from))); });
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
+  m.def("widens_prompts", [] { return kernels().widens_prompts(); });
   m.def("best_isa", [] { return std::string(best_isa()); });
   m.def("compiled_isas", &compiled);
   m.def("select_isa", &use_isa);

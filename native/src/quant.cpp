@@ -469,6 +469,20 @@ void packed_linear(const PackedLinearArgs& a) {
 #endif
     return run<16, 0>(t, a, nullptr);
   }
+  if (kWidenPrompts && a.prompt && a.act == ActQuant::int16) {  // widened.cpp: x as float32 rows
+    Tiles wide = t;
+    if (a.x_dtype != DType::f32) {
+      x.fx.resize(static_cast<size_t>(a.rows * a.in_features));
+      float* wide_rows = x.fx.data();
+      const bf16* rows = static_cast<const bf16*>(a.x);
+#pragma omp parallel for schedule(static) if (a.rows * a.in_features >= kParallelElements)
+      for (int64_t r = 0; r < a.rows; ++r)
+        for (int64_t c = 0; c < a.in_features; ++c) wide_rows[r * a.in_features + c] = bf16_to_float(rows[r * a.x_stride + c]);
+      wide.x_rows = wide_rows, wide.x_stride = a.in_features;
+    }
+    wide.x_dtype = DType::f32;
+    return widened_linear(wide, a.rows);
+  }
   size_for(a, x);
   if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : bits == 2 ? run<2, 2>(t, a, &x) : run<8, 2>(t, a, &x);
   else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : bits == 2 ? run<2, 1>(t, a, &x) : run<8, 1>(t, a, &x);

@@ -262,6 +262,31 @@ def test_a_row_gives_the_same_result_in_any_batch(isa, qtype):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
+@pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK, ids=lambda t: t.name)
+def test_prompt_rows_take_the_exact_products_where_the_kernels_widen(isa, qtype):
+    """int16 rows marked as prompt tokens: where the kernels widen the weights (AVX2), float32 FMAs on the
+    reference's products, ten times closer to x @ w than int16's quantized x (~2e-5 of the largest output);
+    elsewhere the integer tiles, as any row. Either way a row gets the same bits alone or among 37 rows, and
+    an unmarked row still gets int16's."""
+    k = 512 if qtype in SUPERBLOCK else 160
+    q, w = quantized(67, k, qtype, seed=3)
+    packed = q.pack("int16")
+    x = torch.randn(37, k)
+    x[0, :32] = 0  # an all-zero block
+    exact = kernels.widens_prompts()
+    for rows in (x, x.to(torch.bfloat16)):
+        reference = rows.double() @ w.double().T
+        expected = reference if exact else quantize_activations(rows, "int16").double() @ w.double().T
+        got = packed.linear(rows, torch.float32, prompt=True)
+        error = ((got.double() - expected).abs().max() / reference.abs().max()).item()
+        assert error < (2e-6 if exact else 2e-5), error
+        alone = torch.cat([packed.linear(rows[i:i + 1], torch.float32, prompt=True) for i in range(37)])
+        assert torch.equal(got, alone)
+    decode = packed.linear(x)
+    assert torch.equal(decode, torch.cat([packed.linear(x[i:i + 1]) for i in range(37)]))
+    assert torch.equal(packed.linear(x, prompt=True), decode) != exact
+
+
 def test_q6_k_words_do_not_overflow_at_their_bound(isa):
     """The word tile's largest sums: every Q6_K weight q = -32 under the scale code -128 (w = 4,096) against a
     constant x (every combined integer 32,512): 2.13e9 a half, within int32; a block's 4.26e9 is not, and

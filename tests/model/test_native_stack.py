@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.model.batch import make_batch
 from app.model.loader import load_model
 from app.model.source import ModelSource, resolve_source
 from app.spec.schema import ModelSpec
@@ -54,6 +55,28 @@ def test_steps_longer_than_a_slab_match_python_layers():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (240, 180, 160)]
     _compare(loaded.model, prompts, steps=2, tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_mixing_prompts_and_decodes_match_python_layers(dtype):
+    # decode tokens and prompt chunks in turn within one step: runs of rows by role (ForwardBatch.row_runs),
+    # each its own linears where the kernels run prompt rows their own way (kernels.widens_prompts)
+    loaded = load_model(resolve_source(ModelSpec()), dtype, tokenizer=False)
+    model = loaded.model
+    g = torch.Generator().manual_seed(4)
+    first = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (9, 1, 12, 3)]
+    native, python = Session(model, 4), Session(model, 4)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for step in (first, [[7], [5, 6, 7, 8, 9, 10], [11], [12, 13]], [[3], [4], [5, 6], [7]]):
+        model.native_stack = True
+        a = native.step(step)
+        model.native_stack = False
+        b = python.step(step)
+        assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    batch = make_batch(native.blocks, [0] * 4, [1, 6, 1, 2], 16)
+    assert [(r.begin, r.end, r.prompt) for r in batch.row_runs] == [(0, 1, False), (1, 7, True), (7, 8, False),
+                                                                     (8, 10, True)]
 
 
 def test_bfloat16_weights_native_stack_matches_python_layers():
