@@ -59,7 +59,8 @@ class EngineCore:
         if cfg.step_time_budget <= 0 or not cfg.chunked_prefill:
             return None
         cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget,
-                                  min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len))
+                                  min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len),
+                                  cfg.max_num_seqs)
         log.info("calibrated: %s", cost.describe())
         return cost
 

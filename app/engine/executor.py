@@ -19,8 +19,9 @@ class Executor(Protocol):
     def execute(self, output: SchedulerOutput):
         """Run one step; returns a RunnerOutput (sampled tokens and logprobs by request id)."""
 
-    def time_forward(self, count: int, num_computed: int) -> None:
-        """A forward pass of `count` dummy tokens after `num_computed` (the step cost's calibration)."""
+    def time_forward(self, count: int, num_computed: int, decodes: bool = False) -> None:
+        """A forward pass of `count` dummy tokens after `num_computed`, or of `count` one-token sequences
+        (`decodes`): the step cost's calibration (model_runner.calibration_step)."""
 
     def close(self) -> None:
         """Release what the executor started (worker processes, shared memory)."""
@@ -40,8 +41,8 @@ class LocalExecutor:
     def execute(self, output: SchedulerOutput):
         return self.runner.execute(output)
 
-    def time_forward(self, count: int, num_computed: int) -> None:
-        self.runner.time_forward(count, num_computed)
+    def time_forward(self, count: int, num_computed: int, decodes: bool = False) -> None:
+        self.runner.time_forward(count, num_computed, decodes)
 
     def close(self) -> None:
         pass
@@ -59,19 +60,24 @@ class TPExecutor:
         self.vocab_size = runner.vocab_size
 
     def execute(self, output: SchedulerOutput):
+        return self._step(output, lambda: self.runner.execute(output))
+
+    def time_forward(self, count: int, num_computed: int, decodes: bool = False) -> None:
+        from app.engine.model_runner import calibration_step
+
+        step = calibration_step(count, num_computed, self.runner.block_size, decodes)
+        self._step(step, lambda: self.runner.time_forward(count, num_computed, decodes))
+
+    def _step(self, output: SchedulerOutput, run):
+        """The workers get `output`, then this rank runs its part (`run`)."""
         from app.parallel.worker import encode_step
 
         try:
             self.group.broadcast(encode_step(output))
-            return self.runner.execute(output)
+            return run()
         except Exception as exc:
             self.group.abort(f"TP rank 0: {type(exc).__name__}: {exc}")
             raise ExecutorFailed(f"tensor-parallel step failed: {exc}") from exc
-
-    def time_forward(self, count: int, num_computed: int) -> None:
-        from app.engine.model_runner import calibration_step
-
-        self.execute(calibration_step(count, num_computed, self.runner.block_size))
 
     def close(self) -> None:
         from app.parallel.worker import Stop, encoder

@@ -67,9 +67,13 @@ class ModelRunner:
         batch, ids = self._prepare(output)
         return batch, self.model.forward(ids, batch, self.kv_cache)
 
-    def time_forward(self, count: int, num_computed: int) -> None:
-        """A forward pass of `count` dummy tokens after `num_computed` (for calibration, on free blocks)."""
-        self.execute(calibration_step(count, num_computed, self.block_size))
+    def time_forward(self, count: int, num_computed: int, decodes: bool = False) -> None:
+        """A forward pass of `count` dummy tokens after `num_computed` (for calibration, on free blocks); or
+        with `decodes`, of `count` sequences of one token each, sequence i after i cached tokens, and their
+        logits: a decode's time includes the head's row (a fifth to a third of it for the default model)."""
+        batch, hidden = self.forward(calibration_step(count, num_computed, self.block_size, decodes))
+        if decodes:
+            self.model.logits(hidden[batch.logit_indices])
 
     def _prepare(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
         # Fill the staging buffers (token ids, positions, cache slots, block tables, lengths, offsets) in one
@@ -114,7 +118,12 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs)
 
 
-def calibration_step(count: int, num_computed: int, block_size: int) -> SchedulerOutput:
-    """A step of `count` dummy tokens after `num_computed`, on the first free blocks (before any request)."""
+def calibration_step(count: int, num_computed: int, block_size: int, decodes: bool = False) -> SchedulerOutput:
+    """A step of `count` dummy tokens after `num_computed`, on the first free blocks (before any request); with
+    `decodes`, `count` sequences of one token, sequence i after i cached tokens (the same blocks: token i of
+    each sequence lands in slot i, as a prompt's would)."""
+    if decodes:
+        return SchedulerOutput(tuple(ScheduledRequest(f"calibration-{i}", (0,), i, tuple(range(i // block_size + 1)),
+                                                      sample=False) for i in range(count)))
     blocks = tuple(range(-(-(num_computed + count) // block_size)))
     return SchedulerOutput((ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False),))

@@ -1,10 +1,13 @@
 """How long a step will take, so the scheduler can size prompt chunks to a wall-time budget.
 
-A step's time is modelled as `overhead + per_token * tokens + per_pair * attention_pairs`, where an
-attention pair is one (query, visible key) product: a chunk of n new tokens after p cached ones makes
-n*p + n(n+1)/2 of them, a decode at context c makes c. The token term is the GEMMs (linear in tokens),
-the pair term the attention (quadratic in a prompt's length: why a token count alone cannot bound a
-step at 8k context). The coefficients are fitted at start from a few timed forward passes
+A step's time is modelled as `overhead + per_token * prompt_tokens + per_decode * decodes + per_pair *
+attention_pairs`, where an attention pair is one (query, visible key) product: a chunk of n new tokens
+after p cached ones makes n*p + n(n+1)/2 of them, a decode at context c makes c. The token terms are the
+GEMMs (linear in tokens), the pair term the attention (quadratic in a prompt's length: why a token count
+alone cannot bound a step at 8k context). A decode token (a sequence's only row in the step) has its own
+term: the linears run its row apart from prompt rows where the kernels widen the weights for prompts
+(kernels.widens_prompts: 2.5x a prompt token's time on a 2-core Zen 1 at 32 sequences), and a decode
+step reads the weights for few rows elsewhere. The coefficients are fitted at start from a few timed forward passes
 (`calibrate`), then a running correction factor follows measured steps, so a slower (busier) machine
 gets smaller chunks.
 """
@@ -15,6 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 MIN_CHUNK = 16  # a prefill chunk smaller than this is not worth a step of its own: wait for the next
 # The calibration's passes of n tokens aim at this long each (n at most 128, at least 16), so that it takes
@@ -22,6 +26,7 @@ MIN_CHUNK = 16  # a prefill chunk smaller than this is not worth a step of its o
 # start. Passes of 0.25 s, best of 3, took 1.95 s of the default spec's 6.7 s start on a 2-core Zen 1.
 CALIBRATION_PASS = 0.1  # seconds
 CALIBRATION_REPEAT = 2  # passes a shape, the fastest kept
+DECODE_PASS = 8  # decode tokens (sequences of one row) in the calibration's decode pass
 
 
 def attention_pairs(num_computed: int, count: int) -> int:
@@ -35,26 +40,33 @@ class StepShape:
 
     tokens: int = 0
     pairs: int = 0
+    decodes: int = 0  # of the tokens, those that are their sequence's only one (the rest: prompt tokens)
 
     def add(self, num_computed: int, count: int) -> None:
         self.tokens += count
         self.pairs += attention_pairs(num_computed, count)
+        self.decodes += count == 1
 
 
 class StepCost:
-    def __init__(self, overhead: float, per_token: float, per_pair: float, budget: float, pass_tokens: int = 0):
+    def __init__(self, overhead: float, per_token: float, per_pair: float, budget: float, pass_tokens: int = 0,
+                 per_decode: float | None = None):
         self.overhead, self.per_token, self.per_pair = overhead, per_token, per_pair
+        self.per_decode = per_token if per_decode is None else per_decode
         self.budget = budget  # seconds per step
         self.correction = 1.0  # measured / modelled, smoothed
         self.pass_tokens = pass_tokens  # the calibration's pass size (0: not calibrated)
 
+    def _raw(self, shape: StepShape) -> float:
+        return self.overhead + self.per_token * (shape.tokens - shape.decodes) + self.per_decode * shape.decodes + \
+            self.per_pair * shape.pairs
+
     def predict(self, shape: StepShape) -> float:
-        raw = self.overhead + self.per_token * shape.tokens + self.per_pair * shape.pairs
-        return raw * self.correction
+        return self._raw(shape) * self.correction
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Fold a measured step into the correction factor (in log space, clamped against outliers)."""
-        modelled = self.predict(shape) / self.correction
+        modelled = self._raw(shape)
         if modelled <= 0 or seconds <= 0:
             return
         ratio = min(max(seconds / modelled, 0.2), 5.0)
@@ -63,8 +75,7 @@ class StepCost:
     def max_chunk(self, shape: StepShape, num_computed: int, wanted: int, limit: float | None = None) -> int:
         """The most of `wanted` new tokens (after `num_computed` cached) that keep the step's predicted time
         within `limit` seconds (default: the budget)."""
-        left = (self.budget if limit is None else limit) / self.correction \
-            - self.overhead - self.per_token * shape.tokens - self.per_pair * shape.pairs
+        left = (self.budget if limit is None else limit) / self.correction - self._raw(shape)
         if left <= 0:
             return 0
         # per_pair/2 n^2 + (per_token + per_pair * (num_computed + 1/2)) n <= left
@@ -73,12 +84,15 @@ class StepCost:
         return max(0, min(wanted, int(n)))
 
     @classmethod
-    def calibrate(cls, run: Callable[[int, int], None], budget: float, max_tokens: int) -> StepCost:
-        """Fit the three coefficients from timed forward passes: `run(count, num_computed)`.
+    def calibrate(cls, run: Callable[..., None], budget: float, max_tokens: int, max_seqs: int = DECODE_PASS) -> StepCost:
+        """Fit the four coefficients from timed forward passes: `run(count, num_computed)` (a prompt of
+        `count` tokens), `run(count, 0, decodes=True)` (`count` sequences of one token each, sequence i
+        after i cached tokens).
 
-        Passes: 1 token (overhead), `n` tokens at context 0 (GEMMs), `n` tokens after at least 4n cached
-        (attention, up to 512); `max_tokens` bounds n plus that context, the most the KV cache and the
-        staging buffers take. n is at most 128, and fewer where a pass of 128 would take more than about
+        Passes: 1 decode token and DECODE_PASS of them (overhead, decodes; no more than `max_seqs`, the
+        staging buffers' sequences: with 1, a decode costs as a prompt token), `n` tokens at context 0 (GEMMs),
+        `n` tokens after at least 4n cached (attention, up to 512); `max_tokens` bounds n plus that context,
+        the most the KV cache and the staging buffers take. n is at most 128, and fewer where a pass of 128 would take more than about
         CALIBRATION_PASS (judged from a pass of 16 after the warm-up), down to 16: the calibration's time
         stays about the same for larger models.
         """
@@ -92,18 +106,27 @@ class StepCost:
         # the attention pass sees as much cached context as n = 128 did (512), so that its extra time stays
         # well above the noise with fewer new tokens
         context = max(4 * n, min(512, max_tokens - n))
-        t1, tn, tp = (_timed(run, count, cached, CALIBRATION_REPEAT)
-                      for count, cached in ((1, 0), (n, 0), (n, context)))
+        decodes = partial(run, decodes=True)
+        d = max(1, min(DECODE_PASS, most, max_seqs))
+        t1, td, tn, tp = (_timed(pass_, count, cached, CALIBRATION_REPEAT) if count else 0.0
+                          for pass_, count, cached in ((decodes, 1, 0), (decodes, d if d > 1 else 0, 0), (run, n, 0),
+                                                       (run, n, context)))
         p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(context, n)
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
-        per_token = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
-        overhead = max(t1 - per_token - per_pair * p1, 1e-4)
-        return cls(overhead, per_token, per_pair, budget, pass_tokens=n)
+        if d == 1:  # the 1-token pass gives the overhead, the prompt pass the rest
+            per_token = per_decode = max((tn - t1 - per_pair * (pn - p1)) / (n - 1), 1e-7)
+        else:
+            pd = sum(attention_pairs(i, 1) for i in range(d))
+            per_decode = max((td - t1 - per_pair * (pd - p1)) / (d - 1), 1e-7)
+        overhead = max(t1 - per_decode - per_pair * p1, 1e-4)
+        per_token = max((tn - overhead - per_pair * pn) / n, 1e-7)
+        return cls(overhead, per_token, per_pair, budget, pass_tokens=n, per_decode=per_decode)
 
     def describe(self) -> str:
         fitted = f" (passes of {self.pass_tokens} tokens)" if self.pass_tokens else ""
-        return (f"step time ~ {self.overhead * 1e3:.1f} ms + {self.per_token * 1e6:.0f} us/token + "
-                f"{self.per_pair * 1e9:.2f} ns/attention pair{fitted}; budget {self.budget * 1e3:.0f} ms")
+        return (f"step time ~ {self.overhead * 1e3:.1f} ms + {self.per_token * 1e6:.0f} us/prompt token + "
+                f"{self.per_decode * 1e6:.0f} us/decode token + {self.per_pair * 1e9:.2f} ns/attention pair{fitted}; "
+                f"budget {self.budget * 1e3:.0f} ms")
 
 
 def _timed(run: Callable[[int, int], None], count: int, num_computed: int, repeat: int = 1) -> float:

@@ -17,7 +17,9 @@ cuts and fused projections stack (a fused projection whose parts differ in type 
 `PackedWeight`, the layout the native kernels run on (rows interleaved 16 at a time for int8 dot
 products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS`):
   - "int16": each block of 32 activations quantized to about 16 bits (two int8 planes) and multiplied
-    with int8 dot products (AVX512-VNNI); agrees with float32 to about 1e-5 of a logit's range;
+    with int8 dot products (AVX512-VNNI); agrees with float32 to about 1e-5 of a logit's range. Prompt rows
+    (`prompt=True`) take float32 FMAs on weights widened to float32 where that is faster
+    (`kernels.widens_prompts()`: AVX2, native/src/widened.cpp), the reference's products;
   - "int8": one plane, as llama.cpp does: fastest, and answers can differ from float32 ones;
   - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
     torch's GEMM): the reference's arithmetic, slowest.

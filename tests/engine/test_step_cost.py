@@ -17,17 +17,36 @@ def test_attention_pairs_count_causal_products():
 def test_calibration_recovers_the_coefficients_of_a_known_machine(monkeypatch):
     clock = {"now": 0.0}
 
-    def run(count: int, num_computed: int) -> None:  # a "machine": 20 ms + 1 ms/token + 2 us/pair
-        clock["now"] += 0.02 + 1e-3 * count + 2e-6 * attention_pairs(num_computed, count)
+    def run(count: int, num_computed: int, decodes: bool = False) -> None:
+        # a "machine": 20 ms + 1 ms a prompt token + 2.5 ms a decode token + 2 us a pair
+        if decodes:  # count sequences of one token, sequence i after i cached ones
+            clock["now"] += 0.02 + 2.5e-3 * count + 2e-6 * sum(attention_pairs(i, 1) for i in range(count))
+        elif count == 1:  # a prompt of one token is its sequence's only row: a decode token
+            clock["now"] += 0.02 + 2.5e-3 + 2e-6 * attention_pairs(num_computed, 1)
+        else:
+            clock["now"] += 0.02 + 1e-3 * count + 2e-6 * attention_pairs(num_computed, count)
 
     monkeypatch.setattr("app.engine.step_cost.time.perf_counter", lambda: clock["now"])
     cost = StepCost.calibrate(run, budget=0.5, max_tokens=2048)
     assert cost.overhead == pytest.approx(0.02, rel=1e-6)
     assert cost.per_token == pytest.approx(1e-3, rel=1e-6)
+    assert cost.per_decode == pytest.approx(2.5e-3, rel=1e-6)
     assert cost.per_pair == pytest.approx(2e-6, rel=1e-6)
     shape = StepShape()
     shape.add(1000, 300)
     assert cost.predict(shape) == pytest.approx(0.02 + 0.3 + 2e-6 * attention_pairs(1000, 300))
+    decodes = StepShape()
+    for context in (40, 90, 300):  # three decodes: their own term
+        decodes.add(context, 1)
+    assert decodes.decodes == 3
+    assert cost.predict(decodes) == pytest.approx(0.02 + 3 * 2.5e-3 + 2e-6 * 433)
+    n = cost.max_chunk(decodes, 0, 1000)  # the longest prompt chunk beside them within the budget
+
+    def with_chunk(count: int) -> float:
+        shape = StepShape(decodes.tokens, decodes.pairs, decodes.decodes)
+        shape.add(0, count)
+        return cost.predict(shape)
+    assert with_chunk(n) <= 0.5 < with_chunk(n + 1)
 
 
 def test_calibration_takes_fewer_tokens_where_tokens_cost_more(monkeypatch):
@@ -36,7 +55,7 @@ def test_calibration_takes_fewer_tokens_where_tokens_cost_more(monkeypatch):
     clock, passes, contexts = {"now": 0.0}, [], []
 
     def machine(per_token: float):
-        def run(count: int, num_computed: int) -> None:
+        def run(count: int, num_computed: int, decodes: bool = False) -> None:
             passes.append(count)
             contexts.append(num_computed)
             clock["now"] += 0.02 + per_token * count + 2e-6 * attention_pairs(num_computed, count)
@@ -52,11 +71,16 @@ def test_calibration_takes_fewer_tokens_where_tokens_cost_more(monkeypatch):
         assert cost.per_token == pytest.approx(per_token, rel=1e-6)
         assert cost.per_pair == pytest.approx(2e-6, rel=1e-6)
     # the slowest machine's whole calibration: a warm-up and two estimates of 16, 2 x 1, 2 x 16 and 2 x 16 after
-    # 512 cached: 114 tokens, where passes of 128 made 899
-    assert sum(passes) == 3 * 16 + 2 + 4 * 16 and max(contexts) == 512
+    # 512 cached, 2 x 8 decodes: 130 tokens, where passes of 128 made 899
+    assert sum(passes) == 3 * 16 + 2 + 4 * 16 + 2 * 8 and max(contexts) == 512
     passes.clear(), contexts.clear()
     StepCost.calibrate(machine(1e-4), budget=0.5, max_tokens=100)  # a small cache bounds it as before
     assert max(passes) == 20 and max(contexts) == 80
+    for seqs in (1, 3):  # the staging buffers' sequences bound the decode pass (one: no decode pass)
+        passes.clear(), contexts.clear()
+        cost = StepCost.calibrate(machine(3e-3), budget=0.5, max_tokens=2048, max_seqs=seqs)
+        assert sum(passes) == 3 * 16 + 2 + 4 * 23 + (2 * seqs if seqs > 1 else 0)
+        assert cost.per_decode == pytest.approx(3e-3, rel=1e-6) and cost.per_token == pytest.approx(3e-3, rel=1e-6)
 
 
 def test_the_correction_follows_a_machine_that_became_slower():
