@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.bootstrap.runtime import RuntimeDir
 from app.bootstrap.supervisor import Layout, Supervisor
-from app.server.app import FrontendConfig
+from app.server.config import FrontendConfig
 
 log = logging.getLogger("app.bootstrap")
 

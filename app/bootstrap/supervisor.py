@@ -27,8 +27,7 @@ from app.bootstrap.runtime import RUNTIME_VARIABLE, RuntimeDir
 from app.engine.launch import RankLaunch
 from app.engine.process import run_engine
 from app.model.tokenizer import EXPORT_WAIT_SECONDS
-from app.server.app import FrontendConfig
-from app.server.main import CONFIG_VARIABLE
+from app.server.config import CONFIG_VARIABLE, FrontendConfig
 
 log = logging.getLogger("app.bootstrap")
 

@@ -93,14 +93,17 @@ class StepCost:
         staging buffers' sequences: with 1, a decode costs as a prompt token), `n` tokens at context 0 (GEMMs),
         `n` tokens after at least 4n cached (attention, up to 512); `max_tokens` bounds n plus that context,
         the most the KV cache and the staging buffers take. n is at most 128, and fewer where a pass of 128 would take more than about
-        CALIBRATION_PASS (judged from a pass of 16 after the warm-up), down to 16: the calibration's time
-        stays about the same for larger models.
+        CALIBRATION_PASS (judged from a pass of 16 after the warm-up), down to 16 (then that pass is the
+        prompt pass too): the calibration's time stays about the same for larger models.
         """
         most = max(2, min(128, max_tokens // 5))
         first = min(16, most)
         run(first, 0)  # warm-up: first calls allocate and pick GEMM kernels
-        per_token = _timed(run, first, 0, 2) / first  # an upper bound: the pass's overhead is in it
+        estimate = _timed(run, first, 0, CALIBRATION_REPEAT)
+        per_token = estimate / first  # an upper bound: the pass's overhead is in it
         n = max(first, min(most, int(CALIBRATION_PASS / per_token) if per_token > 0 else most))
+        if n < first * 3 // 2:  # the estimate's passes are the prompt pass: 0.2 s of a 2-core Zen 1's 5 s start
+            n = first
         # the fastest of two each: the HTTP frontend may still be booting on the same CPUs, and one pass
         # disturbed by it skewed the fit up to 2x (per-token and per-pair terms alike)
         # the attention pass sees as much cached context as n = 128 did (512), so that its extra time stays
@@ -109,8 +112,9 @@ class StepCost:
         decodes = partial(run, decodes=True)
         d = max(1, min(DECODE_PASS, most, max_seqs))
         t1, td, tn, tp = (_timed(pass_, count, cached, CALIBRATION_REPEAT) if count else 0.0
-                          for pass_, count, cached in ((decodes, 1, 0), (decodes, d if d > 1 else 0, 0), (run, n, 0),
-                                                       (run, n, context)))
+                          for pass_, count, cached in ((decodes, 1, 0), (decodes, d if d > 1 else 0, 0),
+                                                       (run, n if n > first else 0, 0), (run, n, context)))
+        tn = tn or estimate
         p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(context, n)
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
         if d == 1:  # the 1-token pass gives the overhead, the prompt pass the rest

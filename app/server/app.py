@@ -6,11 +6,9 @@ import asyncio
 import contextlib
 import gc
 import hmac
-import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.server import openai_api
+from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
@@ -29,34 +28,6 @@ from app.server.tokenizer import AsyncTokenizer
 
 log = logging.getLogger("app.server")
 VERSION = "0.1.0"
-
-
-@dataclass
-class FrontendConfig:
-    served_name: str
-    model_path: str
-    model_format: str
-    max_model_len: int
-    engine_addresses: list[str]  # one per data-parallel replica
-    chat_template: str | None = None
-    api_key: str | None = None
-    max_body_size: int = 4 << 20
-    cors_origins: list[str] = field(default_factory=list)
-    metrics_auth: bool = True  # with a key set, /metrics needs it too
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_connections: int = 1000
-    tokenizer_dir: str | None = None  # the bootstrap's torch-free export; None: read it from the model
-    draining_marker: str | None = None  # the bootstrap creates this file when SIGTERM arrives
-    started_marker: str | None = None  # ... and this one once every replica has been ready together
-    metrics_dir: str | None = None
-
-    def dumps(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def loads(cls, text: str) -> FrontendConfig:
-        return cls(**json.loads(text))
 
 
 class Context:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 
 from app.logs import configure_logging
-from app.server.app import FrontendConfig, create_app
-
-CONFIG_VARIABLE = "APPLIANCE_FRONTEND_CONFIG"
+from app.server.app import create_app
+from app.server.config import CONFIG_VARIABLE, FrontendConfig
 
 
 def config_from_env() -> FrontendConfig:
