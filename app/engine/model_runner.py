@@ -41,6 +41,7 @@ class ModelRunner:
         self._tables = torch.full((max_num_seqs * max_blocks,), -1, dtype=torch.int32)  # viewed [seqs, width]
         self._lens = torch.zeros(max_num_seqs, dtype=torch.int32)
         self._starts = torch.zeros(max_num_seqs + 1, dtype=torch.int64)
+        self._prompt_rows = torch.zeros(max_num_seqs, dtype=torch.int64)
 
     @property
     def vocab_size(self) -> int:
@@ -67,6 +68,7 @@ class ModelRunner:
         batch, ids = self._prepare(output)
         return batch, self.model.forward(ids, batch, self.kv_cache)
 
+    @torch.inference_mode()
     def time_forward(self, count: int, num_computed: int, decodes: bool = False) -> None:
         """A forward pass of `count` dummy tokens after `num_computed` (for calibration, on free blocks); or
         with `decodes`, of `count` sequences of one token each, sequence i after i cached tokens, and their
@@ -100,9 +102,10 @@ class ModelRunner:
         self._slots.numpy()[:t] = blocks * self.block_size + positions % self.block_size
         self._ids.numpy()[:t] = np.fromiter(chain.from_iterable(r.token_ids for r in requests), np.int64, t)
         self._lens.numpy()[:seqs] = computed + counts
+        self._prompt_rows.numpy()[:seqs] = np.fromiter((r.prompt_rows for r in requests), np.int64, seqs)
         starts_t = self._starts[: seqs + 1]
         batch = ForwardBatch(self._positions[:t], self._slots[:t], self._tables[: seqs * width].view(seqs, width),
-                             self._lens[:seqs], starts_t, starts_t[1:] - 1)
+                             self._lens[:seqs], starts_t, starts_t[1:] - 1, self._prompt_rows[:seqs])
         return batch, self._ids[:t]
 
     def _collect(self, request_ids: list[str], states: list[SamplingState], result) -> RunnerOutput:
@@ -126,4 +129,5 @@ def calibration_step(count: int, num_computed: int, block_size: int, decodes: bo
         return SchedulerOutput(tuple(ScheduledRequest(f"calibration-{i}", (0,), i, tuple(range(i // block_size + 1)),
                                                       sample=False) for i in range(count)))
     blocks = tuple(range(-(-(num_computed + count) // block_size)))
-    return SchedulerOutput((ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False),))
+    return SchedulerOutput((ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False,
+                                             prompt_rows=count),))

@@ -43,6 +43,7 @@ class ScheduledRequest:
     num_computed: int  # tokens already in the cache: the first new token's position
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool  # True when this step reaches the request's last token, so a new token is sampled
+    prompt_rows: int = 0  # of token_ids, the leading ones that are prompt tokens (the rest: generated ones)
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,8 @@ class Scheduler:
     def _scheduled(self, request: Request, count: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(request.request_id, tuple(request.token_ids(start, start + count)), start,
-                                self.kv.block_ids(request.request_id), start + count == request.num_tokens)
+                                self.kv.block_ids(request.request_id), start + count == request.num_tokens,
+                                min(count, max(0, len(request.prompt_ids) - start)))
 
     # --- after the step ---
 

@@ -308,9 +308,11 @@ class DecoderStack:
                               _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, q_starts: torch.Tensor) -> None:
-        # in place: x [T, hidden] embeddings -> the final hidden states (after the model's last norm)
+            context_lens: torch.Tensor, q_starts: torch.Tensor, prompt_rows: torch.Tensor) -> None:
+        # in place: x [T, hidden] embeddings -> the final hidden states (after the model's last norm);
+        # prompt_rows [S]: how many of each sequence's rows (its first) are prompt tokens
         self._stack.run(_ref(x, "x", dims=2), _ref(positions, "positions", (torch.int64,), 1),
                         _ref(slot_mapping, "slot_mapping", (torch.int64,), 1),
                         _ref(block_tables, "block_tables", (torch.int32,), 2),
-                        _ref(context_lens, "context_lens", (torch.int32,), 1), _ref(q_starts, "q_starts", (torch.int64,), 1))
+                        _ref(context_lens, "context_lens", (torch.int32,), 1), _ref(q_starts, "q_starts", (torch.int64,), 1),
+                        _ref(prompt_rows, "prompt_rows", (torch.int64,), 1))

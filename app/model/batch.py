@@ -21,6 +21,7 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [S] int32: tokens in the cache after this step
     q_starts: torch.Tensor  # [S + 1] int64: offsets of each sequence's new tokens
     logit_indices: torch.Tensor  # [S] int64: the token of each sequence whose logits are wanted (its last)
+    prompt_rows: torch.Tensor  # [S] int64: how many of each sequence's new tokens (its first) are prompt tokens
 
     @property
     def num_tokens(self) -> int:
@@ -28,16 +29,21 @@ class ForwardBatch:
 
     @cached_property
     def row_runs(self) -> list[RowRun]:
-        """The step's rows in runs of one role, as the native stack finds them (decoder.cpp, find_runs): a
-        sequence's rows are prompt tokens where it has more than one this step, else its decode token."""
-        starts = self.q_starts.tolist()
+        """The step's rows in runs of one role, prompt tokens or generated ones, as the native stack finds them
+        (decoder.cpp, find_runs)."""
         runs: list[RowRun] = []
-        for begin, end in zip(starts, starts[1:]):
-            prompt = end - begin > 1
+
+        def add(begin: int, end: int, prompt: bool) -> None:
+            if begin == end:
+                return
             if runs and runs[-1].prompt == prompt:
                 runs[-1] = RowRun(runs[-1].begin, end, prompt)
             else:
                 runs.append(RowRun(begin, end, prompt))
+        starts = self.q_starts.tolist()
+        for begin, end, prompt in zip(starts, starts[1:], self.prompt_rows.tolist()):
+            add(begin, begin + prompt, True)
+            add(begin + prompt, end, False)
         return runs
 
 
@@ -50,10 +56,11 @@ class RowRun:
 
 
 def make_batch(blocks: Sequence[Sequence[int]], computed: Sequence[int], new: Sequence[int],
-               block_size: int) -> ForwardBatch:
+               block_size: int, prompt_rows: Sequence[int] | None = None) -> ForwardBatch:
     """Batch of sequences s with `computed[s]` tokens already cached and `new[s]` tokens to run.
 
-    blocks[s] lists the cache blocks of sequence s, in order, covering computed + new tokens.
+    blocks[s] lists the cache blocks of sequence s, in order, covering computed + new tokens; prompt_rows[s]
+    how many of the new ones are prompt tokens (default: all of several, none of one: a decode).
     """
     positions, slots = [], []
     for table, done, count in zip(blocks, computed, new, strict=True):
@@ -72,4 +79,6 @@ def make_batch(blocks: Sequence[Sequence[int]], computed: Sequence[int], new: Se
         context_lens=torch.tensor([d + n for d, n in zip(computed, new, strict=True)], dtype=torch.int32),
         q_starts=starts,
         logit_indices=starts[1:] - 1,
+        prompt_rows=torch.tensor([n if n > 1 else 0 for n in new] if prompt_rows is None else list(prompt_rows),
+                                 dtype=torch.int64),
     )

@@ -75,7 +75,8 @@ class LlamaForCausalLM:
             x = F.embedding(input_ids, self.embed)
         stack = self._native_stack(caches) if self.native_stack else None
         if stack is not None:
-            stack.run(x, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens, batch.q_starts)
+            stack.run(x, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens, batch.q_starts,
+                      batch.prompt_rows)
             return x
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):

@@ -140,7 +140,8 @@ class PackedWeight:
                prompt: bool = False) -> torch.Tensor:
         """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's); or
         into `out` ([rows of x, rows], at any row stride: some columns of a fused weight's output). `prompt`:
-        x's rows are prompt tokens (int16 runs them exactly where `kernels.widens_prompts()`)."""
+        x's rows are prompt tokens (int16 runs them as float32 FMAs on widened weights where
+        `kernels.widens_prompts()`)."""
         rows = x.numel() // self.in_features
         if self.activations == "float" and self.qtype != BF16 and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
             result = torch.nn.functional.linear(x, self.dequantize(x.dtype))

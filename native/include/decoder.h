@@ -50,6 +50,7 @@ struct StepBatch {  // as ForwardBatch (app/model/batch.py)
   const int32_t* block_tables;  // [S, max_blocks_per_seq]
   const int32_t* context_lens;  // [S]
   const int64_t* q_starts;      // [S + 1]
+  const int64_t* prompt_rows;   // [S]: how many of each sequence's rows (its first) are prompt tokens
   int64_t tokens, seqs, max_blocks_per_seq;
 };
 
@@ -85,8 +86,8 @@ class DecoderStack {
   ShmGroup* group_;  // null: a single rank
   std::vector<DecoderLayerWeights> layers_;
   std::vector<std::vector<uint8_t>> scratch_;
-  std::vector<RowRun> runs_, slab_;
-  bool quantized_ = false;  // a weight is quantized (BF16 ones run every row the same way)  // this step's (find_runs), a slab's (slab_runs)
+  std::vector<RowRun> runs_, slab_;  // this step's (find_runs), a slab's (slab_runs)
+  bool quantized_ = false;           // a weight is quantized (BF16 ones run every row the same way)
 };
 
 }  // namespace appliance

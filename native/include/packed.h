@@ -5,6 +5,7 @@
 //   act_quant.cpp    x quantized per block of 32 (int8, int16), or kept float
 //   words.cpp        Q2_K, Q3_K, Q6_K prompts as 16-bit words (expand_words, word_tile)
 //   float_tiles.cpp  the exact (ActQuant none) and BF16 tiles
+//   widened.cpp      int16 prompt rows on AVX2: panel pairs widened to float32, FMA tiles
 //   dequant.cpp      packed_rows (embedding rows) and dequantize (GGUF rows to float)
 #pragma once
 

@@ -69,16 +69,21 @@ void* DecoderStack::buffer(size_t index, int64_t bytes) {
   return scratch_[index].data();
 }
 
-// The step's rows in runs of one role: a sequence's rows are prompt tokens where it has more than one this step
-// (a prompt, or a chunk of one), else its decode token. Where the kernels run prompt rows their own way
-// (kernels().widens_prompts(), int16), each run takes its own linears; else one run holds every row.
+// The step's rows in runs of one role: prompt tokens (a sequence's first prompt_rows) or generated ones. Where the
+// kernels run prompt rows their own way (kernels().widens_prompts(), int16), each run takes its own linears, so a
+// token's path is its role's however it was scheduled (chunked, after a prefix hit, recomputed); else one run.
 void DecoderStack::find_runs(const StepBatch& b) {
   runs_.clear();
   const bool split = quantized_ && shape_.act == ActQuant::int16 && kernels().widens_prompts();
+  auto add = [&](int64_t begin, int64_t end, bool prompt) {
+    if (begin == end) return;
+    if (!runs_.empty() && runs_.back().prompt == prompt) runs_.back().end = end;
+    else runs_.push_back({begin, end, prompt});
+  };
   for (int64_t s = 0; s < b.seqs; ++s) {
-    const bool prompt = split && b.q_starts[s + 1] - b.q_starts[s] > 1;
-    if (!runs_.empty() && runs_.back().prompt == prompt) runs_.back().end = b.q_starts[s + 1];
-    else runs_.push_back({b.q_starts[s], b.q_starts[s + 1], prompt});
+    const int64_t middle = b.q_starts[s] + (split ? b.prompt_rows[s] : 0);
+    add(b.q_starts[s], middle, true);
+    add(middle, b.q_starts[s + 1], false);
   }
 }
 

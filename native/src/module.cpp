@@ -406,11 +406,12 @@ void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, cons
 }
 
 void stack_run(DecoderStack& stack, const Ref& x_r, const Ref& pos_r, const Ref& slots_r, const Ref& bt_r,
-               const Ref& cl_r, const Ref& qs_r) {
+               const Ref& cl_r, const Ref& qs_r, const Ref& pr_r) {
   const DecoderShape& s = stack.shape();
   require(stack.num_layers() > 0, "DecoderStack: no layers");
   T x = tensor(x_r, "x", 2), pos = tensor(pos_r, "positions", 1), slots = tensor(slots_r, "slot_mapping", 1),
-    bt = tensor(bt_r, "block_tables", 2), cl = tensor(cl_r, "context_lens", 1), qs = tensor(qs_r, "q_starts", 1);
+    bt = tensor(bt_r, "block_tables", 2), cl = tensor(cl_r, "context_lens", 1), qs = tensor(qs_r, "q_starts", 1),
+    pr = tensor(pr_r, "prompt_rows", 1);
   contiguous(x);
   require(float_type(x) == s.dtype && x.dim(1) == s.hidden, "x: must be [tokens, " + std::to_string(s.hidden) +
                                                                  "] in the stack's dtype");
@@ -425,8 +426,16 @@ void stack_run(DecoderStack& stack, const Ref& x_r, const Ref& pos_r, const Ref&
                                                      std::to_string(s.num_blocks * s.block_size) + " slots");
   }
   check_sequences(bt, cl, qs, tokens, s.num_blocks, s.block_size);
-  const StepBatch batch{p, sl, static_cast<const int32_t*>(bt.ptr), static_cast<const int32_t*>(cl.ptr),
-                        static_cast<const int64_t*>(qs.ptr), tokens, cl.dim(0), bt.dim(1)};
+  integer(pr, I64);
+  require(pr.dim(0) == cl.dim(0), "prompt_rows: must have one entry a sequence");
+  const int64_t* q = static_cast<const int64_t*>(qs.ptr);
+  const int64_t* prompt = static_cast<const int64_t*>(pr.ptr);
+  for (int64_t i = 0; i < pr.dim(0); ++i)
+    require(prompt[i] >= 0 && prompt[i] <= q[i + 1] - q[i],
+            "prompt_rows: sequence " + std::to_string(i) + " has " + std::to_string(q[i + 1] - q[i]) + " rows, not " +
+                std::to_string(prompt[i]) + " prompt rows");
+  const StepBatch batch{p, sl, static_cast<const int32_t*>(bt.ptr), static_cast<const int32_t*>(cl.ptr), q, prompt,
+                        tokens, cl.dim(0), bt.dim(1)};
   py::gil_scoped_release release;
   stack.run(x.ptr, batch);
 }

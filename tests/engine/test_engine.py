@@ -155,12 +155,14 @@ def test_runner_stages_a_step_as_make_batch_does(loaded):
             new = rng.choice([1, 1, 7, 33])  # decode tokens and prefill chunks in one step
             blocks = rng.sample(range(64), -(-(computed + new) // BLOCK) + rng.choice([0, 1]))
             ids = tuple(rng.randrange(1000) for _ in range(new))
-            requests.append(ScheduledRequest(str(s), ids, computed, tuple(blocks), sample=True))
+            prompt = rng.choice([0, new, new // 2])  # generated tokens, prompt tokens, or both (a recompute)
+            requests.append(ScheduledRequest(str(s), ids, computed, tuple(blocks), sample=True, prompt_rows=prompt))
         batch, ids = runner._prepare(SchedulerOutput(tuple(requests)))
         expected = make_batch([r.block_ids for r in requests], [r.num_computed for r in requests],
-                              [len(r.token_ids) for r in requests], BLOCK)
+                              [len(r.token_ids) for r in requests], BLOCK, [r.prompt_rows for r in requests])
         assert ids.tolist() == [t for r in requests for t in r.token_ids]
-        for name in ("positions", "slot_mapping", "block_tables", "context_lens", "q_starts", "logit_indices"):
+        for name in ("positions", "slot_mapping", "block_tables", "context_lens", "q_starts", "logit_indices",
+                     "prompt_rows"):
             mine, reference = getattr(batch, name), getattr(expected, name)
             assert mine.dtype == reference.dtype and torch.equal(mine, reference), name
 

@@ -354,6 +354,23 @@ def test_prompts_get_what_the_decodes_leave_of_the_budget_or_three_times_the_dec
     h.assert_no_leaks()
 
 
+def test_scheduled_tokens_say_how_many_are_the_prompts():
+    """The runner runs prompt tokens and generated ones their own ways (kernels.widens_prompts), whatever the
+    chunking: a prompt's chunks are all prompt tokens, a decode none, a prompt's last token alone after a
+    prefix-cache hit one."""
+    h = Harness(budget=32)
+    h.add("a", [5] * 40, max_tokens=3)
+    rows = [(len(r.token_ids), r.prompt_rows) for r in h.step().requests]
+    rows += [(len(r.token_ids), r.prompt_rows) for r in h.step().requests]
+    assert rows == [(32, 32), (8, 8)]
+    assert [(len(r.token_ids), r.prompt_rows) for r in h.step().requests] == [(1, 0)]  # a decode
+    h.run()
+    h.add("b", [5] * 33, max_tokens=2)  # its first 32 tokens are a's cached blocks
+    out = h.step()
+    assert [(r.num_computed, len(r.token_ids), r.prompt_rows) for r in out.requests] == [(32, 1, 1)]
+    h.run()
+
+
 def test_the_step_carries_new_and_finished_requests_to_the_runner(h):
     """The runner learns of a request in the step that first schedules it, and forgets it in the next step
     after it finished or was aborted (also when it was aborted before ever running, it is never sent)."""

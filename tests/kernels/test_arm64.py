@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO
 
 NATIVE = REPO / "native"
-SOURCES = ["norm", "rope", "activation", "cache", "attention", "linear", "quant", "act_quant", "words", "float_tiles",
+SOURCES = ["norm", "rope", "activation", "cache", "attention", "linear", "quant", "act_quant", "words", "float_tiles", "widened",
            "dequant", "pack"]
 
 

@@ -60,23 +60,28 @@ def test_steps_longer_than_a_slab_match_python_layers():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_steps_mixing_prompts_and_decodes_match_python_layers(dtype):
     # decode tokens and prompt chunks in turn within one step: runs of rows by role (ForwardBatch.row_runs),
-    # each its own linears where the kernels run prompt rows their own way (kernels.widens_prompts)
+    # each its own linears where the kernels run prompt rows their own way (kernels.widens_prompts); then a
+    # prompt's last token alone (as after a prefix-cache hit) and a recompute's prompt and generated tokens
     loaded = load_model(resolve_source(ModelSpec()), dtype, tokenizer=False)
     model = loaded.model
     g = torch.Generator().manual_seed(4)
     first = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (9, 1, 12, 3)]
     native, python = Session(model, 4), Session(model, 4)
     tol = 1e-5 if dtype == "float32" else 1e-2
-    for step in (first, [[7], [5, 6, 7, 8, 9, 10], [11], [12, 13]], [[3], [4], [5, 6], [7]]):
+    steps = [(first, None), ([[7], [5, 6, 7, 8, 9, 10], [11], [12, 13]], None), ([[3], [4], [5, 6], [7]], [1, 0, 1, 0]),
+             ([[3, 4, 5], [6], [7, 8], [9]], [2, 0, 0, 1])]
+    for step, prompt_rows in steps:
         model.native_stack = True
-        a = native.step(step)
+        a = native.step(step, prompt_rows)
         model.native_stack = False
-        b = python.step(step)
+        b = python.step(step, prompt_rows)
         assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     batch = make_batch(native.blocks, [0] * 4, [1, 6, 1, 2], 16)
     assert [(r.begin, r.end, r.prompt) for r in batch.row_runs] == [(0, 1, False), (1, 7, True), (7, 8, False),
                                                                      (8, 10, True)]
+    batch = make_batch(native.blocks, [0] * 4, [3, 1, 2, 1], 16, [2, 0, 0, 1])
+    assert [(r.begin, r.end, r.prompt) for r in batch.row_runs] == [(0, 2, True), (2, 6, False), (6, 7, True)]
 
 
 def test_bfloat16_weights_native_stack_matches_python_layers():

@@ -71,10 +71,11 @@ class Session:
         self.cache = model.new_kv_cache(per_seq * seqs, block_size)
         self.tokens: list[list[int]] = [[] for _ in range(seqs)]
 
-    def step(self, new: list[list[int]]) -> torch.Tensor:
-        """Run `new[s]` more tokens of each sequence; returns the logits of each one's last token."""
+    def step(self, new: list[list[int]], prompt_rows: list[int] | None = None) -> torch.Tensor:
+        """Run `new[s]` more tokens of each sequence (`prompt_rows[s]` of them prompt tokens: by default all of
+        several, none of one); returns the logits of each one's last token."""
         done = [len(t) for t in self.tokens]
-        batch = make_batch(self.blocks, done, [len(n) for n in new], self.block_size)
+        batch = make_batch(self.blocks, done, [len(n) for n in new], self.block_size, prompt_rows)
         ids = torch.tensor([tok for n in new for tok in n])
         for t, n in zip(self.tokens, new, strict=True):
             t.extend(n)
