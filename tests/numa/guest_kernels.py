@@ -112,10 +112,10 @@ def run_all(code: int) -> dict[str, list[float]]:
         packed = Buffer(U8, [native.packed_bytes(qtype, V, QK)])
         native.pack_quant(packed.ref, gguf.ref, qtype, QK)
         rows = Buffer(code, [T, QK], _random(rng, T * QK))
-        for activations in (0, 1, 2):
+        for activations, prompt in ((0, False), (1, False), (2, False), (2, True)):  # int16 prompt rows: widened on AVX2
             result = Buffer(code, [T, V])
-            native.packed_linear(result.ref, rows.ref, packed.ref, qtype, QK, V, activations)
-            out[f"packed_linear/{qtype}/{activations}"] = result.floats()
+            native.packed_linear(result.ref, rows.ref, packed.ref, qtype, QK, V, activations, prompt)
+            out[f"packed_linear/{qtype}/{activations}{'/prompt' if prompt else ''}"] = result.floats()
     return {name: [sum(values), sum(abs(v) for v in values)] for name, values in out.items()}
 
 
