@@ -81,7 +81,8 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
   } else {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
-    a.words = a.planes == 2 && a.rows > word_rows_above(packed_layout(p.qtype));
+    const PackedLayout L = packed_layout(p.qtype);
+    a.words = a.planes == 2 && (a.rows > word_rows_above(L) || byte_words(L, a.rows));
     if (a.words) a.xw.resize(cells * kQuantBlock);
   }
 }

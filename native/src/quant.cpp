@@ -67,14 +67,15 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // broadcast per block and row.
 // kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
 // kLut: the nibbles index the IQ4 codebook; one vpshufb a vector maps them to their u (any byte, as Q8_0's).
-template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre, bool kLut>
+// kWords: bytes as unsigned words against x's combined integers (packed.h's byte_words; x.xw).
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre, bool kLut, bool kWords = false>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   // every u < 128 (Q8_M32 holds u < 32, Q5_K's BITS 5; Q8_0's and the codebook's any byte)
   constexpr bool kSmall = !kLut && (BITS <= 6 || SCALES != kFp16);
   // Any byte where dot4 is emulated: the sums are of u - 128, and `zero` below puts back what that took (AMD EPYC
   // Zen 1, AVX2, 3,072 x 768 and 768 x 1,536: Q8_0 and IQ4_NL 1.45-1.6x faster at 8-256 rows, 1.2-1.5x at 1; Q5_0
-  // above 12 rows (int16; 16 with int8), where it runs as bytes, 1.5x)
-  constexpr bool kCentered = !kSmall && kCenteredDots;
+  // above 12 rows (int16; 16 with int8), where it runs as bytes, 1.5x). As words, u itself.
+  constexpr bool kCentered = !kSmall && kCenteredDots && !kWords;
   const PackedLayout& L = t.layout;
   const int32_t zero = (kMin ? 0 : L.zero) - (kCentered ? 128 : 0);  // what each x's sum takes from the block's
   const Activations& x = *t.x;
@@ -125,6 +126,17 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
       if constexpr (kPairs)
         for (int r = 0; r < MR; ++r)
           for (int j = 0; j < NP; ++j) hi[r][j] = hi[r][j].widen_pairs(), lo[r][j] = lo[r][j].widen_pairs();
+    } else if constexpr (kWords) {  // hi: the words of each lane's bytes 0 and 1, lo: of 2 and 3
+      const int8_t* xw[MR];
+      for (int r = 0; r < MR; ++r) xw[r] = reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock);
+      for (int g = 0; g < 8; ++g)
+        for (int j = 0; j < NP; ++j) {
+          const I32x16 u = I32x16::load(blk[j] + 64 * g), even = u.byte_words(0), odd = u.byte_words(1);
+          for (int r = 0; r < MR; ++r) {
+            hi[r][j] = I32x16::dot2(hi[r][j], even, load4(xw[r] + 8 * g));
+            lo[r][j] = I32x16::dot2(lo[r][j], odd, load4(xw[r] + 8 * g + 4));
+          }
+        }
     } else {
       byte_groups<MR, NP, PLANES, kSmall, kCentered>(blk, xb, 0, 8, hi, lo);
     }
@@ -141,7 +153,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
       const int64_t cell = (r0 + r) * t.blocks + b;
       const F32x16 scale = F32x16::set1(x.scale[cell]);
       for (int j = 0; j < NP; ++j) {
-        I32x16 total = PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
+        I32x16 total = PLANES == 2 && !kWords ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
         if constexpr (!kMin || kCentered) total = total - I32x16::set1(zero * x.isum[cell]);
         acc[r][j] = F32x16::fmadd(total.to_float(), d[j] * scale, acc[r][j]);
         if constexpr (kMin) acc[r][j] = F32x16::fmadd(m[j], F32x16::set1(x.fsum[cell]), acc[r][j]);
@@ -250,8 +262,17 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
 // The integer tile with the next panels' prefetch (pre >= 0) or without: two instantiations, so that the
 // tiles that do not ask (all of a prefill's) carry none of it; a test in their block loop cost a 128-token
 // prefill ~2%.
+// (And any byte as words or not: t.x->words, known for the call.)
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kLut = false>
 void int_tile_pre(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
+  if constexpr (kByteWords && BITS == 8 && PLANES == 2 && SCALES == kFp16) {
+    if (t.x->words) {
+      if constexpr (NP == 2) {
+        if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true, kLut, true>(t, r0, p0, pre);
+      }
+      return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, false, kLut, true>(t, r0, p0, pre);
+    }
+  }
   if constexpr (NP == 2) {  // (row_tiles' width: the only tiles given a `pre`)
     if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true, kLut>(t, r0, p0, pre);
   }
@@ -377,6 +398,9 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
   const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && !t.layout.halves &&
                       r_end - r_begin > 2 * kMR;
   if (expand) expand_scales<NP>(t, p0);
+  if constexpr (kByteWords && BITS == 8 && PLANES == 2) {  // any byte as words: narrow too (packed.h)
+    if (t.x->words) return rows_in_tiles<narrow_tile_rows(PLANES), NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
+  }
   if constexpr (kNarrowTiles && BITS == 4 && PLANES != 0) {
     const PackedLayout& L = t.layout;
     if (!L.lut && !L.high_bits && !L.halves)  // Q4_0, Q4_1, Q4_K, Q4_M32: int_tile's pair sums
