@@ -45,14 +45,6 @@ constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
 // in narrow tiles Q5_0, Q6_K and Q8_0 at 8 rows were 5-20% slower (not profiled).
 constexpr bool kNarrowTiles = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2;
 constexpr int narrow_tile_rows(int planes) { return planes == 2 ? 1 : 2; }
-// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk of int16 activations holds more rows than
-// this (with int8's one plane, words would take twice the halves tile's multiplies): four row tiles, or for Q2_K,
-// whose crumbs make 8 times their bytes of words, twelve (2,048 x 8,192 on the Xeon: Q2_K at 13-24 rows 20-30%
-// slower as words; at 128, 15% faster).
-inline int64_t word_rows_above(const PackedLayout& L) {
-  const bool word_type = L.halves && L.scale_bytes == 1;
-  return !word_type ? INT64_MAX : L.has_min ? 12 * tile_rows(2) : 4 * tile_rows(2);
-}
 // Weights of any byte (Q8_0; Q5_0 and Q5_1 where row_tiles expands them to bytes) under int16 x on AVX2: int_tile
 // takes each vector of 4-byte lanes as two of unsigned words against x's combined integers 256 h + l (vpmaddwd:
 // one multiply a pair of products), where centered_dot4 takes two multiplies a pair of bytes in each of the two
@@ -60,10 +52,24 @@ inline int64_t word_rows_above(const PackedLayout& L) {
 // panels) too. AMD EPYC Zen 1, int16, Q8_0 49,152 x 576 (the default model's head) at 1 / 8 / 32 rows: 2.84 / 17.4 /
 // 69.1 ms as bytes, 2.22 / 11.5 / 46.4 as words in 3-row tiles, 2.22 / 10.2 / 39.9 in 1-row tiles (2 rows: 2.29 /
 // 11.3 / 42.6); 3,072 x 768: 0.246 / 1.54 / 5.90 -> 0.187 / 0.956 / 3.41.
+// Q2_K, Q3_K and Q6_K likewise in halves_tile, below word_rows_above: there forming their weights costs more
+// than the multiplies (Q6_K 49,152 x 768 at 1 / 8 rows: 5.80 / 30.1 -> 5.43 / 25.4 ms; see word_rows_above).
 constexpr bool kByteWords = kCenteredDots;
 inline bool byte_words(const PackedLayout& L, int64_t rows) {
   const bool any_byte = !L.lut && !L.halves && L.scale_bytes == 2;
-  return kByteWords && any_byte && (L.bits == 8 || (L.high_bits == 1 && rows > 4 * tile_rows(2)));
+  const bool coded_halves = L.halves && L.scale_bytes == 1;  // Q2_K, Q3_K, Q6_K: halves_tile
+  return kByteWords && (coded_halves || (any_byte && (L.bits == 8 || (L.high_bits == 1 && rows > 4 * tile_rows(2)))));
+}
+// Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk of int16 activations holds more rows than
+// this (with int8's one plane, words would take twice the halves tile's multiplies): four row tiles, or for Q2_K,
+// whose crumbs make 8 times their bytes of words, twelve (2,048 x 8,192 on the Xeon: Q2_K at 13-24 rows 20-30%
+// slower as words; at 128, 15% faster). With AVX2's emulated dot products, all three from one row tile on (Zen 1:
+// Q6_K 49,152 x 768 at 2 / 3 / 4 / 8 rows, in halves_tile as words 7.42 / 10.1 / 11.1 (expanded) / 25.4 ms,
+// expanded 8.73 / 10.0 / 11.1 / 18.6; Q2_K 3,072 x 768 at 8 / 32 rows 2.00 / 7.75 ms in halves_tile as bytes,
+// 1.17 / 3.60 expanded).
+inline int64_t word_rows_above(const PackedLayout& L) {
+  const bool word_type = L.halves && L.scale_bytes == 1;
+  return !word_type ? INT64_MAX : (kByteWords ? 1 : L.has_min ? 12 : 4) * tile_rows(2);
 }
 
 // Room for x's blocks, sized before any thread writes them; then row `row` of x quantized into them.

@@ -165,12 +165,22 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
 
 // 2- to 6-bit weights' half h of a block against x's bytes (h = 0: weights 0..15, the low nibbles; 1: 16..31,
 // the high ones; or the crumbs of vector h), into hi and lo as byte_groups does.
-template <int MR, int NP, int BITS, int PLANES>
+// kWords: as unsigned words against x's combined integers (xb: x.xw's block; packed.h's byte_words), into hi (each
+// lane's bytes 0 and 1) and lo (2 and 3).
+template <int MR, int NP, int BITS, int PLANES, bool kWords = false>
 inline void quant_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb)[MR], int h, I32x16 (&hi)[MR][NP],
                        I32x16 (&lo)[MR][NP]) {
   for (int g = 0; g < 4; ++g)
     for (int j = 0; j < NP; ++j) {
       const I32x16 w = block_weights<BITS>(blk[j], g, h);
+      if constexpr (kWords) {
+        const I32x16 even = w.byte_words(0), odd = w.byte_words(1);
+        for (int r = 0; r < MR; ++r) {
+          hi[r][j] = I32x16::dot2(hi[r][j], even, load4(xb[r] + 2 * (16 * h + 4 * g)));
+          lo[r][j] = I32x16::dot2(lo[r][j], odd, load4(xb[r] + 2 * (16 * h + 4 * g) + 4));
+        }
+        continue;
+      }
       for (int r = 0; r < MR; ++r) {
         if constexpr (PLANES == 2) {
           hi[r][j] = I32x16::dot4<true>(hi[r][j], w, load4(xb[r] + 16 * h + 4 * g));
@@ -191,8 +201,12 @@ inline void quant_half(const uint8_t* const (&blk)[NP], const int8_t* const (&xb
 // its min times the half's x). Scale codes (Q2_K, Q3_K, Q6_K): each half's integer sum times its code, then
 // float(sum0) + float(sum1) under d scale (kMin: then m0 and m1 times each half's x), the word tile's sums in its
 // order, so that a row's result does not depend on which of the two its batch took (|sum_h| < 2^31: word_tile).
-template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin>
+// kWords: 2- to 6-bit weights as words (Q2_K, Q3_K, Q6_K under int16 x on AVX2, x.words; packed.h's byte_words).
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kWords = false>
 void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
+  if constexpr (kByteWords && !kWords && BITS <= 6 && PLANES == 2) {
+    if (t.x->words) return halves_tile<MR, NP, BITS, PLANES, SCALES, kMin, true>(t, r0, p0);
+  }
   constexpr bool kSmall = true;
   constexpr bool kCodes = SCALES == kHalfCodes || SCALES == kHalfCodesMin;
   const PackedLayout& L = t.layout;
@@ -205,7 +219,9 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
     panel_blocks<NP, kCodes>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
-    for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
+    for (int r = 0; r < MR; ++r)
+      xb[r] = kWords ? reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock)
+                     : x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     F32x16 d[2][NP], m[2][NP];
     if constexpr (!kCodes)
       for (int j = 0; j < NP; ++j) half_scales<SCALES, kMin>(L, blk[j], b, d[0][j], d[1][j], m[0][j], m[1][j]);
@@ -214,7 +230,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
       I32x16 hi[MR][NP], lo[MR][NP];
       for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
-      if constexpr (BITS <= 6) quant_half<MR, NP, BITS, PLANES>(blk, xb, h, hi, lo);
+      if constexpr (BITS <= 6) quant_half<MR, NP, BITS, PLANES, kWords>(blk, xb, h, hi, lo);
       else byte_groups<MR, NP, PLANES, kSmall>(blk, xb, 4 * h, 4 * h + 4, hi, lo);
       I32x16 code[NP];
       if constexpr (kCodes)
@@ -229,7 +245,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
         const I32x16 correction = I32x16::set1(L.zero * part);
         const F32x16 xsum = F32x16::set1(x.scale[cell] * static_cast<float>(part));  // the half's x, as quantized
         for (int j = 0; j < NP; ++j) {
-          I32x16 total = PLANES == 2 ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
+          I32x16 total = PLANES == 2 && !kWords ? hi[r][j].shl8() + lo[r][j] : hi[r][j] + lo[r][j];
           if constexpr (!kMin) total = total - correction;
           if constexpr (kCodes) {
             if (h == 0) {
