@@ -82,7 +82,7 @@ void size_for(const PackedLinearArgs& p, Activations& a) {
     a.q.resize(cells * a.planes * kQuantBlock), a.scale.resize(cells), a.isum.resize(cells);
     if (a.halves) a.isum_first.resize(cells);
     const PackedLayout L = packed_layout(p.qtype);
-    a.words = a.planes == 2 && (a.rows > word_rows_above(L) || byte_words(L, a.rows));
+    a.words = a.planes == 2 && (a.rows > word_rows_above(L) || byte_words(L));
     if (a.words) a.xw.resize(cells * kQuantBlock);
   }
 }

@@ -89,7 +89,9 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
     prefetch_blocks(t, blk, b, ahead);
     if constexpr (kPre) prefetch_next<NP>(t, pre, b);
     const int8_t* xb[MR];
-    for (int r = 0; r < MR; ++r) xb[r] = x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
+    for (int r = 0; r < MR; ++r)
+      xb[r] = kWords ? reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock)
+                     : x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
     I32x16 hi[MR][NP], lo[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
@@ -111,6 +113,16 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
             const I32x16 table = I32x16::table16(kIq4Unsigned);
             wl = wl.lookup(table), wh = wh.lookup(table);
           }
+          if constexpr (kWords) {  // (xb: x.xw's block) hi: the words of each lane's bytes 0 and 1, lo: of 2 and 3
+            const I32x16 wl0 = wl.byte_words(0), wl1 = wl.byte_words(1), wh0 = wh.byte_words(0), wh1 = wh.byte_words(1);
+            for (int r = 0; r < MR; ++r) {
+              hi[r][j] = I32x16::dot2(hi[r][j], wl0, load4(xb[r] + 8 * g));
+              lo[r][j] = I32x16::dot2(lo[r][j], wl1, load4(xb[r] + 8 * g + 4));
+              hi[r][j] = I32x16::dot2(hi[r][j], wh0, load4(xb[r] + 32 + 8 * g));
+              lo[r][j] = I32x16::dot2(lo[r][j], wh1, load4(xb[r] + 32 + 8 * g + 4));
+            }
+            continue;
+          }
           for (int r = 0; r < MR; ++r) {
             if constexpr (PLANES == 2) {
               hi[r][j] = dot(hi[r][j], wl, xb[r] + 4 * g);
@@ -126,15 +138,13 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
       if constexpr (kPairs)
         for (int r = 0; r < MR; ++r)
           for (int j = 0; j < NP; ++j) hi[r][j] = hi[r][j].widen_pairs(), lo[r][j] = lo[r][j].widen_pairs();
-    } else if constexpr (kWords) {  // hi: the words of each lane's bytes 0 and 1, lo: of 2 and 3
-      const int8_t* xw[MR];
-      for (int r = 0; r < MR; ++r) xw[r] = reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock);
+    } else if constexpr (kWords) {  // (as above)
       for (int g = 0; g < 8; ++g)
         for (int j = 0; j < NP; ++j) {
           const I32x16 u = I32x16::load(blk[j] + 64 * g), even = u.byte_words(0), odd = u.byte_words(1);
           for (int r = 0; r < MR; ++r) {
-            hi[r][j] = I32x16::dot2(hi[r][j], even, load4(xw[r] + 8 * g));
-            lo[r][j] = I32x16::dot2(lo[r][j], odd, load4(xw[r] + 8 * g + 4));
+            hi[r][j] = I32x16::dot2(hi[r][j], even, load4(xb[r] + 8 * g));
+            lo[r][j] = I32x16::dot2(lo[r][j], odd, load4(xb[r] + 8 * g + 4));
           }
         }
     } else {
@@ -281,7 +291,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
 // (And any byte as words or not: t.x->words, known for the call.)
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kLut = false>
 void int_tile_pre(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
-  if constexpr (kByteWords && BITS == 8 && PLANES == 2 && SCALES == kFp16) {
+  if constexpr (kByteWords && PLANES == 2 && (BITS == 8 || BITS == 5 || kLut)) {  // (not the pair sums)
     if (t.x->words) {
       if constexpr (NP == 2) {
         if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true, kLut, true>(t, r0, p0, pre);

@@ -1,7 +1,8 @@
-// Q2_K's, Q3_K's and Q6_K's prompts (many rows of int16 x) as 16-bit words: each panel pair of a row chunk expanded
-// once into signed words (u - zero) sc_h, then multiplied with x's combined integers 256 h + l (vpdpwssd; vpmaddwd
-// without VNNI). Called by quant.cpp's row_tiles; the halves tile (quant.cpp) runs the same types for fewer rows
-// and folds its sums in the same order, so that a row's result does not depend on which of the two ran it.
+// Q2_K's, Q3_K's and Q6_K's row chunks of int16 x above word_rows_above (prompts; on AVX2 above one row tile) as
+// 16-bit words: each panel pair of a row chunk expanded once into signed words (u - zero) sc_h, then multiplied with
+// x's combined integers 256 h + l (vpdpwssd; vpmaddwd without VNNI). Called by quant.cpp's row_tiles; the halves
+// tile (quant.cpp) runs the same types for fewer rows and folds its sums in the same order, so that a row's result
+// does not depend on which of the two ran it.
 #include "packed.h"
 
 namespace appliance::APPLIANCE_ISA {
