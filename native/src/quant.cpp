@@ -490,6 +490,21 @@ void run(const Tiles& t, const PackedLinearArgs& a, Activations* prepared) {
   }
 }
 
+// The call's tiles with x as float32 rows: as given, or bfloat16 rows widened into `x.fx` (this thread's: x is
+// thread_local, the team's threads have their own).
+Tiles float_rows(const Tiles& t, const PackedLinearArgs& a, Activations& x) {
+  Tiles wide = t;
+  if (a.x_dtype == DType::f32) return wide;
+  x.fx.resize(static_cast<size_t>(a.rows * a.in_features));
+  float* wide_rows = x.fx.data();
+  const bf16* rows = static_cast<const bf16*>(a.x);
+#pragma omp parallel for schedule(static) if (a.rows * a.in_features >= kParallelElements)
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t c = 0; c < a.in_features; ++c) wide_rows[r * a.in_features + c] = bf16_to_float(rows[r * a.x_stride + c]);
+  wide.x_rows = wide_rows, wide.x_dtype = DType::f32, wide.x_stride = a.in_features;
+  return wide;
+}
+
 }  // namespace
 
 void packed_linear(const PackedLinearArgs& a) {
@@ -506,34 +521,11 @@ void packed_linear(const PackedLinearArgs& a) {
     // kernels.h, a BF16 SmolLM2's decode step: batch 8 21.7-23.2 ms against 24.7-26.0, a 256-token prefill
     // 1.4x faster, but batch 1 12.2 against 11.7 ms (medians of eight): one row streams the weights from
     // memory, where vdpbf16ps' fewer instructions help; keeping it there made rows batch-dependent.
-    if (a.x_dtype == DType::bf16 && !bf16_dot()) {
-      x.fx.resize(static_cast<size_t>(a.rows * a.in_features));
-      float* wide_rows = x.fx.data();  // this thread's: x is thread_local, the team's threads have their own
-      const bf16* rows = static_cast<const bf16*>(a.x);
-#pragma omp parallel for schedule(static) if (a.rows * a.in_features >= kParallelElements)
-      for (int64_t r = 0; r < a.rows; ++r)
-        for (int64_t c = 0; c < a.in_features; ++c) wide_rows[r * a.in_features + c] = bf16_to_float(rows[r * a.x_stride + c]);
-      Tiles wide = t;
-      wide.x_rows = wide_rows, wide.x_dtype = DType::f32, wide.x_stride = a.in_features;
-      return run<16, 0>(wide, a, nullptr);
-    }
+    if (a.x_dtype == DType::bf16 && !bf16_dot()) return run<16, 0>(float_rows(t, a, x), a, nullptr);
 #endif
     return run<16, 0>(t, a, nullptr);
   }
-  if (kWidenPrompts && a.prompt && a.act == ActQuant::int16) {  // widened.cpp: x as float32 rows
-    Tiles wide = t;
-    if (a.x_dtype != DType::f32) {
-      x.fx.resize(static_cast<size_t>(a.rows * a.in_features));
-      float* wide_rows = x.fx.data();
-      const bf16* rows = static_cast<const bf16*>(a.x);
-#pragma omp parallel for schedule(static) if (a.rows * a.in_features >= kParallelElements)
-      for (int64_t r = 0; r < a.rows; ++r)
-        for (int64_t c = 0; c < a.in_features; ++c) wide_rows[r * a.in_features + c] = bf16_to_float(rows[r * a.x_stride + c]);
-      wide.x_rows = wide_rows, wide.x_stride = a.in_features;
-    }
-    wide.x_dtype = DType::f32;
-    return widened_linear(wide, a.rows);
-  }
+  if (kWidenPrompts && a.prompt && a.act == ActQuant::int16) return widened_linear(float_rows(t, a, x), a.rows);  // widened.cpp
   size_for(a, x);
   if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : bits == 2 ? run<2, 2>(t, a, &x) : run<8, 2>(t, a, &x);
   else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : bits == 2 ? run<2, 1>(t, a, &x) : run<8, 1>(t, a, &x);
