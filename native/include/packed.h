@@ -50,7 +50,8 @@ constexpr int narrow_tile_rows(int planes) { return planes == 2 ? 1 : 2; }
 // x's combined integers 256 h + l (vpmaddwd: one multiply a pair of products), where the two planes take two
 // multiplies a pair of bytes each (dot4, centered_dot4). The integer sums are the same, so a row's bits do not
 // depend on which ran it. (The 4-bit pair sums, Q4_0, Q4_1 and Q4_K, take one multiply a pair of bytes a plane and
-// stay as they are.) Q8_0 in narrow tiles (1 row x 2 panels) too. AMD EPYC Zen 1, int16, Q8_0 49,152 x 576 (the default model's head) at 1 / 8 / 32 rows: 2.84 / 17.4 /
+// stay as they are.) Byte tiles as words (Q8_0, the Q5 types expanded to bytes) in narrow tiles (1 row x 2 panels)
+// too. AMD EPYC Zen 1, int16, Q8_0 49,152 x 576 (the default model's head) at 1 / 8 / 32 rows: 2.84 / 17.4 /
 // 69.1 ms as bytes, 2.22 / 11.5 / 46.4 as words in 3-row tiles, 2.22 / 10.2 / 39.9 in 1-row tiles (2 rows: 2.29 /
 // 11.3 / 42.6); 3,072 x 768: 0.246 / 1.54 / 5.90 -> 0.187 / 0.956 / 3.41. 3,072 x 768 at 1 / 8 / 32 rows, ms:
 // Q5_K 0.309 / 1.52 / 5.27 -> 0.263 / 1.11 / 3.59, Q5_0 0.270 / 1.46 / 3.59 -> 0.226 / 1.12 / 3.54, IQ4_NL
@@ -61,7 +62,7 @@ constexpr bool kByteWords = kCenteredDots;
 inline bool byte_words(const PackedLayout& L) {
   const bool q8_0 = L.bits == 8 && !L.halves && L.scale_bytes == 2;
   const bool coded_halves = L.halves && L.scale_bytes == 1;  // Q2_K, Q3_K, Q6_K: halves_tile
-  return kByteWords && (q8_0 || L.lut || L.high_bits == 1 || coded_halves);  // (L.lut: IQ4_NL, IQ4_XS; 1: the Q5 types)
+  return kByteWords && (q8_0 || L.lut || L.high_bits == 1 || coded_halves);  // (lut: the IQ4 types; 1: the Q5 types)
 }
 // Q2_K, Q3_K and Q6_K run as words (expand_words) where a row chunk of int16 activations holds more rows than
 // this (with int8's one plane, words would take twice the halves tile's multiplies): four row tiles, or for Q2_K,

@@ -424,7 +424,7 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
   const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && !t.layout.halves &&
                       r_end - r_begin > 2 * kMR;
   if (expand) expand_scales<NP>(t, p0);
-  if constexpr (kByteWords && BITS == 8 && PLANES == 2) {  // any byte as words: narrow too (packed.h)
+  if constexpr (kByteWords && BITS == 8 && PLANES == 2) {  // bytes as words: narrow too (packed.h)
     if (t.x->words) return rows_in_tiles<narrow_tile_rows(PLANES), NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
   }
   if constexpr (kNarrowTiles && BITS == 4 && PLANES != 0) {

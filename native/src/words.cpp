@@ -8,7 +8,7 @@
 namespace appliance::APPLIANCE_ISA {
 namespace {
 
-// Q2_K, Q3_K and Q6_K under more than four row tiles of int16 activations: panels [p0, p0 + NP) as signed words
+// Q2_K, Q3_K and Q6_K above word_rows_above of int16 activations: panels [p0, p0 + NP) as signed words
 // w = (u - zero) sc_h, each half's scale code taken into its weights (exact: |w| <= 4,096), and per block the
 // superblock's d (and Q2_K's mins, -dmin m_h) in float32, 16 each: 16 vectors of words a block, word pair v of a
 // row its weights 2v and 2v + 1 (byte_words). Beside its 16 vpdpbusd a block, row
