@@ -36,6 +36,13 @@ struct Activations {
   std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers 256 h + l
 };
 
+// Row `row`'s block b of x as the integer tiles read it: its combined integers as words (xw), or its planes (q)
+template <bool kWords, int PLANES>
+inline const int8_t* x_block(const Activations& x, int64_t row, int64_t blocks, int64_t b) {
+  if constexpr (kWords) return reinterpret_cast<const int8_t*>(x.xw.data() + (row * blocks + b) * kQuantBlock);
+  else return x.q.data() + (row * blocks + b) * PLANES * kQuantBlock;
+}
+
 // Rows a row tile takes: int16 keeps two int32 accumulators per (row, panel) (see row_tiles).
 constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
 // AVX2 has 16 registers, and each I32x16 takes two: 3 rows of int16 accumulators by 2 panels are 24 registers,

@@ -90,8 +90,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
     if constexpr (kPre) prefetch_next<NP>(t, pre, b);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r)
-      xb[r] = kWords ? reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock)
-                     : x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
+      xb[r] = x_block<kWords, PLANES>(x, r0 + r, t.blocks, b);
     I32x16 hi[MR][NP], lo[MR][NP];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NP; ++j) hi[r][j] = lo[r][j] = I32x16::zero();
@@ -230,8 +229,7 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
     prefetch_blocks(t, blk, b, ahead);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r)
-      xb[r] = kWords ? reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock)
-                     : x.q.data() + ((r0 + r) * t.blocks + b) * PLANES * kQuantBlock;
+      xb[r] = x_block<kWords, PLANES>(x, r0 + r, t.blocks, b);
     F32x16 d[2][NP], m[2][NP];
     if constexpr (!kCodes)
       for (int j = 0; j < NP; ++j) half_scales<SCALES, kMin>(L, blk[j], b, d[0][j], d[1][j], m[0][j], m[1][j]);

@@ -66,7 +66,7 @@ template <int MR, int NP, bool kMin>
     const uint8_t* blk[NP];
     panel_blocks<NP, false>(t, p0, b, blk);
     const int8_t* xw[MR];
-    for (int r = 0; r < MR; ++r) xw[r] = reinterpret_cast<const int8_t*>(x.xw.data() + ((r0 + r) * t.blocks + b) * kQuantBlock);
+    for (int r = 0; r < MR; ++r) xw[r] = x_block<true, 2>(x, r0 + r, t.blocks, b);
     I32x16 sum[2][MR][NP];
     auto half = [&](int h, I32x16 (&s)[MR][NP]) {  // (one array a half: indexed by a loop's half, GCC kept them on the stack)
       for (int r = 0; r < MR; ++r)
