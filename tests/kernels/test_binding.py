@@ -81,3 +81,48 @@ def test_every_openmp_thread_gets_the_memory_policy_even_when_the_pool_existed_b
     for tid, policies in result["policies"].items():
         assert f"{policy}:0" in policies, f"thread {tid} kept {policies}"
     assert "on 2 of 2 thread(s)" in result["report"]
+
+
+RUNTIME_CHILD = """
+import json, os
+import torch
+from app import kernels
+x = torch.ones(64, 4096)
+kernels.rms_norm(x, torch.ones(4096), 1e-6)  # a parallel region: the runtime starts its threads and binds them
+masks = {}
+for task in os.listdir("/proc/self/task"):
+    status = open(f"/proc/self/task/{task}/status").read()
+    masks[task] = status.split("Cpus_allowed_list:")[1].split()[0]
+print(json.dumps({"main": masks.pop(str(os.getpid())), "others": sorted(masks.values())}))
+"""
+
+
+@pytest.mark.parametrize("runtime", ["gnu", "llvm", "intel"])
+def test_each_openmp_runtime_pins_its_threads_from_the_plans_environment(runtime):
+    """The plan's OpenMP variables alone (no bind_threads) put thread i on cpus[i], with the runtime preloaded as
+    the bootstrap does; LLVM's libomp 16 put every thread on cpus[0] with OMP_PLACES (app/placement/openmp.py)."""
+    import os
+
+    from app.bootstrap.preflight import OPENMP_LIBRARIES, default_search_dirs, find_library
+    from app.placement.openmp import openmp_env
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY", "GOMP_CPU_AFFINITY", "LD_PRELOAD"):
+        env.pop(name, None)
+    if runtime != "gnu":  # GNU's is torch's own libgomp
+        library = find_library(OPENMP_LIBRARIES[runtime], default_search_dirs())
+        if library is None:
+            pytest.skip(f"no {runtime} OpenMP runtime on this machine")
+        env["LD_PRELOAD"] = library
+    cpus = [allowed[1], allowed[0]]  # not in order: thread 0 on the higher CPU
+    env.update(openmp_env(runtime, tuple(cpus)))
+    child = subprocess.run([sys.executable, "-c", RUNTIME_CHILD], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert "Warning" not in child.stderr, child.stderr
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["main"] == str(cpus[0])
+    assert str(cpus[1]) in result["others"], result  # the second OpenMP thread, on the other CPU
