@@ -26,7 +26,8 @@ from pathlib import Path
 from app.bootstrap.runtime import RUNTIME_VARIABLE, RuntimeDir
 from app.engine.launch import RankLaunch
 from app.engine.process import run_engine
-from app.model.tokenizer import EXPORT_WAIT_SECONDS
+from app.model.source import ModelSource
+from app.model.tokenizer import EXPORT_WAIT_SECONDS, EXPORTED_FROM_CACHE, copy_cached_export
 from app.server.config import CONFIG_VARIABLE, FrontendConfig
 
 log = logging.getLogger("app.bootstrap")
@@ -147,9 +148,17 @@ class Supervisor:
         """The frontend's torch-free tokenizer, written by a short-lived process while the engine loads and the
         frontend's workers boot; it appears in `tokenizer_dir` in one rename, which the workers wait for."""
         cfg, cpus = self.frontend_cfg, self.frontend_cpus
+        started = time.monotonic()
+        try:
+            if copy_cached_export(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name),
+                                  cfg.tokenizer_dir):
+                log.info("tokenizer exported for the HTTP frontend in %.1f s (%s)", time.monotonic() - started,
+                         EXPORTED_FROM_CACHE)
+                return True
+        except OSError as exc:  # a damaged entry: the export's process converts it again
+            log.warning("could not copy the cached tokenizer export (%s); converting it again", exc)
         command = [sys.executable, "-m", "app.model.tokenizer", cfg.model_path, cfg.model_format, cfg.served_name,
                    cfg.tokenizer_dir]
-        started = time.monotonic()
         try:  # its own session: a Ctrl-C meant for the supervisor does not cut it short (the stop comes after it)
             result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                                     text=True, timeout=EXPORT_WAIT_SECONDS, start_new_session=True,
@@ -161,7 +170,8 @@ class Supervisor:
             log.error("could not export the tokenizer for the HTTP frontend (exit code %d):\n%s", result.returncode,
                       result.stderr.strip()[-2000:])
             return False
-        log.info("tokenizer exported for the HTTP frontend in %.1f s", time.monotonic() - started)
+        how = result.stdout.strip().rpartition("\n")[2] or "done"
+        log.info("tokenizer exported for the HTTP frontend in %.1f s (%s)", time.monotonic() - started, how)
         return True
 
     def _start_frontend(self) -> None:

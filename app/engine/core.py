@@ -6,10 +6,13 @@ never touches the model: its executor runs each step (in this process, or across
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from app.cache import cache_dir, entry_name, write_text
 from app.engine.executor import Executor, ExecutorFailed
 from app.engine.kv_cache import KVCacheConfig, KVCacheManager
 from app.engine.output import TokenLogprobs
@@ -47,20 +50,30 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, executor: Executor, scheduler_cfg: SchedulerConfig, kv: KVCacheConfig, model_id: str):
+    def __init__(self, executor: Executor, scheduler_cfg: SchedulerConfig, kv: KVCacheConfig, model_id: str,
+                 calibration_key: dict | None = None):
+        """`calibration_key`: what the step cost's fit depends on beyond the scheduler's shapes (model file, kernels,
+        CPU, threads; app.engine.process.calibration_key), to keep the fit across starts; None: fit it anew."""
         self.executor = executor
         self.kv = KVCacheManager(kv, model_id)
-        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size)
+        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size, calibration_key)
         self.scheduler = Scheduler(scheduler_cfg, self.kv, self.cost)
         self.max_model_len = scheduler_cfg.max_model_len
 
-    def _calibrate(self, cfg: SchedulerConfig, cache_tokens: int) -> StepCost | None:
-        """Time a few forward passes (on free blocks, before any request) to predict step times."""
+    def _calibrate(self, cfg: SchedulerConfig, cache_tokens: int, key: dict | None) -> StepCost | None:
+        """Time a few forward passes (on free blocks, before any request) to predict step times; with `key`, an
+        earlier start's fit is checked against the first of them and kept if it agrees (app.cache)."""
         if cfg.step_time_budget <= 0 or not cfg.chunked_prefill:
             return None
-        cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget,
-                                  min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len),
-                                  cfg.max_num_seqs)
+        max_tokens = min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len)
+        entry = None
+        if key is not None and (folder := cache_dir("calibration")) is not None:
+            entry = folder / f"{entry_name({**key, 'max_tokens': max_tokens, 'max_seqs': cfg.max_num_seqs})}.json"
+        cached = _read_fit(entry, cfg.step_time_budget)
+        cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget, max_tokens, cfg.max_num_seqs,
+                                  cached)
+        if entry is not None and not cost.from_cache:
+            write_text(entry, json.dumps(cost.to_json()))
         log.info("calibrated: %s", cost.describe())
         return cost
 
@@ -130,3 +143,13 @@ class EngineCore:
         queries = self.kv.queries
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
                            self.kv.hits / queries if queries else 0.0)
+
+
+def _read_fit(entry: Path | None, budget: float) -> StepCost | None:
+    """The fit cached at `entry`, or None (none there, or unreadable: it is made anew and written over)."""
+    if entry is None:
+        return None
+    try:
+        return StepCost.from_json(json.loads(entry.read_text()), budget)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

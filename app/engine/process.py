@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from app.engine.launch import RankLaunch
 
@@ -58,8 +60,6 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
     """Rank 0 of a replica: start its TP workers (if any), pin and bind this process as the plan says, call
     `before_load` (threads it starts have the binding), load this rank's shard, and build the EngineCore.
     Returns (core, LoadedModel)."""
-    from pathlib import Path
-
     launch, rest = launches[0], launches[1:]
     group, workers = None, []
     if launch.tp > 1:
@@ -100,7 +100,7 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
             ready(group)
             log.info("TP group of %d ranks ready", launch.tp)
             executor = TPExecutor(runner, group, workers)
-        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id), loaded
+        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id, calibration_key(launches)), loaded
     except BaseException:
         if group is not None:
             group.abort("TP rank 0 failed to start")
@@ -108,6 +108,42 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
         for worker in workers:
             worker.kill()
         raise
+
+
+def calibration_key(launches: list[RankLaunch]) -> dict | None:
+    """What a replica's step times depend on, beyond the scheduler's shapes: the model file and how it is run, the
+    kernels (ISA, library build), the CPU and each rank's threads. The engine keeps its step cost's fit under it
+    (EngineCore); None where the model file cannot be read."""
+    from app import _native, kernels
+
+    model = launches[0].model
+    files = sorted(Path(model.path).glob("*.safetensors")) + [Path(model.path, "config.json")] \
+        if os.path.isdir(model.path) else [Path(model.path)]  # a Hugging Face directory: its files
+    try:
+        stamps = [[str(f.resolve()), (st := f.stat()).st_size, st.st_mtime_ns] for f in files]
+        library = os.stat(_native.__file__)
+    except OSError:
+        return None
+    try:
+        release = version("llm-appliance")
+    except PackageNotFoundError:  # run from a source tree
+        release = "unknown"
+    return {"version": 1, "model": [stamps, model.dtype, model.quantized, model.quantized_activations],
+            "kernels": [kernels.describe(), library.st_size, library.st_mtime_ns, release],
+            "cpu": _cpu_identity(),
+            "kv": [launches[0].kv.dtype, launches[0].kv.block_size],
+            "ranks": [[len(r.placement.cpus), len(r.placement.memory_nodes), r.placement.interleave] for r in launches]}
+
+
+def _cpu_identity() -> list[str]:
+    """The fields of /proc/cpuinfo that name the CPU (x86: vendor, family, model, stepping; arm64: part)."""
+    try:
+        first = open("/proc/cpuinfo").read().split("\n\n", 1)[0]
+    except OSError:
+        return []
+    wanted = ("vendor_id", "cpu family", "model", "model name", "stepping", "CPU implementer", "CPU part",
+              "CPU variant")
+    return [line.strip() for line in first.splitlines() if line.partition(":")[0].strip() in wanted]
 
 
 def _wait_for_workers(group, workers, timeout: float = 120) -> None:

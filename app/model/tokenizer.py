@@ -16,7 +16,6 @@ and tokenizers versions: later starts copy it. A cache that cannot be written is
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -26,6 +25,7 @@ import types
 from importlib.metadata import version
 from pathlib import Path
 
+from app.cache import cache_dir, entry_name
 from app.model.source import ModelSource
 
 log = logging.getLogger(__name__)
@@ -106,31 +106,33 @@ def _build_without_torch(chosen, path: Path):
             sys.modules[READER_MODULE] = saved
 
 
-def export_tokenizer(source: ModelSource, directory: Path) -> None:
-    """Write the tokenizer as a fast tokenizer (tokenizer.json, its config and chat template) to `directory`."""
+def export_tokenizer(source: ModelSource, directory: Path) -> bool:
+    """Write the tokenizer as a fast tokenizer (tokenizer.json, its config and chat template) to `directory`.
+    True where it was copied from the cache, False where it was converted from the model."""
     cached = cache_entry(source)
     if cached is not None and (cached / "tokenizer.json").is_file():
         shutil.copytree(cached, directory, dirs_exist_ok=True)
-        return
+        return True
     tokenizer = load_tokenizer(source)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer of {source.path} has no fast (tokenizers) version to export")
     tokenizer.save_pretrained(str(directory))
     if cached is not None:
         _store(Path(directory), cached)
+    return False
 
 
 def cache_entry(source: ModelSource) -> Path | None:
     """Where the export of `source`'s tokenizer is cached (None: no cache, e.g. no home directory)."""
-    root = os.environ.get("APPLIANCE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llm-appliance")
-    if root.startswith("~"):
+    folder = cache_dir("tokenizers")
+    if folder is None:
         return None
     try:
         stat = source.path.stat()
         key = f"{source.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version('transformers')}:{version('tokenizers')}"
     except OSError:
         return None
-    return Path(root) / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return folder / entry_name(key)
 
 
 def _store(exported: Path, entry: Path) -> None:
@@ -153,14 +155,36 @@ def load_exported(directory: str | Path):
 
 def main(argv: list[str]) -> int:
     """Export into `out` whole or not at all (an earlier export there is replaced): the frontend's workers
-    start using it the moment it exists."""
+    start using it the moment it exists. Says on stdout where it came from, for the bootstrap's log."""
     path, fmt, name, out = argv
+    cached = _whole(out, lambda partial: export_tokenizer(ModelSource(Path(path), fmt, name), partial))
+    print(EXPORTED_FROM_CACHE if cached else EXPORTED_BY_CONVERSION, flush=True)
+    return 0
+
+
+def copy_cached_export(source: ModelSource, out: str) -> bool:
+    """The cached export of `source`'s tokenizer into `out`, whole (as `main`), where there is one: the bootstrap
+    does this itself, without the export's process (an interpreter and its imports: ~0.5 s of CPU beside the
+    engine's start). False where there is none."""
+    cached = cache_entry(source)
+    if cached is None or not (cached / "tokenizer.json").is_file():
+        return False
+    _whole(out, lambda partial: shutil.copytree(cached, partial))
+    return True
+
+
+def _whole(out: str, write):
+    """`write(partial)`, then `partial` renamed to `out` (replacing it): `out` appears whole or not at all."""
     partial = Path(f"{out}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    export_tokenizer(ModelSource(Path(path), fmt, name), partial)
+    result = write(partial)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(partial, out)
-    return 0
+    return result
+
+
+EXPORTED_FROM_CACHE = "copied from the cache"
+EXPORTED_BY_CONVERSION = "converted from the model file"
 
 
 EXPORT_WAIT_SECONDS = 600  # the bootstrap gives the export as long (app/bootstrap/supervisor.py)

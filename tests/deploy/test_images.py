@@ -107,12 +107,18 @@ def image(docker) -> str:
     return image
 
 
-def test_the_image_serves_as_non_root_and_stops_within_seconds(docker, image):
-    # On the host's network, the default command serves on port 8000 (the sandbox's bridge does not forward -p)
-    _run(docker, "docker", "run", "-d", "--name", "appliance-test", "--network", "host", image)
+def test_the_image_serves_as_non_root_on_a_read_only_root_and_stops_within_seconds(docker, image):
+    # On the host's network, the default command serves on port 8000 (the sandbox's bridge does not forward -p).
+    # As the chart runs it: a read-only root, with empty writable volumes on /tmp and on $HOME
+    _run(docker, "docker", "run", "-d", "--name", "appliance-test", "--network", "host", "--read-only",
+         "--tmpfs", "/tmp", "--tmpfs", "/var/lib/appliance:uid=10001,gid=10001", image)
     try:
         ready = _wait_healthy("http://127.0.0.1:8000")
         print(f"\nimage ready in {ready:.0f} s")
+        child = _run(docker, "docker", "logs", "appliance-test")
+        logs = child.stdout + child.stderr
+        # the tokenizer the image's build converted, not hidden by the empty $HOME
+        assert "tokenizer exported for the HTTP frontend" in logs and "(copied from the cache)" in logs, logs[-3000:]
         answer = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=CHAT, timeout=120).json()
         assert "Paris" in answer["choices"][0]["message"]["content"], answer
         top = _run(docker, "docker", "top", "appliance-test", "-o", "uid,pid").stdout.splitlines()[1:]

@@ -3,6 +3,8 @@ correction follows measured steps."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from app.engine.step_cost import StepCost, StepShape, attention_pairs
@@ -94,3 +96,42 @@ def test_the_correction_follows_a_machine_that_became_slower():
     assert cost.max_chunk(StepShape(), 0, 1000) == pytest.approx(50, abs=1)
     cost.observe(shape, 1000.0)  # one wild outlier moves it by a bounded step only
     assert cost.correction < 2 * 5 ** 0.2 * 1.01
+
+
+def _machine(clock: dict, per_token: float, passes: list | None = None):
+    """A "machine" whose passes take 20 ms + `per_token` a token + 2 us a pair (on the patched clock)."""
+    def run(count: int, num_computed: int, decodes: bool = False) -> None:
+        if passes is not None:
+            passes.append(count)
+        pairs = sum(attention_pairs(i, 1) for i in range(count)) if decodes else attention_pairs(num_computed, count)
+        clock["now"] += 0.02 + per_token * count + 2e-6 * pairs
+    return run
+
+
+def test_a_cached_fit_is_kept_when_the_machine_agrees_and_made_anew_when_not(monkeypatch):
+    clock, passes = {"now": 0.0}, []
+    monkeypatch.setattr("app.engine.step_cost.time.perf_counter", lambda: clock["now"])
+    made = StepCost.calibrate(_machine(clock, 2e-3), budget=0.5, max_tokens=2048)
+    assert not made.from_cache and made.first_pass == (16, pytest.approx(0.02 + 0.032 + 2e-6 * 136))
+    stored = StepCost.from_json(json.loads(json.dumps(made.to_json())), budget=0.25)  # a later start's read
+    assert (stored.overhead, stored.per_token, stored.per_decode, stored.per_pair, stored.pass_tokens) == \
+        (made.overhead, made.per_token, made.per_decode, made.per_pair, made.pass_tokens)
+    # the same machine: the warm-up and the first two timed passes, then the stored fit under the new budget
+    kept = StepCost.calibrate(_machine(clock, 2e-3, passes), budget=0.25, max_tokens=2048, cached=stored)
+    assert kept is stored and kept.from_cache and kept.budget == 0.25 and passes == [16, 16, 16]
+    assert "cached" in kept.describe()
+    # a machine twice as slow a token (a pass of 16: 1.6x): the fit is made anew, and fits the new machine
+    passes.clear()
+    anew = StepCost.calibrate(_machine(clock, 4e-3, passes), budget=0.5, max_tokens=2048, cached=stored)
+    assert anew is not stored and not anew.from_cache and len(passes) > 3
+    assert anew.per_token == pytest.approx(4e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("fields", [{}, [], "x", {"overhead": 0.01, "per_token": "a"},
+                                    {"overhead": -1.0, "per_token": 1e-3, "per_decode": 1e-3, "per_pair": 1e-9,
+                                     "pass_tokens": 16, "first_pass": [16, 0.05]},
+                                    {"overhead": 0.01, "per_token": 1e-3, "per_decode": 1e-3, "per_pair": 1e-9,
+                                     "pass_tokens": 16, "first_pass": [16]}])
+def test_a_damaged_cached_fit_is_refused(fields):
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        StepCost.from_json(fields, budget=0.5)

@@ -21,7 +21,7 @@ from tests.gguf_files import write_random_gguf
 def test_a_second_export_copies_the_cached_one(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
     source = resolve_source(ModelSpec())
-    tokenizer.export_tokenizer(source, tmp_path / "first")
+    assert tokenizer.export_tokenizer(source, tmp_path / "first") is False  # converted
     entry = tokenizer.cache_entry(source)
     assert entry is not None and (entry / "tokenizer.json").is_file()
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
@@ -30,11 +30,28 @@ def test_a_second_export_copies_the_cached_one(tmp_path, monkeypatch):
         raise AssertionError("converted the GGUF tokenizer again instead of using the cache")
 
     monkeypatch.setattr(tokenizer, "load_tokenizer", no_conversion)
-    tokenizer.export_tokenizer(source, tmp_path / "second")
+    assert tokenizer.export_tokenizer(source, tmp_path / "second") is True  # copied
     for name in os.listdir(tmp_path / "first"):
         assert (tmp_path / "second" / name).read_bytes() == (tmp_path / "first" / name).read_bytes(), name
     fast = tokenizer.load_exported(tmp_path / "second")
     assert fast("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
+
+
+def test_the_bootstrap_copies_a_cached_export_itself_whole(tmp_path, monkeypatch):
+    """`copy_cached_export` (the bootstrap's, with no process of its own): nothing where nothing is cached, the
+    cached files where they are, replacing what was there, and no partial folder left."""
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
+    source = resolve_source(ModelSpec())
+    out = tmp_path / "runtime" / "tokenizer"
+    out.parent.mkdir()
+    assert tokenizer.copy_cached_export(source, str(out)) is False and not out.exists()
+    tokenizer.export_tokenizer(source, tmp_path / "first")
+    out.mkdir()
+    (out / "stale.json").write_text("{}")  # an earlier start's export: replaced whole
+    assert tokenizer.copy_cached_export(source, str(out)) is True
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "first"))
+    assert os.listdir(out.parent) == ["tokenizer"]
+    assert tokenizer.load_exported(out)("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
 
 
 def test_the_cache_key_follows_the_file(tmp_path, monkeypatch):
@@ -66,7 +83,9 @@ def _export_in_a_fresh_interpreter(path: Path, out: Path, cache: Path) -> list[s
                           env=dict(os.environ, APPLIANCE_CACHE_DIR=str(cache)), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.split()
+    said, imported = done.stdout.split("\n", 1)
+    assert said == tokenizer.EXPORTED_BY_CONVERSION  # (an empty cache) what the bootstrap logs
+    return imported.split()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
