@@ -12,15 +12,21 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 
-def cache_dir(kind: str) -> Path | None:
-    """The folder of `kind`'s entries (not created here); None where there is no cache (no home directory)."""
+def cache_root() -> Path | None:
+    """The cache's folder (not created here), from the environment; None where there is none (no home directory).
+    Read where a start reads its environment (the bootstrap, the offline LLM): engines are handed it."""
     root = os.environ.get("APPLIANCE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llm-appliance")
-    if root.startswith("~"):
-        return None
-    return Path(root) / kind
+    return None if root.startswith("~") else Path(root)
+
+
+def cache_dir(kind: str) -> Path | None:
+    """The folder of `kind`'s entries (not created here); None where there is no cache."""
+    root = cache_root()
+    return None if root is None else root / kind
 
 
 def entry_name(key: str | dict) -> str:
@@ -31,13 +37,17 @@ def entry_name(key: str | dict) -> str:
 
 def write_text(path: Path, text: str) -> bool:
     """Write `path` whole or not at all (a reader never sees half of it); False where it cannot be written."""
-    temporary = path.parent / f".{path.name}.{os.getpid()}"
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(text)
+        # a name no other writer has (processes of two containers sharing the folder may have the same pid)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
         os.replace(temporary, path)
         return True
     except OSError:
-        with contextlib.suppress(OSError):  # (its folder may not exist either)
-            temporary.unlink(missing_ok=True)
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
         return False

@@ -4,6 +4,7 @@ import io
 import os
 import subprocess
 import sys
+import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,10 @@ from app.topology.machine import Topology, read_topology
 # Nothing may come from a model hub: every model is a file on disk.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# What starts keep (app/cache.py: tokenizer exports, step cost fits) goes to a folder of this run's, not the
+# user's: a run neither reads what an earlier one left nor leaves anything behind.
+_CACHE = tempfile.TemporaryDirectory(prefix="appliance-test-cache-")
+os.environ["APPLIANCE_CACHE_DIR"] = _CACHE.name
 
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = Path(__file__).resolve().parent / "topologies"

@@ -43,6 +43,7 @@ class Deployment:
 
     def launches(self, sockets: Path | None = None) -> list[RankLaunch]:
         """One launch record per rank of every replica, in plan order; `sockets` is where rank 0s bind."""
+        from app.cache import cache_root
         from app.engine.kv_cache import KVCacheConfig
         from app.engine.scheduler import SchedulerConfig
 
@@ -53,6 +54,7 @@ class Deployment:
         scheduler = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, plan.max_model_len,
                                     sched.chunked_prefill, sched.step_time_budget)
         tp = spec.parallel.tp
+        cache = cache_root()
         records = []
         for rank in plan.ranks:
             # a replica's ranks share one block table: its smallest rank's cache sets the count
@@ -61,7 +63,8 @@ class Deployment:
             placement = Placement(rank.cpus, rank.memory_nodes, rank.memory_policy == "interleave", rank.openmp_env)
             address = f"ipc://{sockets}/engine-{rank.replica}.ipc" if sockets is not None and rank.rank == 0 else ""
             records.append(RankLaunch(rank.replica, rank.rank, tp, placement, model, kv, scheduler, address,
-                                      sched.max_waiting_requests, spec.runtime.log_level, spec.runtime.log_format))
+                                      sched.max_waiting_requests, spec.runtime.log_level, spec.runtime.log_format,
+                                      str(cache or "")))
         return records
 
 

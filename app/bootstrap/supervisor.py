@@ -145,20 +145,22 @@ class Supervisor:
                  " ".join(f"{k}={v}" for k, v in openmp_env.items()))
 
     def _export_tokenizer(self) -> bool:
-        """The frontend's torch-free tokenizer, written by a short-lived process while the engine loads and the
-        frontend's workers boot; it appears in `tokenizer_dir` in one rename, which the workers wait for."""
+        """The frontend's torch-free tokenizer, copied from the cache here, or else converted by a short-lived process
+        while the engine loads and the frontend's workers boot; it appears in `tokenizer_dir` in one rename, which
+        the workers wait for."""
         cfg, cpus = self.frontend_cfg, self.frontend_cpus
-        started = time.monotonic()
+        started, flags = time.monotonic(), []
         try:
             if copy_cached_export(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name),
                                   cfg.tokenizer_dir):
                 log.info("tokenizer exported for the HTTP frontend in %.1f s (%s)", time.monotonic() - started,
                          EXPORTED_FROM_CACHE)
                 return True
-        except OSError as exc:  # a damaged entry: the export's process converts it again
-            log.warning("could not copy the cached tokenizer export (%s); converting it again", exc)
+        except OSError as exc:  # a damaged entry: converted again, and the entry replaced
+            log.warning("could not copy the cached tokenizer export (%s); converting it from the model file", exc)
+            flags = ["--convert"]
         command = [sys.executable, "-m", "app.model.tokenizer", cfg.model_path, cfg.model_format, cfg.served_name,
-                   cfg.tokenizer_dir]
+                   cfg.tokenizer_dir, *flags]
         try:  # its own session: a Ctrl-C meant for the supervisor does not cut it short (the stop comes after it)
             result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                                     text=True, timeout=EXPORT_WAIT_SECONDS, start_new_session=True,

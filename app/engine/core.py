@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.cache import cache_dir, entry_name, write_text
+from app.cache import entry_name, write_text
 from app.engine.executor import Executor, ExecutorFailed
 from app.engine.kv_cache import KVCacheConfig, KVCacheManager
 from app.engine.output import TokenLogprobs
@@ -51,23 +51,26 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, executor: Executor, scheduler_cfg: SchedulerConfig, kv: KVCacheConfig, model_id: str,
-                 calibration_key: dict | None = None):
+                 calibration_key: dict | None = None, cache: Path | None = None):
         """`calibration_key`: what the step cost's fit depends on beyond the scheduler's shapes (model file, kernels,
-        CPU, threads; app.engine.process.calibration_key), to keep the fit across starts; None: fit it anew."""
+        CPU, threads; app.engine.process.calibration_key); with `cache` (a folder), the fit is kept there across
+        starts. Either None: it is fitted anew."""
         self.executor = executor
         self.kv = KVCacheManager(kv, model_id)
-        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size, calibration_key)
+        folder = None if calibration_key is None or cache is None else cache / "calibration"
+        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size, calibration_key, folder)
         self.scheduler = Scheduler(scheduler_cfg, self.kv, self.cost)
         self.max_model_len = scheduler_cfg.max_model_len
 
-    def _calibrate(self, cfg: SchedulerConfig, cache_tokens: int, key: dict | None) -> StepCost | None:
-        """Time a few forward passes (on free blocks, before any request) to predict step times; with `key`, an
-        earlier start's fit is checked against the first of them and kept if it agrees (app.cache)."""
+    def _calibrate(self, cfg: SchedulerConfig, cache_tokens: int, key: dict | None,
+                   folder: Path | None) -> StepCost | None:
+        """Time a few forward passes (on free blocks, before any request) to predict step times; with a `folder`, an
+        earlier start's fit under `key` is checked against the first of them and kept if it agrees (app.cache)."""
         if cfg.step_time_budget <= 0 or not cfg.chunked_prefill:
             return None
         max_tokens = min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len)
-        entry = None
-        if key is not None and (folder := cache_dir("calibration")) is not None:
+        entry = None  # (the passes' sizes follow from max_tokens and max_seqs: the fit is theirs)
+        if folder is not None:
             entry = folder / f"{entry_name({**key, 'max_tokens': max_tokens, 'max_seqs': cfg.max_num_seqs})}.json"
         cached = _read_fit(entry, cfg.step_time_budget)
         cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget, max_tokens, cfg.max_num_seqs,
@@ -151,5 +154,5 @@ def _read_fit(entry: Path | None, budget: float) -> StepCost | None:
         return None
     try:
         return StepCost.from_json(json.loads(entry.read_text()), budget)
-    except (OSError, ValueError, TypeError, KeyError):
+    except Exception:  # anything in the file that is not a fit (app.cache: never an error)
         return None

@@ -48,6 +48,7 @@ class RankLaunch:
     max_waiting_requests: int = 0
     log_level: str = "info"
     log_format: str = "text"
+    cache_dir: str = ""  # app.cache's folder, where rank 0 keeps its step cost's fit ("": none)
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from app.cache import entry_name
 from app.engine.launch import RankLaunch
 
 log = logging.getLogger("app.engine")
@@ -100,7 +101,8 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
             ready(group)
             log.info("TP group of %d ranks ready", launch.tp)
             executor = TPExecutor(runner, group, workers)
-        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id, calibration_key(launches)), loaded
+        cache = Path(launch.cache_dir) if launch.cache_dir else None
+        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id, calibration_key(launches), cache), loaded
     except BaseException:
         if group is not None:
             group.abort("TP rank 0 failed to start")
@@ -112,33 +114,45 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
 
 def calibration_key(launches: list[RankLaunch]) -> dict | None:
     """What a replica's step times depend on, beyond the scheduler's shapes: the model file and how it is run, the
-    kernels (ISA, library build), the CPU and each rank's threads. The engine keeps its step cost's fit under it
-    (EngineCore); None where the model file cannot be read."""
-    from app import _native, kernels
+    kernels (ISA and how it multiplies, the library's build), the code that stages a step, the CPU, the allocator
+    and OpenMP runtime, each rank's threads. The engine keeps its step cost's fit under it (EngineCore); None where
+    a file cannot be read."""
+    from app import _native
 
     model = launches[0].model
-    files = sorted(Path(model.path).glob("*.safetensors")) + [Path(model.path, "config.json")] \
-        if os.path.isdir(model.path) else [Path(model.path)]  # a Hugging Face directory: its files
+    if os.path.isdir(model.path):  # a Hugging Face directory: its files
+        files = [*sorted(Path(model.path).glob("*.safetensors")), Path(model.path, "config.json")]
+    else:
+        files = [Path(model.path)]
+    code = sorted(Path(__file__).parent.parent.rglob("*.py"))  # app/: an edit to a runner or a layer refits
     try:
-        stamps = [[str(f.resolve()), (st := f.stat()).st_size, st.st_mtime_ns] for f in files]
-        library = os.stat(_native.__file__)
+        model_files = [_stamp(f) for f in files]
+        library, sources = _stamp(Path(_native.__file__)), [_stamp(f) for f in code]
     except OSError:
         return None
     try:
         release = version("llm-appliance")
     except PackageNotFoundError:  # run from a source tree
         release = "unknown"
-    return {"version": 1, "model": [stamps, model.dtype, model.quantized, model.quantized_activations],
-            "kernels": [kernels.describe(), library.st_size, library.st_mtime_ns, release],
-            "cpu": _cpu_identity(),
+    return {"version": 1, "model": [model_files, model.dtype, model.quantized, model.quantized_activations],
+            # the ISA, not kernels.describe(): that has bf16_dot_ratio, measured at each start
+            "kernels": [_native.isa(), _native.widens_prompts(), _native.bf16_dot(), library, release],
+            "code": entry_name(sources), "cpu": _cpu_identity(), "preload": os.environ.get("LD_PRELOAD", ""),
             "kv": [launches[0].kv.dtype, launches[0].kv.block_size],
-            "ranks": [[len(r.placement.cpus), len(r.placement.memory_nodes), r.placement.interleave] for r in launches]}
+            "ranks": [[len(r.placement.cpus), len(r.placement.memory_nodes), r.placement.interleave,
+                       sorted(r.placement.openmp_env)] for r in launches]}  # (the runtime's variables, not CPU ids)
+
+
+def _stamp(path: Path) -> list:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
 def _cpu_identity() -> list[str]:
     """The fields of /proc/cpuinfo that name the CPU (x86: vendor, family, model, stepping; arm64: part)."""
     try:
-        first = open("/proc/cpuinfo").read().split("\n\n", 1)[0]
+        with open("/proc/cpuinfo") as file:
+            first = file.read().split("\n\n", 1)[0]
     except OSError:
         return []
     wanted = ("vendor_id", "cpu family", "model", "model name", "stepping", "CPU implementer", "CPU part",

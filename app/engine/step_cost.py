@@ -27,9 +27,10 @@ MIN_CHUNK = 16  # a prefill chunk smaller than this is not worth a step of its o
 CALIBRATION_PASS = 0.1  # seconds
 CALIBRATION_REPEAT = 2  # passes a shape, the fastest kept
 DECODE_PASS = 8  # decode tokens (sequences of one row) in the calibration's decode pass
-# A cached fit is kept when its first timed pass takes within this factor of what it took then: a start runs
-# 3 passes (the warm-up and the first two timed ones) of the 9 to 11. Outside it (a busier or throttled
-# machine than when the fit was made), the fit is made anew.
+# A cached fit is kept when its first prompt pass and its one-token decode pass take within this factor of what
+# they took then: a start runs 5 passes (the warm-up, two of 16 prompt tokens, two of one decode token; the
+# decode runs other kernels than a prompt) of the 9 to 11. Outside it (a busier, throttled or other machine
+# than when the fit was made), the fit is made anew.
 CACHED_AGREEMENT = 1.3
 
 
@@ -54,13 +55,14 @@ class StepShape:
 
 class StepCost:
     def __init__(self, overhead: float, per_token: float, per_pair: float, budget: float, pass_tokens: int = 0,
-                 per_decode: float | None = None, first_pass: tuple[int, float] = (0, 0.0)):
+                 per_decode: float | None = None, checks: tuple[int, float, float] = (0, 0.0, 0.0)):
         self.overhead, self.per_token, self.per_pair = overhead, per_token, per_pair
         self.per_decode = per_token if per_decode is None else per_decode
         self.budget = budget  # seconds per step
         self.correction = 1.0  # measured / modelled, smoothed
         self.pass_tokens = pass_tokens  # the calibration's pass size (0: not calibrated)
-        self.first_pass = first_pass  # its first timed pass: (prompt tokens, seconds), how a cached fit is checked
+        # its first timed passes (prompt tokens, their seconds, one decode token's), how a cached fit is checked
+        self.checks = checks
         self.from_cache = False
 
     def _raw(self, shape: StepShape) -> float:
@@ -97,8 +99,8 @@ class StepCost:
         after i cached tokens).
 
         `cached`: an earlier fit of the same model on the same kernels, CPU and shapes (app.engine.core keeps
-        them on disk). It is returned as it is when the first timed pass takes what it took then (`agrees`),
-        so that a start after the first runs 3 of the 9 to 11 passes; otherwise the fit goes on as without it.
+        them on disk). It is returned as it is when the first timed passes take what they took then (`agrees`),
+        so that a start after the first runs 5 of the 9 to 11 passes; otherwise the fit goes on as without it.
 
         Passes: 1 decode token and DECODE_PASS of them (overhead, decodes; no more than `max_seqs`, the
         staging buffers' sequences: with 1, a decode costs as a prompt token), `n` tokens at context 0 (GEMMs),
@@ -111,7 +113,9 @@ class StepCost:
         first = min(16, most)
         run(first, 0)  # warm-up: first calls allocate and pick GEMM kernels
         estimate = _timed(run, first, 0, CALIBRATION_REPEAT)
-        if cached is not None and cached.agrees(first, estimate):
+        decodes = partial(run, decodes=True)
+        t1 = _timed(decodes, 1, 0, CALIBRATION_REPEAT)
+        if cached is not None and cached.agrees(first, estimate, t1):
             cached.budget, cached.from_cache = budget, True
             return cached
         per_token = estimate / first  # an upper bound: the pass's overhead is in it
@@ -123,11 +127,10 @@ class StepCost:
         # the attention pass sees as much cached context as n = 128 did (512), so that its extra time stays
         # well above the noise with fewer new tokens
         context = max(4 * n, min(512, max_tokens - n))
-        decodes = partial(run, decodes=True)
         d = max(1, min(DECODE_PASS, most, max_seqs))
-        t1, td, tn, tp = (_timed(pass_, count, cached, CALIBRATION_REPEAT) if count else 0.0
-                          for pass_, count, cached in ((decodes, 1, 0), (decodes, d if d > 1 else 0, 0),
-                                                       (run, n if n > first else 0, 0), (run, n, context)))
+        td, tn, tp = (_timed(pass_, count, cached, CALIBRATION_REPEAT) if count else 0.0
+                      for pass_, count, cached in ((decodes, d if d > 1 else 0, 0), (run, n if n > first else 0, 0),
+                                                   (run, n, context)))
         tn = tn or estimate
         p1, pn, pp = attention_pairs(0, 1), attention_pairs(0, n), attention_pairs(context, n)
         per_pair = max((tp - tn) / (pp - pn), 1e-11)  # clamped: a noisy machine may time them out of order
@@ -139,19 +142,20 @@ class StepCost:
         overhead = max(t1 - per_decode - per_pair * p1, 1e-4)
         per_token = max((tn - overhead - per_pair * pn) / n, 1e-7)
         return cls(overhead, per_token, per_pair, budget, pass_tokens=n, per_decode=per_decode,
-                   first_pass=(first, estimate))
+                   checks=(first, estimate, t1))
 
-    def agrees(self, count: int, seconds: float) -> bool:
-        """Whether a pass of `count` prompt tokens at context 0 took what it took when this fit was made, within
-        CACHED_AGREEMENT (the pass itself, not the fit's prediction of it: the fit is linear in tokens, the
-        kernels' speed at 16 rows is not quite)."""
-        then_count, then = self.first_pass
-        return then_count == count and then > 0 and 1 / CACHED_AGREEMENT <= seconds / then <= CACHED_AGREEMENT
+    def agrees(self, count: int, prompt: float, decode: float) -> bool:
+        """Whether a pass of `count` prompt tokens at context 0 and one of a decode token took what they took when
+        this fit was made, within CACHED_AGREEMENT (the passes themselves, not the fit's prediction of them: the
+        fit is linear in tokens, the kernels' speed at 16 rows is not quite)."""
+        then_count, then_prompt, then_decode = self.checks
+        return then_count == count and all(then > 0 and 1 / CACHED_AGREEMENT <= now / then <= CACHED_AGREEMENT
+                                           for now, then in ((prompt, then_prompt), (decode, then_decode)))
 
     def to_json(self) -> dict:
         """The fit (not the budget or the running correction), for the calibration cache."""
         return {"overhead": self.overhead, "per_token": self.per_token, "per_decode": self.per_decode,
-                "per_pair": self.per_pair, "pass_tokens": self.pass_tokens, "first_pass": list(self.first_pass)}
+                "per_pair": self.per_pair, "pass_tokens": self.pass_tokens, "checks": list(self.checks)}
 
     @classmethod
     def from_json(cls, fields: dict, budget: float) -> StepCost:
@@ -159,13 +163,14 @@ class StepCost:
         values = {name: float(fields[name]) for name in ("overhead", "per_token", "per_decode", "per_pair")}
         if not all(0 < v < 10 and math.isfinite(v) for v in values.values()):
             raise ValueError(f"not a step cost fit: {fields}")
-        count, seconds = fields["first_pass"]
+        count, prompt, decode = fields["checks"]
         return cls(values["overhead"], values["per_token"], values["per_pair"], budget,
                    pass_tokens=int(fields["pass_tokens"]), per_decode=values["per_decode"],
-                   first_pass=(int(count), float(seconds)))
+                   checks=(int(count), float(prompt), float(decode)))
 
     def describe(self) -> str:
-        fitted = f" (passes of {self.pass_tokens} tokens{', cached' if self.from_cache else ''})" if self.pass_tokens else ""
+        cached = ", cached" if self.from_cache else ""
+        fitted = f" (passes of {self.pass_tokens} tokens{cached})" if self.pass_tokens else ""
         return (f"step time ~ {self.overhead * 1e3:.1f} ms + {self.per_token * 1e6:.0f} us/prompt token + "
                 f"{self.per_decode * 1e6:.0f} us/decode token + {self.per_pair * 1e9:.2f} ns/attention pair{fitted}; "
                 f"budget {self.budget * 1e3:.0f} ms")

@@ -3,7 +3,8 @@
 transformers reads a GGUF file's tokenizer (and converts slow tokenizers) through code that imports
 torch: hundreds of MiB in every frontend worker, which only tokenizes. So the bootstrap exports the
 tokenizer once, in a short-lived process (`python -m app.model.tokenizer`), as a fast tokenizer in
-the private runtime directory, and each worker loads that with the `tokenizers` backend alone.
+the private runtime directory, and each worker loads that with the `tokenizers` backend alone. Where
+the cache below has it, the bootstrap copies it itself (`copy_cached_export`), with no process.
 
 A GGUF file's tokenizer is built by the class `AutoTokenizer` would pick, called directly:
 `AutoTokenizer` first parses the whole file's metadata to learn the model type, which our own header
@@ -106,11 +107,12 @@ def _build_without_torch(chosen, path: Path):
             sys.modules[READER_MODULE] = saved
 
 
-def export_tokenizer(source: ModelSource, directory: Path) -> bool:
+def export_tokenizer(source: ModelSource, directory: Path, use_cache: bool = True) -> bool:
     """Write the tokenizer as a fast tokenizer (tokenizer.json, its config and chat template) to `directory`.
-    True where it was copied from the cache, False where it was converted from the model."""
+    True where it was copied from the cache, False where it was converted from the model (and then cached;
+    `use_cache=False` converts even where an entry exists, and replaces it)."""
     cached = cache_entry(source)
-    if cached is not None and (cached / "tokenizer.json").is_file():
+    if use_cache and cached is not None and (cached / "tokenizer.json").is_file():
         shutil.copytree(cached, directory, dirs_exist_ok=True)
         return True
     tokenizer = load_tokenizer(source)
@@ -118,6 +120,8 @@ def export_tokenizer(source: ModelSource, directory: Path) -> bool:
         raise ValueError(f"the tokenizer of {source.path} has no fast (tokenizers) version to export")
     tokenizer.save_pretrained(str(directory))
     if cached is not None:
+        if not use_cache:
+            shutil.rmtree(cached, ignore_errors=True)
         _store(Path(directory), cached)
     return False
 
@@ -155,16 +159,18 @@ def load_exported(directory: str | Path):
 
 def main(argv: list[str]) -> int:
     """Export into `out` whole or not at all (an earlier export there is replaced): the frontend's workers
-    start using it the moment it exists. Says on stdout where it came from, for the bootstrap's log."""
-    path, fmt, name, out = argv
-    cached = _whole(out, lambda partial: export_tokenizer(ModelSource(Path(path), fmt, name), partial))
+    start using it the moment it exists. Says on stdout where it came from, for the bootstrap's log.
+    `--convert` after the four arguments: from the model file even where the cache has it (a damaged entry)."""
+    path, fmt, name, out, *flags = argv
+    use_cache = "--convert" not in flags
+    cached = _whole(out, lambda partial: export_tokenizer(ModelSource(Path(path), fmt, name), partial, use_cache))
     print(EXPORTED_FROM_CACHE if cached else EXPORTED_BY_CONVERSION, flush=True)
     return 0
 
 
 def copy_cached_export(source: ModelSource, out: str) -> bool:
     """The cached export of `source`'s tokenizer into `out`, whole (as `main`), where there is one: the bootstrap
-    does this itself, without the export's process (an interpreter and its imports: ~0.5 s of CPU beside the
+    does this itself, without the export's process (an interpreter and its imports: ~0.4 s of CPU beside the
     engine's start). False where there is none."""
     cached = cache_entry(source)
     if cached is None or not (cached / "tokenizer.json").is_file():

@@ -65,10 +65,13 @@ inline void byte_groups(const uint8_t* const (&blk)[NP], const int8_t* const (&x
 // kMin: the type has a min per block and no zero point (Q4_1, Q5_1, Q4_K, Q5_K, Q4_M32, Q8_M32), else a zero
 // point and no min (Q4_0, Q5_0, Q8_0, the IQ4 types); known at compile time, so that neither costs a test or a dead
 // broadcast per block and row.
-// kPre: block b of panels [pre, pre + NP) is asked for too (see row_tiles).
+// pre >= 0: block b of panels [pre, pre + NP) is asked for too (see row_tiles). A test a block rather than a
+// template parameter: instantiated both ways, quant.cpp took 1.4x as long to compile (avx2 tier: 75 s against 52)
+// and was no faster (Zen 1, default model, A/B three times: decode steps of 8 and 32 rows, int16 and int8, and an
+// int8 256-token prefill, whose tiles run the test and never prefetch; once on Zen 5 the test had cost a prefill ~2%).
 // kLut: the nibbles index the IQ4 codebook; one vpshufb a vector maps them to their u (any byte, as Q8_0's).
 // kWords: bytes as unsigned words against x's combined integers (packed.h's byte_words; x.xw).
-template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kPre, bool kLut, bool kWords = false>
+template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kLut, bool kWords = false>
 void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   // every u < 128 (Q8_M32 holds u < 32, Q5_K's BITS 5; Q8_0's and the codebook's any byte)
   constexpr bool kSmall = !kLut && (BITS <= 6 || SCALES != kFp16);
@@ -87,7 +90,7 @@ void int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
     const uint8_t* blk[NP];
     panel_blocks<NP, SCALES == kCodes || SCALES == kExpanded || SCALES == kSignedCodes>(t, p0, b, blk);
     prefetch_blocks(t, blk, b, ahead);
-    if constexpr (kPre) prefetch_next<NP>(t, pre, b);
+    if (pre >= 0) prefetch_next<NP>(t, pre, b);
     const int8_t* xb[MR];
     for (int r = 0; r < MR; ++r)
       xb[r] = x_block<kWords, PLANES>(x, r0 + r, t.blocks, b);
@@ -283,24 +286,13 @@ void halves_tile(const Tiles& t, int64_t r0, int64_t p0) {
   store_tile<MR, NP>(t, r0, p0, acc);
 }
 
-// The integer tile with the next panels' prefetch (pre >= 0) or without: two instantiations, so that the
-// tiles that do not ask (all of a prefill's) carry none of it; a test in their block loop cost a 128-token
-// prefill ~2%.
-// (And any byte as words or not: t.x->words, known for the call.)
+// The integer tile with any byte as words or not (t.x->words, known for the call).
 template <int MR, int NP, int BITS, int PLANES, int SCALES, bool kMin, bool kLut = false>
-void int_tile_pre(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
+void pick_int_tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre) {
   if constexpr (kByteWords && PLANES == 2 && (BITS == 8 || BITS == 5 || kLut)) {  // (not the pair sums)
-    if (t.x->words) {
-      if constexpr (NP == 2) {
-        if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true, kLut, true>(t, r0, p0, pre);
-      }
-      return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, false, kLut, true>(t, r0, p0, pre);
-    }
+    if (t.x->words) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, kLut, true>(t, r0, p0, pre);
   }
-  if constexpr (NP == 2) {  // (row_tiles' width: the only tiles given a `pre`)
-    if (pre >= 0) return int_tile<MR, NP, BITS, PLANES, SCALES, kMin, true, kLut>(t, r0, p0, pre);
-  }
-  int_tile<MR, NP, BITS, PLANES, SCALES, kMin, false, kLut>(t, r0, p0, pre);
+  int_tile<MR, NP, BITS, PLANES, SCALES, kMin, kLut>(t, r0, p0, pre);
 }
 
 template <int MR, int NP, int BITS, int PLANES>
@@ -315,31 +307,31 @@ void tile(const Tiles& t, int64_t r0, int64_t p0, int64_t pre = -1, bool expande
     else halves_tile<MR, NP, 3, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K: a plane of third bits
   } else if (BITS == 4 && t.layout.lut) {  // the IQ4 types: a zero point (128), no min
     if constexpr (BITS == 4) {
-      if (t.layout.scale_bytes == 1) int_tile_pre<MR, NP, BITS, PLANES, kSignedCodes, false, true>(t, r0, p0, pre);  // IQ4_XS
-      else if (t.layout.scale_bytes == 4) int_tile_pre<MR, NP, BITS, PLANES, kF32, false, true>(t, r0, p0, pre);  // IQ4_F32
-      else int_tile_pre<MR, NP, BITS, PLANES, kFp16, false, true>(t, r0, p0, pre);  // IQ4_NL
+      if (t.layout.scale_bytes == 1) pick_int_tile<MR, NP, BITS, PLANES, kSignedCodes, false, true>(t, r0, p0, pre);  // IQ4_XS
+      else if (t.layout.scale_bytes == 4) pick_int_tile<MR, NP, BITS, PLANES, kF32, false, true>(t, r0, p0, pre);  // IQ4_F32
+      else pick_int_tile<MR, NP, BITS, PLANES, kFp16, false, true>(t, r0, p0, pre);  // IQ4_NL
     }
   } else if (BITS == 4 && t.layout.high_bits) {  // 4-bit quants with a plane or two of high bits
     if constexpr (BITS == 4) {
       if (t.layout.high_bits == 2) halves_tile<MR, NP, 6, PLANES, kHalfCodes, false>(t, r0, p0);  // Q6_K
-      else if (t.layout.scale_bytes == 2 && t.layout.has_min) int_tile_pre<MR, NP, 5, PLANES, kFp16, true>(t, r0, p0, pre);  // Q5_1
-      else if (t.layout.scale_bytes == 2) int_tile_pre<MR, NP, 5, PLANES, kFp16, false>(t, r0, p0, pre);  // Q5_0
-      else if (expanded) int_tile_pre<MR, NP, 5, PLANES, kExpanded, true>(t, r0, p0, pre);  // Q5_K
-      else int_tile_pre<MR, NP, 5, PLANES, kCodes, true>(t, r0, p0, pre);
+      else if (t.layout.scale_bytes == 2 && t.layout.has_min) pick_int_tile<MR, NP, 5, PLANES, kFp16, true>(t, r0, p0, pre);  // Q5_1
+      else if (t.layout.scale_bytes == 2) pick_int_tile<MR, NP, 5, PLANES, kFp16, false>(t, r0, p0, pre);  // Q5_0
+      else if (expanded) pick_int_tile<MR, NP, 5, PLANES, kExpanded, true>(t, r0, p0, pre);  // Q5_K
+      else pick_int_tile<MR, NP, 5, PLANES, kCodes, true>(t, r0, p0, pre);
     }
   } else if (t.layout.halves) {
     if (t.layout.scale_bytes == 1) halves_tile<MR, NP, BITS, PLANES, kHalfCodes, false>(t, r0, p0);  // Q3_K, Q6_K as bytes
     else if (t.layout.has_min) halves_tile<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0);  // Q4_HM32
     else halves_tile<MR, NP, BITS, PLANES, kF32, false>(t, r0, p0);  // Q8_H32
   } else if (t.layout.scale_bytes == 4) {  // Q4_M32, Q8_M32: each has a min
-    int_tile_pre<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
+    pick_int_tile<MR, NP, BITS, PLANES, kF32, true>(t, r0, p0, pre);
   } else if (t.layout.scale_bytes == 1) {  // Q4_K: a min too
-    if (expanded) int_tile_pre<MR, NP, BITS, PLANES, kExpanded, true>(t, r0, p0, pre);
-    else int_tile_pre<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
+    if (expanded) pick_int_tile<MR, NP, BITS, PLANES, kExpanded, true>(t, r0, p0, pre);
+    else pick_int_tile<MR, NP, BITS, PLANES, kCodes, true>(t, r0, p0, pre);
   } else if (t.layout.has_min) {  // Q4_1
-    int_tile_pre<MR, NP, BITS, PLANES, kFp16, true>(t, r0, p0, pre);
+    pick_int_tile<MR, NP, BITS, PLANES, kFp16, true>(t, r0, p0, pre);
   } else {  // Q4_0, Q8_0
-    int_tile_pre<MR, NP, BITS, PLANES, kFp16, false>(t, r0, p0, pre);
+    pick_int_tile<MR, NP, BITS, PLANES, kFp16, false>(t, r0, p0, pre);
   }
 }
 

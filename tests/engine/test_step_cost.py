@@ -112,26 +112,46 @@ def test_a_cached_fit_is_kept_when_the_machine_agrees_and_made_anew_when_not(mon
     clock, passes = {"now": 0.0}, []
     monkeypatch.setattr("app.engine.step_cost.time.perf_counter", lambda: clock["now"])
     made = StepCost.calibrate(_machine(clock, 2e-3), budget=0.5, max_tokens=2048)
-    assert not made.from_cache and made.first_pass == (16, pytest.approx(0.02 + 0.032 + 2e-6 * 136))
+    assert not made.from_cache
+    assert made.checks == (16, pytest.approx(0.02 + 0.032 + 2e-6 * 136), pytest.approx(0.02 + 2e-3 + 2e-6))
     stored = StepCost.from_json(json.loads(json.dumps(made.to_json())), budget=0.25)  # a later start's read
     assert (stored.overhead, stored.per_token, stored.per_decode, stored.per_pair, stored.pass_tokens) == \
         (made.overhead, made.per_token, made.per_decode, made.per_pair, made.pass_tokens)
-    # the same machine: the warm-up and the first two timed passes, then the stored fit under the new budget
+    # the same machine: the warm-up, two prompt passes and two of one decode token, then the stored fit under
+    # the new budget
     kept = StepCost.calibrate(_machine(clock, 2e-3, passes), budget=0.25, max_tokens=2048, cached=stored)
-    assert kept is stored and kept.from_cache and kept.budget == 0.25 and passes == [16, 16, 16]
+    assert kept is stored and kept.from_cache and kept.budget == 0.25 and passes == [16, 16, 16, 1, 1]
     assert "cached" in kept.describe()
-    # a machine twice as slow a token (a pass of 16: 1.6x): the fit is made anew, and fits the new machine
-    passes.clear()
-    anew = StepCost.calibrate(_machine(clock, 4e-3, passes), budget=0.5, max_tokens=2048, cached=stored)
-    assert anew is not stored and not anew.from_cache and len(passes) > 3
-    assert anew.per_token == pytest.approx(4e-3, rel=1e-6)
+    # a machine twice as slow a token (a pass of 16: 1.6x) or twice as fast (0.7x): the fit is made anew, and
+    # fits the new machine
+    for per_token in (4e-3, 1e-3):
+        passes.clear()
+        anew = StepCost.calibrate(_machine(clock, per_token, passes), budget=0.5, max_tokens=2048, cached=stored)
+        assert anew is not stored and not anew.from_cache and len(passes) > 5
+        assert anew.per_token == pytest.approx(per_token, rel=1e-6)
+
+
+def test_a_cached_fit_is_checked_on_the_decode_pass_too(monkeypatch):
+    """Prompt rows and decode rows run different kernels: a decode 1.5x slower than when the fit was made refits,
+    though the prompt pass agrees."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr("app.engine.step_cost.time.perf_counter", lambda: clock["now"])
+    stored = StepCost.calibrate(_machine(clock, 2e-3), budget=0.5, max_tokens=2048)
+
+    def slower_decodes(count: int, num_computed: int, decodes: bool = False) -> None:
+        _machine(clock, 2e-3)(count, num_computed, decodes)
+        if decodes:
+            clock["now"] += 0.5 * (0.02 + 2e-3 * count)
+    assert not StepCost.calibrate(slower_decodes, budget=0.5, max_tokens=2048, cached=stored).from_cache
 
 
 @pytest.mark.parametrize("fields", [{}, [], "x", {"overhead": 0.01, "per_token": "a"},
                                     {"overhead": -1.0, "per_token": 1e-3, "per_decode": 1e-3, "per_pair": 1e-9,
-                                     "pass_tokens": 16, "first_pass": [16, 0.05]},
+                                     "pass_tokens": 16, "checks": [16, 0.05, 0.02]},
                                     {"overhead": 0.01, "per_token": 1e-3, "per_decode": 1e-3, "per_pair": 1e-9,
-                                     "pass_tokens": 16, "first_pass": [16]}])
+                                     "pass_tokens": 16, "checks": [16, 0.05]},
+                                    {"overhead": 0.01, "per_token": 1e-3, "per_decode": 1e-3, "per_pair": 1e-9,
+                                     "pass_tokens": 1e999, "checks": [16, 0.05, 0.02]}])
 def test_a_damaged_cached_fit_is_refused(fields):
-    with pytest.raises((ValueError, TypeError, KeyError)):
+    with pytest.raises((ValueError, TypeError, KeyError, OverflowError)):
         StepCost.from_json(fields, budget=0.5)

@@ -54,6 +54,20 @@ def test_the_bootstrap_copies_a_cached_export_itself_whole(tmp_path, monkeypatch
     assert tokenizer.load_exported(out)("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
 
 
+def test_a_conversion_asked_for_replaces_the_cached_export(tmp_path, monkeypatch):
+    """`--convert` (the bootstrap's retry where copying the cached export failed) converts, and stores anew."""
+    monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
+    source = resolve_source(ModelSpec())
+    tokenizer.export_tokenizer(source, tmp_path / "first")
+    entry = tokenizer.cache_entry(source)
+    (entry / "stale").write_text("")
+    converted, real = [], tokenizer.load_tokenizer
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda s: converted.append(s) or real(s))
+    assert tokenizer.main([str(source.path), source.format, "m", str(tmp_path / "out"), "--convert"]) == 0
+    assert converted and not (entry / "stale").exists() and (entry / "tokenizer.json").is_file()
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(tmp_path / "first"))
+
+
 def test_the_cache_key_follows_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "m.gguf"
@@ -161,7 +175,7 @@ def test_the_export_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     out = tmp_path / "tokenizer"
     real_export = tokenizer.export_tokenizer
 
-    def half_then_fail(source, directory):
+    def half_then_fail(source, directory, use_cache=True):
         Path(directory).mkdir(parents=True)
         (Path(directory) / "tokenizer.json").write_text("{")
         raise RuntimeError("the export failed half-way")
