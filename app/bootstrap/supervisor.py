@@ -148,17 +148,23 @@ class Supervisor:
         """The frontend's torch-free tokenizer, copied from the cache here, or else converted by a short-lived process
         while the engine loads and the frontend's workers boot; it appears in `tokenizer_dir` in one rename, which
         the workers wait for."""
-        cfg, cpus = self.frontend_cfg, self.frontend_cpus
+        cfg = self.frontend_cfg
         started, flags = time.monotonic(), []
         try:
-            if copy_cached_export(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name),
-                                  cfg.tokenizer_dir):
-                log.info("tokenizer exported for the HTTP frontend in %.1f s (%s)", time.monotonic() - started,
-                         EXPORTED_FROM_CACHE)
-                return True
+            copied = copy_cached_export(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name),
+                                        cfg.tokenizer_dir)
         except OSError as exc:  # a damaged entry: converted again, and the entry replaced
             log.warning("could not copy the cached tokenizer export (%s); converting it from the model file", exc)
-            flags = ["--convert"]
+            copied, flags = False, ["--convert"]
+        how = EXPORTED_FROM_CACHE if copied else self._convert_tokenizer(flags)
+        if how is None:
+            return False
+        log.info("tokenizer exported for the HTTP frontend in %.1f s (%s)", time.monotonic() - started, how)
+        return True
+
+    def _convert_tokenizer(self, flags: list[str]) -> str | None:
+        """`python -m app.model.tokenizer` on the frontend's CPUs; what it says it did, or None where it failed."""
+        cfg, cpus = self.frontend_cfg, self.frontend_cpus
         command = [sys.executable, "-m", "app.model.tokenizer", cfg.model_path, cfg.model_format, cfg.served_name,
                    cfg.tokenizer_dir, *flags]
         try:  # its own session: a Ctrl-C meant for the supervisor does not cut it short (the stop comes after it)
@@ -167,14 +173,12 @@ class Supervisor:
                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         except subprocess.TimeoutExpired:
             log.error("the tokenizer export for the HTTP frontend took more than %d s; stopping", EXPORT_WAIT_SECONDS)
-            return False
+            return None
         if result.returncode != 0:
             log.error("could not export the tokenizer for the HTTP frontend (exit code %d):\n%s", result.returncode,
                       result.stderr.strip()[-2000:])
-            return False
-        how = result.stdout.strip().rpartition("\n")[2] or "done"
-        log.info("tokenizer exported for the HTTP frontend in %.1f s (%s)", time.monotonic() - started, how)
-        return True
+            return None
+        return result.stdout.strip().rpartition("\n")[2] or "done"
 
     def _start_frontend(self) -> None:
         # the settings (API key included) go in the environment, never in a file

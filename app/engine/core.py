@@ -57,21 +57,20 @@ class EngineCore:
         starts. Either None: it is fitted anew."""
         self.executor = executor
         self.kv = KVCacheManager(kv, model_id)
-        folder = None if calibration_key is None or cache is None else cache / "calibration"
-        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size, calibration_key, folder)
+        self.cost = self._calibrate(scheduler_cfg, kv.num_blocks * kv.block_size, calibration_key, cache)
         self.scheduler = Scheduler(scheduler_cfg, self.kv, self.cost)
         self.max_model_len = scheduler_cfg.max_model_len
 
     def _calibrate(self, cfg: SchedulerConfig, cache_tokens: int, key: dict | None,
-                   folder: Path | None) -> StepCost | None:
-        """Time a few forward passes (on free blocks, before any request) to predict step times; with a `folder`, an
+                   cache: Path | None) -> StepCost | None:
+        """Time a few forward passes (on free blocks, before any request) to predict step times; with a `cache`, an
         earlier start's fit under `key` is checked against the first of them and kept if it agrees (app.cache)."""
         if cfg.step_time_budget <= 0 or not cfg.chunked_prefill:
             return None
         max_tokens = min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len)
         entry = None  # (the passes' sizes follow from max_tokens and max_seqs: the fit is theirs)
-        if folder is not None:
-            entry = folder / f"{entry_name({**key, 'max_tokens': max_tokens, 'max_seqs': cfg.max_num_seqs})}.json"
+        if key is not None and cache is not None:
+            entry = cache / "calibration" / f"{entry_name({**key, 'max_tokens': max_tokens, 'max_seqs': cfg.max_num_seqs})}.json"
         cached = _read_fit(entry, cfg.step_time_budget)
         cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget, max_tokens, cfg.max_num_seqs,
                                   cached)

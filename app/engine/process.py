@@ -102,7 +102,8 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
             log.info("TP group of %d ranks ready", launch.tp)
             executor = TPExecutor(runner, group, workers)
         cache = Path(launch.cache_dir) if launch.cache_dir else None
-        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id, calibration_key(launches), cache), loaded
+        key = calibration_key(launches) if cache is not None else None  # (stats app/'s sources: only where kept)
+        return EngineCore(executor, launch.scheduler, launch.kv, m.model_id, key, cache), loaded
     except BaseException:
         if group is not None:
             group.abort("TP rank 0 failed to start")

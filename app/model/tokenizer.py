@@ -112,7 +112,7 @@ def export_tokenizer(source: ModelSource, directory: Path, use_cache: bool = Tru
     True where it was copied from the cache, False where it was converted from the model (and then cached;
     `use_cache=False` converts even where an entry exists, and replaces it)."""
     cached = cache_entry(source)
-    if use_cache and cached is not None and (cached / "tokenizer.json").is_file():
+    if use_cache and _complete(cached):
         shutil.copytree(cached, directory, dirs_exist_ok=True)
         return True
     tokenizer = load_tokenizer(source)
@@ -137,6 +137,11 @@ def cache_entry(source: ModelSource) -> Path | None:
     except OSError:
         return None
     return folder / entry_name(key)
+
+
+def _complete(entry: Path | None) -> bool:
+    """Whether a cache entry holds an export (entries appear whole: `_store`)."""
+    return entry is not None and (entry / "tokenizer.json").is_file()
 
 
 def _store(exported: Path, entry: Path) -> None:
@@ -173,7 +178,7 @@ def copy_cached_export(source: ModelSource, out: str) -> bool:
     does this itself, without the export's process (an interpreter and its imports: ~0.4 s of CPU beside the
     engine's start). False where there is none."""
     cached = cache_entry(source)
-    if cached is None or not (cached / "tokenizer.json").is_file():
+    if not _complete(cached):
         return False
     _whole(out, lambda partial: shutil.copytree(cached, partial))
     return True
