@@ -65,6 +65,11 @@ def test_pods_are_guaranteed_with_exclusive_cores_and_roll_on_a_spec_edit():
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "shm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "288Mi"}  # 256Mi + 32Mi for one rank
+    # the step cost's fit is written where the image's cache is, beside (not over) its tokenizer entries
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["calibration"] == "/var/cache/appliance/calibration"
+    assert not any(path in ("/var/cache/appliance", "/var/cache/appliance/tokenizers") for path in mounts.values())
+    assert any(v["name"] == "calibration" and "emptyDir" in v for v in pod["spec"]["volumes"])
     edited = _manifests(_render("spec.scheduler.max_num_seqs=32"))["Deployment"]["spec"]["template"]
     assert edited["metadata"]["annotations"]["checksum/spec"] != pod["metadata"]["annotations"]["checksum/spec"]
 

@@ -109,9 +109,11 @@ def image(docker) -> str:
 
 def test_the_image_serves_as_non_root_on_a_read_only_root_and_stops_within_seconds(docker, image):
     # On the host's network, the default command serves on port 8000 (the sandbox's bridge does not forward -p).
-    # As the chart runs it: a read-only root, with empty writable volumes on /tmp and on $HOME
+    # As the chart runs it: a read-only root, with empty writable volumes on /tmp, on $HOME and on the
+    # calibration cache (an emptyDir: world-writable)
     _run(docker, "docker", "run", "-d", "--name", "appliance-test", "--network", "host", "--read-only",
-         "--tmpfs", "/tmp", "--tmpfs", "/var/lib/appliance:uid=10001,gid=10001", image)
+         "--tmpfs", "/tmp", "--tmpfs", "/var/lib/appliance:uid=10001,gid=10001",
+         "--tmpfs", "/var/cache/appliance/calibration:mode=1777", image)
     try:
         ready = _wait_healthy("http://127.0.0.1:8000")
         print(f"\nimage ready in {ready:.0f} s")
@@ -119,6 +121,9 @@ def test_the_image_serves_as_non_root_on_a_read_only_root_and_stops_within_secon
         logs = child.stdout + child.stderr
         # the tokenizer the image's build converted, not hidden by the empty $HOME
         assert "tokenizer exported for the HTTP frontend" in logs and "(copied from the cache)" in logs, logs[-3000:]
+        # the step cost's fit was kept where the chart's emptyDir is, for the container's next start in the pod
+        kept = _run(docker, "docker", "exec", "appliance-test", "ls", "/var/cache/appliance/calibration").stdout
+        assert [name for name in kept.split() if name.endswith(".json")], kept
         answer = httpx.post("http://127.0.0.1:8000/v1/chat/completions", json=CHAT, timeout=120).json()
         assert "Paris" in answer["choices"][0]["message"]["content"], answer
         top = _run(docker, "docker", "top", "appliance-test", "-o", "uid,pid").stdout.splitlines()[1:]
