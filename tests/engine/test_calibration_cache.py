@@ -93,7 +93,8 @@ def test_the_key_names_the_file_how_it_is_run_and_the_threads(tmp_path):
     def changed(**fields) -> list:
         return [dataclasses.replace(r, model=dataclasses.replace(r.model, **fields)) for r in base]
     assert calibration_key(changed(quantized_activations="int8")) != key
-    assert calibration_key(changed(dtype="bfloat16")) != key
+    # the other dtype (the spec's "auto" is bfloat16 where the CPU has AVX512-BF16, else float32)
+    assert calibration_key(changed(dtype={"bfloat16": "float32"}.get(base[0].model.dtype, "bfloat16"))) != key
     more = [dataclasses.replace(r, placement=dataclasses.replace(r.placement, cpus=(*r.placement.cpus, 99)))
             for r in base]
     assert calibration_key(more) != key  # another thread a rank
