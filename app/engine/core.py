@@ -127,15 +127,21 @@ class EngineCore:
         except Exception:  # a bug must not take every other request down: fail this step's requests only
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
             return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
-        finished = {r.request_id: r for r in self.scheduler.update(plan, result.sampled)}
+        sampled = {request_id: token for request_id, token in result.sampled.items() if token >= 0}
+        unusable = [request_id for request_id in result.sampled if request_id not in sampled]
+        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}
         deltas = []
-        for request_id, token in result.sampled.items():
+        for request_id, token in sampled.items():
             request = finished.get(request_id) or self.scheduler.requests.get(request_id)
             if request is None:
                 continue
             reason = request.finish_reason if request_id in finished else None
             deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
                                      len(request.prompt_ids), len(request.output_ids)))
+        if unusable:  # NaN or infinite logits (sampler.NO_TOKEN): the model, not the request; the others go on
+            log.error("the model's logits were not finite numbers (NaN or infinite) for %d request(s); aborting "
+                      "them: check the model file", len(unusable))
+            deltas += [d for request_id in unusable if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
         return deltas
 
     def close(self) -> None:

@@ -57,7 +57,13 @@ class ModelRunner:
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
-        logits = self.model.logits(hidden[batch.logit_indices[rows]])
+        last = hidden[batch.logit_indices[rows]]
+        logits = self.model.logits(last)
+        # A hidden state that is not finite (a broken model) can come out of the quantized head as finite logits
+        # (activations quantized to integers take NaN as 0): made NaN here, so the sampler gives it no token.
+        broken = ~torch.isfinite(last).all(dim=-1)
+        if broken.any():
+            logits[broken] = float("nan")
         states = [self.states[output.requests[i].request_id] for i in rows]
         result = self.sampler(logits, states)
         return self._collect([output.requests[i].request_id for i in rows], states, result)
@@ -113,6 +119,8 @@ class ModelRunner:
         sampled = dict(zip(request_ids, tokens, strict=True))
         logprobs = {}
         for row, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
+            if tokens[row] < 0:  # NO_TOKEN: the engine aborts the request
+                continue
             state.output_ids.append(tokens[row])
             k = state.params.logprobs
             if k is not None:

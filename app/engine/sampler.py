@@ -53,9 +53,12 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
     return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops)
 
 
+# What a row gets whose logits hold no usable distribution (NaN or infinite, or all -inf): not a token id.
+NO_TOKEN = -1
+
 @dataclass(frozen=True)
 class SampleOutput:
-    tokens: torch.Tensor  # [S] int64: the sampled token of each row
+    tokens: torch.Tensor  # [S] int64: the sampled token of each row, NO_TOKEN where its logits are unusable
     logprobs: torch.Tensor | None  # [S] float32: its log-prob (None if no row asked for logprobs)
     top_ids: torch.Tensor | None  # [S, K] int64, K = most logprobs any row asked for; extra columns are junk
     top_logprobs: torch.Tensor | None  # [S, K] float32, descending
@@ -72,6 +75,10 @@ class Sampler:
         raw = logits.float()
         shaped = mask_stop_tokens(apply_penalties(raw, states), states)
         tokens = self._choose(shaped, states)
+        # A row whose chosen logit is not a finite number had NaN or infinite logits, or all -inf (greedy's argmax
+        # takes a NaN or +inf first): a broken model, not a token. NO_TOKEN; the engine aborts its request.
+        picked = shaped.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
+        tokens = torch.where((tokens >= 0) & torch.isfinite(picked), tokens, NO_TOKEN)
         return _with_logprobs(raw, tokens, states)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -130,9 +137,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inside = before + inner * ((ends.gather(1, block) - before) / inner[:, -1:])
     token = torch.minimum(torch.searchsorted(inside, target, right=True),  # the first token ending past the target,
                           torch.searchsorted(inside, inside[:, -1:].contiguous())).clamp_(max=width - 1)  # or the last
-    # A row without a finite, positive mass (NaN or infinite logits, all -inf) gets token 0, as before this draw
-    # existed; the others are not held up by it.
-    return torch.where((total > 0) & (total < math.inf), block * width + token, 0).squeeze(1)
+    # A row without a finite, positive mass (NaN or infinite logits, all -inf) gets NO_TOKEN; the others are not
+    # held up by it.
+    return torch.where((total > 0) & (total < math.inf), block * width + token, NO_TOKEN).squeeze(1)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -324,7 +331,7 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, states: Sequence[Sam
     if not asked:
         return SampleOutput(tokens, None, None, None)
     logprobs = raw.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)  # (a NO_TOKEN row's is junk)
     top_logprobs, top_ids = logprobs.topk(max(asked), dim=-1)
     return SampleOutput(tokens, chosen, top_ids, top_logprobs)
 

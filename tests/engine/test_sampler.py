@@ -8,7 +8,7 @@ import torch
 
 from app.engine.params import SamplingParams
 from app.engine import sampler as sampler_module
-from app.engine.sampler import Sampler, apply_penalties, draw, filtered_probs, new_state
+from app.engine.sampler import NO_TOKEN, Sampler, apply_penalties, draw, filtered_probs, new_state
 
 # Token probabilities of the test distribution, most likely first, placed at shuffled token ids so
 # that a sampler mixing up sorted positions and token ids fails.
@@ -193,9 +193,9 @@ def test_ties_at_the_kth_stay_in_on_every_path(monkeypatch, head):
     assert kept.tolist() == [[True, True, True, True, False]] * 3
 
 
-def test_rows_without_finite_mass_get_token_0_and_hold_up_no_other_row():
-    """NaN or infinite logits, or all -inf: that row gets token 0 (as before the draw existed), the others
-    their own draws."""
+def test_rows_without_finite_mass_get_no_token_and_hold_up_no_other_row():
+    """NaN or infinite logits, or all -inf: that row gets NO_TOKEN (the engine aborts its request), sampled or
+    greedy, with logprobs asked for or not; the others their own tokens."""
     vocab, gen = 1000, torch.Generator().manual_seed(4)
     good = torch.randn(vocab, generator=gen)
     bad_rows = [torch.full((vocab,), float("nan")), torch.full((vocab,), float("-inf")), good.clone(), good.clone()]
@@ -206,7 +206,11 @@ def test_rows_without_finite_mass_get_token_0_and_hold_up_no_other_row():
         states = [new_state(SamplingParams(seed=5, **knobs), [], None)] + \
             [new_state(SamplingParams(**knobs), [], None) for _ in bad_rows]
         tokens = Sampler(vocab)(torch.stack([good] + bad_rows), states).tokens
-        assert tokens[0] == alone[0] and tokens[1:].tolist() == [0, 0, 0, 0], knobs
+        assert tokens[0] == alone[0] and tokens[1:].tolist() == [NO_TOKEN] * 4, knobs
+    greedy = [new_state(SamplingParams(temperature=0, logprobs=2), [], None) for _ in range(len(bad_rows) + 1)]
+    out = Sampler(vocab)(torch.stack([good] + bad_rows), greedy)
+    assert out.tokens.tolist() == [int(good.argmax())] + [NO_TOKEN] * 4
+    assert out.logprobs[0] == torch.log_softmax(good, dim=-1).max()
 
 
 def test_draw_keeps_a_light_tokens_odds_beside_a_heavy_one():
