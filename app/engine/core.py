@@ -104,8 +104,9 @@ class EngineCore:
             raise RequestRejected(f"the prompt needs {self.kv.blocks_needed(len(prompt_ids) + 1)} KV blocks; the "
                                   f"cache has {self.kv.num_blocks}")
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> TokenDelta | None:
-        request = self.scheduler.finish(request_id, reason)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+              keep_prefix: bool = True) -> TokenDelta | None:
+        request = self.scheduler.finish(request_id, reason, keep_prefix)
         if request is None:
             return None
         return TokenDelta(request_id, None, None, reason, len(request.prompt_ids), len(request.output_ids))
@@ -128,9 +129,8 @@ class EngineCore:
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
             return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
         sampled = {request_id: token for request_id, token in result.sampled.items() if token >= 0}
-        unusable = [request_id for request_id in result.sampled if request_id not in sampled]
+        deltas = self._abort_unusable([request_id for request_id in result.sampled if request_id not in sampled])
         finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}
-        deltas = []
         for request_id, token in sampled.items():
             request = finished.get(request_id) or self.scheduler.requests.get(request_id)
             if request is None:
@@ -138,11 +138,18 @@ class EngineCore:
             reason = request.finish_reason if request_id in finished else None
             deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
                                      len(request.prompt_ids), len(request.output_ids)))
-        if unusable:  # NaN or infinite logits (sampler.NO_TOKEN): the model, not the request; the others go on
-            log.error("the model's logits were not finite numbers (NaN or infinite) for %d request(s); aborting "
-                      "them: check the model file", len(unusable))
-            deltas += [d for request_id in unusable if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
         return deltas
+
+    def _abort_unusable(self, request_ids: list[str]) -> list[TokenDelta]:
+        """Requests whose logits were NaN or infinite (sampler.NO_TOKEN): the model is at fault, not the request,
+        and the others go on. Aborted before the step's update, and out of the prefix cache, so that no later
+        request reuses the keys and values they computed."""
+        if not request_ids:
+            return []
+        log.error("the model's logits were not finite numbers (NaN or infinite) for request(s) %s; aborting them: "
+                  "check the model file", ", ".join(request_ids))
+        return [d for request_id in request_ids
+                if (d := self.abort(request_id, FinishReason.ABORT, keep_prefix=False)) is not None]
 
     def close(self) -> None:
         self.executor.close()

@@ -49,7 +49,7 @@ class BlockPool:
         blocks = []
         for _ in range(count):
             block, _ = self.free.popitem(last=False)
-            self._forget(block)
+            self.forget(block)
             self.ref_count[block] = 1
             blocks.append(block)
         return blocks
@@ -75,7 +75,8 @@ class BlockPool:
             self.block_hash[block] = block_hash
             self.by_hash[block_hash] = block
 
-    def _forget(self, block: int) -> None:
+    def forget(self, block: int) -> None:
+        """No later lookup finds this block (it stays in use where it is)."""
         old = self.block_hash[block]
         if old is not None:
             del self.by_hash[old]
@@ -177,7 +178,12 @@ class KVCacheManager:
             chain.append(self._hash(parent, tokens[index * self.block_size:(index + 1) * self.block_size]))
             self.pool.remember(blocks[index], chain[-1])
 
-    def free(self, request: Request) -> None:
-        """Return the request's blocks, its last blocks first so that its prefix stays cached longest."""
-        self.pool.release(list(reversed(self._blocks.pop(request.request_id, []))))
+    def free(self, request: Request, keep_prefix: bool = True) -> None:
+        """Return the request's blocks, its last blocks first so that its prefix stays cached longest; with
+        `keep_prefix` False none of them is found by a later request (what they hold is not to be trusted)."""
+        blocks = self._blocks.pop(request.request_id, [])
+        if not keep_prefix:
+            for block in blocks:
+                self.pool.forget(block)
+        self.pool.release(list(reversed(blocks)))
         self._hashes.pop(request.request_id, None)

@@ -56,6 +56,7 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
 # What a row gets whose logits hold no usable distribution (NaN or infinite, or all -inf): not a token id.
 NO_TOKEN = -1
 
+
 @dataclass(frozen=True)
 class SampleOutput:
     tokens: torch.Tensor  # [S] int64: the sampled token of each row, NO_TOKEN where its logits are unusable
@@ -75,10 +76,13 @@ class Sampler:
         raw = logits.float()
         shaped = mask_stop_tokens(apply_penalties(raw, states), states)
         tokens = self._choose(shaped, states)
-        # A row whose chosen logit is not a finite number had NaN or infinite logits, or all -inf (greedy's argmax
-        # takes a NaN or +inf first): a broken model, not a token. NO_TOKEN; the engine aborts its request.
-        picked = shaped.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
-        tokens = torch.where((tokens >= 0) & torch.isfinite(picked), tokens, NO_TOKEN)
+        undrawn = tokens < 0  # no finite, positive mass to draw from: the argmax decides (a penalty that made a
+        if undrawn.any():     # logit infinite makes that token certain; NaN or +inf comes first, as in torch)
+            tokens[undrawn] = greedy_tokens(shaped[undrawn])
+        # Where the model's own logit for the token chosen is not a finite number, its row was NaN or infinite
+        # (or all -inf): a broken model, not a token. NO_TOKEN; the engine aborts the request.
+        picked = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        tokens = torch.where(torch.isfinite(picked), tokens, NO_TOKEN)
         return _with_logprobs(raw, tokens, states)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:

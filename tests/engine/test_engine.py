@@ -144,27 +144,30 @@ def test_prompt_too_long_is_rejected(loaded):
     torch.testing.assert_close(torch.tensor(core.kv.usage()), torch.tensor(0.0))
 
 
-
 def test_a_model_that_gives_nan_logits_aborts_its_requests_and_the_engine_goes_on(loaded, prompts, alone, caplog):
     """A broken model (here: its final norm's weights NaN, as a damaged file's would be) makes NaN logits: its
-    requests end as aborted, with no token and an error logged, instead of a made-up token; the engine, its KV
-    cache and the next request, once the model is whole again, are unharmed."""
-    core = local_engine(loaded.model, KVCacheConfig(256, BLOCK), SchedulerConfig(8, 512, 4096, True), "m")
+    requests end as aborted, with no token and an error naming them, instead of a made-up token; their blocks
+    leave the prefix cache (the prompt's earlier chunks had been cached); the engine, its KV cache and the next
+    request, once the model is whole again, are unharmed."""
+    core = local_engine(loaded.model, KVCacheConfig(256, BLOCK), SchedulerConfig(8, 64, 4096, True), "m")
     norm = loaded.model.norm
     whole = norm.clone()
     try:
         norm.fill_(float("nan"))  # in place: the native stack reads the same storage
-        core.add_request("broken", prompts[1], GREEDY, loaded.tokenizer.eos_token_id)
-        deltas = []
+        core.add_request("broken", prompts[5], GREEDY, loaded.tokenizer.eos_token_id)  # in 64-token chunks
+        deltas, cached = [], 0
         with caplog.at_level("ERROR", logger="app.engine"):
             while core.has_work():
                 deltas += core.step()
+                cached = max(cached, len(core.kv.pool.by_hash))
     finally:
         norm.copy_(whole)
     assert [(d.request_id, d.token_id, d.finish_reason) for d in deltas] == [("broken", None, FinishReason.ABORT)]
-    assert "not finite numbers" in caplog.text
+    assert "not finite numbers (NaN or infinite) for request(s) broken" in caplog.text
+    assert cached > 0 and not core.kv.pool.by_hash  # its chunks were findable, then forgotten
     assert core.kv.usage() == 0.0 and all(c == 0 for c in core.kv.pool.ref_count)
-    assert run_engine_on(core, loaded, [prompts[1]]) == [alone[1]]
+    assert run_engine_on(core, loaded, [prompts[5]]) == [alone[5]]
+
 
 def test_runner_stages_a_step_as_make_batch_does(loaded):
     """The runner's vectorised staging gives the same batch as the plain per-token reference, also when a

@@ -210,8 +210,19 @@ def test_rows_without_finite_mass_get_no_token_and_hold_up_no_other_row():
     greedy = [new_state(SamplingParams(temperature=0, logprobs=2), [], None) for _ in range(len(bad_rows) + 1)]
     out = Sampler(vocab)(torch.stack([good] + bad_rows), greedy)
     assert out.tokens.tolist() == [int(good.argmax())] + [NO_TOKEN] * 4
-    assert out.logprobs[0] == torch.log_softmax(good, dim=-1).max()
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(good, dim=-1).max())
 
+
+
+def test_a_penalty_that_makes_a_logit_infinite_chooses_that_token():
+    """The model's logits are finite; a repetition penalty of ~0 (the API allows any > 0; float32 rounds 1e-300
+    to 0) divides a seen token's positive logit into +inf. That is the user's doing, not a broken model: the
+    token is chosen, sampled or greedy, never NO_TOKEN."""
+    vocab = 50
+    logits = torch.linspace(-1.0, 1.0, vocab).unsqueeze(0)
+    for temperature in (0.0, 1.0):
+        state = new_state(SamplingParams(temperature=temperature, repetition_penalty=1e-300), [40], None)
+        assert Sampler(vocab)(logits.clone(), [state]).tokens.tolist() == [40]  # logit 0.63: not the largest before
 
 def test_draw_keeps_a_light_tokens_odds_beside_a_heavy_one():
     """Token 255 (1e-9) shares its 256-token block with token 0 (0.9): u inside its sliver still draws it."""
