@@ -70,7 +70,8 @@ class EngineCore:
         max_tokens = min(cfg.max_num_batched_tokens, cache_tokens - self.kv.block_size, cfg.max_model_len)
         entry = None  # (the passes' sizes follow from max_tokens and max_seqs: the fit is theirs)
         if key is not None and cache is not None:
-            entry = cache / "calibration" / f"{entry_name({**key, 'max_tokens': max_tokens, 'max_seqs': cfg.max_num_seqs})}.json"
+            name = entry_name({**key, "max_tokens": max_tokens, "max_seqs": cfg.max_num_seqs})
+            entry = cache / "calibration" / f"{name}.json"
         cached = _read_fit(entry, cfg.step_time_budget)
         cost = StepCost.calibrate(self.executor.time_forward, cfg.step_time_budget, max_tokens, cfg.max_num_seqs,
                                   cached)
@@ -104,9 +105,8 @@ class EngineCore:
             raise RequestRejected(f"the prompt needs {self.kv.blocks_needed(len(prompt_ids) + 1)} KV blocks; the "
                                   f"cache has {self.kv.num_blocks}")
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-              keep_prefix: bool = True) -> TokenDelta | None:
-        request = self.scheduler.finish(request_id, reason, keep_prefix)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> TokenDelta | None:
+        request = self.scheduler.finish(request_id, reason)
         if request is None:
             return None
         return TokenDelta(request_id, None, None, reason, len(request.prompt_ids), len(request.output_ids))
@@ -148,8 +148,10 @@ class EngineCore:
             return []
         log.error("the model's logits were not finite numbers (NaN or infinite) for request(s) %s; aborting them: "
                   "check the model file", ", ".join(request_ids))
-        return [d for request_id in request_ids
-                if (d := self.abort(request_id, FinishReason.ABORT, keep_prefix=False)) is not None]
+        for request_id in request_ids:
+            if (request := self.scheduler.requests.get(request_id)) is not None:
+                self.kv.forget(request)
+        return [d for request_id in request_ids if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
 
     def close(self) -> None:
         self.executor.close()

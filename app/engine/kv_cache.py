@@ -178,12 +178,12 @@ class KVCacheManager:
             chain.append(self._hash(parent, tokens[index * self.block_size:(index + 1) * self.block_size]))
             self.pool.remember(blocks[index], chain[-1])
 
-    def free(self, request: Request, keep_prefix: bool = True) -> None:
-        """Return the request's blocks, its last blocks first so that its prefix stays cached longest; with
-        `keep_prefix` False none of them is found by a later request (what they hold is not to be trusted)."""
-        blocks = self._blocks.pop(request.request_id, [])
-        if not keep_prefix:
-            for block in blocks:
-                self.pool.forget(block)
-        self.pool.release(list(reversed(blocks)))
+    def forget(self, request: Request) -> None:
+        """No later request finds any of this request's blocks (what they hold is not to be trusted)."""
+        for block in self._blocks.get(request.request_id, ()):
+            self.pool.forget(block)
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, its last blocks first so that its prefix stays cached longest."""
+        self.pool.release(list(reversed(self._blocks.pop(request.request_id, []))))
         self._hashes.pop(request.request_id, None)

@@ -139,9 +139,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish(self, request_id: str, reason: FinishReason, keep_prefix: bool = True) -> Request | None:
-        """End a request (finished or aborted) and free its blocks (with `keep_prefix` False, out of the prefix
-        cache too); unknown ids are ignored."""
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request (finished or aborted) and free its blocks; unknown ids are ignored."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -149,7 +148,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request, keep_prefix)
+        self.kv.free(request)
         request.status, request.finish_reason = Status.FINISHED, reason
         if request_id in self._runner_knows:
             self._runner_knows.discard(request_id)
