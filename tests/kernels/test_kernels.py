@@ -217,6 +217,18 @@ def test_decode_attention(isa, dtype, q_heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_decode_attention(isa, dtype):
+    # One or two sequences decoding make too few items for the threads: each item's keys are split in
+    # ranges whose partial results are merged (split-KV). The slots for them are kept between calls, so
+    # calls of more, fewer and more ranges again each must match the reference.
+    for seed, context_lens in enumerate(([1000], [700, 300], [129], [2000])):
+        q_lens = [1] * len(context_lens)
+        q, kc, vc, tables, lens, starts = attention_case(dtype, 9, 3, 64, context_lens, q_lens, seed=10 + seed)
+        out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+        assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(6, 6), (9, 3), (16, 2)])
 def test_prefill_and_extend_attention(isa, dtype, q_heads, kv_heads):
     # a whole prompt, a chunk after a cached prefix (extend / chunked prefill), a decode, an odd tail
