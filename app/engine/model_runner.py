@@ -58,7 +58,8 @@ class ModelRunner:
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
-        last = hidden[batch.logit_indices[rows]]
+        # a step of decodes only samples every row of hidden, in order: no gather (two torch ops) needed
+        last = hidden if len(rows) == hidden.shape[0] else hidden[batch.logit_indices[rows]]
         logits = self.model.logits(last)
         # A hidden state that is not finite (a broken model) can come out of the quantized head as finite logits
         # (activations quantized to integers take NaN as 0): made NaN here, so the sampler gives it no token.

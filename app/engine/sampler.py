@@ -73,6 +73,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
         # logits: [S, V], row s belongs to states[s]
         self._check(logits, states)
+        if all(_plain_greedy(state) for state in states):
+            return _greedy_output(logits)
         raw = logits.float()
         shaped = mask_stop_tokens(apply_penalties(raw, states), states)
         tokens = self._choose(shaped, states)
@@ -144,6 +146,24 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # A row without a finite, positive mass (NaN or infinite logits, all -inf) gets NO_TOKEN; the others are not
     # held up by it.
     return torch.where((total > 0) & (total < math.inf), block * width + token, NO_TOKEN).squeeze(1)
+
+
+def _plain_greedy(state: SamplingState) -> bool:
+    """Greedy, without penalties, logprobs or a stop token still masked: the argmax of the raw logits."""
+    params = state.params
+    return params.greedy and params.logprobs is None and not _has_penalty(params) and not (
+        len(state.output_ids) < params.min_tokens and state.early_stops is not None)
+
+
+def _greedy_output(logits: torch.Tensor) -> SampleOutput:
+    """What __call__ gives rows that are all `_plain_greedy`, in numpy: each torch op on these few values costs
+    10-40 us right after a step has streamed the weights through the caches, and the general path's half dozen
+    were ~0.15 ms of a ~5 ms batch-1 decode step (Zen 4)."""
+    raw = logits.float().contiguous().numpy()
+    tokens = raw.argmax(axis=-1)  # the first on ties; NaN counts as largest (greedy_tokens)
+    picked = raw[np.arange(raw.shape[0]), tokens]
+    return SampleOutput(torch.from_numpy(np.where(np.isfinite(picked), tokens, NO_TOKEN).astype(np.int64)), None, None,
+                        None)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

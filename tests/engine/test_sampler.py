@@ -211,6 +211,24 @@ def test_rows_without_finite_mass_get_no_token_and_hold_up_no_other_row():
     out = Sampler(vocab)(torch.stack([good] + bad_rows), greedy)
     assert out.tokens.tolist() == [int(good.argmax())] + [NO_TOKEN] * 4
     torch.testing.assert_close(out.logprobs[0], torch.log_softmax(good, dim=-1).max())
+    plain = [new_state(SamplingParams(temperature=0), [], None) for _ in range(len(bad_rows) + 1)]  # the numpy path
+    assert Sampler(vocab)(torch.stack([good] + bad_rows), plain).tokens.tolist() == out.tokens.tolist()
+
+
+def test_plain_greedy_rows_take_the_same_tokens_as_the_general_path():
+    """Greedy rows without penalties, logprobs or masked stop tokens take a numpy path; beside a row that needs
+    the general one (a penalty, a logprob, min_tokens), or alone, every row gets the same token: the first
+    maximum, also on exact ties."""
+    vocab, gen = 2000, torch.Generator().manual_seed(7)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[1, 5] = logits[1, 1500] = logits[1].max() + 1  # a tie: the first wins
+    plain = [new_state(SamplingParams(temperature=0), [3, 4], 2) for _ in range(6)]
+    tokens = Sampler(vocab)(logits, plain).tokens
+    assert tokens.dtype == torch.int64 and tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert tokens[1] == 5
+    for other in (dict(logprobs=0), dict(repetition_penalty=1.0001), dict(min_tokens=1)):
+        mixed = plain[:5] + [new_state(SamplingParams(temperature=0, **other), [3, 4], 2)]
+        assert Sampler(vocab)(logits, mixed).tokens.tolist() == tokens.tolist(), other
 
 
 
