@@ -43,6 +43,8 @@ class ModelRunner:
         self._lens = torch.zeros(max_num_seqs, dtype=torch.int32)
         self._starts = torch.zeros(max_num_seqs + 1, dtype=torch.int64)
         self._prompt_rows = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self._last_rows = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # (seqs, tokens, width) -> the batch's
 
     @property
     def vocab_size(self) -> int:
@@ -111,10 +113,17 @@ class ModelRunner:
         self._ids.numpy()[:t] = np.fromiter(chain.from_iterable(r.token_ids for r in requests), np.int64, t)
         self._lens.numpy()[:seqs] = computed + counts
         self._prompt_rows.numpy()[:seqs] = np.fromiter((r.prompt_rows for r in requests), np.int64, seqs)
-        starts_t = self._starts[: seqs + 1]
-        batch = ForwardBatch(self._positions[:t], self._slots[:t], self._tables[: seqs * width].view(seqs, width),
-                             self._lens[:seqs], starts_t, starts_t[1:] - 1, self._prompt_rows[:seqs])
-        return batch, self._ids[:t]
+        np.subtract(starts[1:], 1, out=self._last_rows.numpy()[:seqs])
+        # The buffers' views for this shape, made once (up to 512 shapes): seven slices and a subtraction in torch
+        # were ~0.05 ms of a batch-1 decode step's ~0.25 ms here (Zen 4).
+        views = self._views.get((seqs, t, width))
+        if views is None:
+            if len(self._views) >= 512:
+                self._views.clear()
+            views = self._views[(seqs, t, width)] = (
+                self._positions[:t], self._slots[:t], self._tables[: seqs * width].view(seqs, width), self._lens[:seqs],
+                self._starts[: seqs + 1], self._last_rows[:seqs], self._prompt_rows[:seqs], self._ids[:t])
+        return ForwardBatch(*views[:-1]), views[-1]
 
     def _collect(self, request_ids: list[str], states: list[SamplingState], result) -> RunnerOutput:
         tokens = result.tokens.tolist()
