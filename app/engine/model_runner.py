@@ -60,7 +60,8 @@ class ModelRunner:
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
-        # a step of decodes only samples every row of hidden, in order: no gather (two torch ops) needed
+        # every scheduled request has at least one token, so as many sampled rows as tokens means a step of
+        # decodes only, each sampled: hidden's rows in order, no gather (two torch ops) needed
         last = hidden if len(rows) == hidden.shape[0] else hidden[batch.logit_indices[rows]]
         logits = self.model.logits(last)
         # A hidden state that is not finite (a broken model) can come out of the quantized head as finite logits

@@ -435,9 +435,10 @@ void run(const Tiles& t, const PackedLinearArgs& a, Activations* prepared) {
   // out dynamically, single-stream TPOT under the server went from 6.5 to 10.5 ms (A/B, Zen 4). Each
   // thread takes an even share of the panels, whole tiles and a tile of two at its end: whole tiles
   // alone left one of two threads 5 of the 9 tiles of a 576-row matrix (o and down in the default model).
-  // Each integer tile asks for the thread's next tile's four panels as it goes (`pre`, block b of each at
-  // its own block b), so that the next tile finds them in L2: a panel is 6-10 KiB, and each tile began by
-  // waiting on DRAM for its panels' first blocks (prefetch_blocks asks only ~2 KiB ahead inside a panel).
+  // Each int_tile (halves_tile, Q2_K's, Q3_K's and Q6_K's, does not) asks for the thread's next tile's four
+  // panels as it goes (`pre`, block b of each at its own block b), so that the next tile finds them in L2: a
+  // panel is 6-10 KiB, and each tile began by waiting on DRAM for its panels' first blocks (prefetch_blocks
+  // asks only ~2 KiB ahead inside a panel).
   // Zen 4 (2 vCPUs), alternated: default-spec decode step at batch 1 6.7-7.5 -> 4.9-5.6 ms (4 rounds), the
   // Q8_0 file's 8.0-8.3 -> 6.8-7.5 (3); a 240 MB Q8_0 matrix from DRAM 15-22 -> 25-30 GB/s. Two tiles
   // ahead measured the same. The BF16 tile (its panels 18 KiB, which the hardware prefetchers follow) was

@@ -215,22 +215,40 @@ def test_rows_without_finite_mass_get_no_token_and_hold_up_no_other_row():
     assert Sampler(vocab)(torch.stack([good] + bad_rows), plain).tokens.tolist() == out.tokens.tolist()
 
 
-def test_plain_greedy_rows_take_the_same_tokens_as_the_general_path():
-    """Greedy rows without penalties, logprobs or masked stop tokens take a numpy path; beside a row that needs
-    the general one (a penalty, a logprob, min_tokens), or alone, every row gets the same token: the first
-    maximum, also on exact ties."""
+def test_plain_greedy_rows_take_the_numpy_path_and_the_general_path_keeps_the_rest(monkeypatch):
+    """Greedy rows without penalties, logprobs or masked stop tokens take a numpy path (the first maximum, also
+    on exact ties); a batch with a row that needs the general path (a penalty, logprobs, min_tokens) takes
+    that one, and that row's token is the one its parameters make it."""
+    import app.engine.sampler as sampler_module
+
+    calls = []
+    fast = sampler_module._greedy_output
+    monkeypatch.setattr(sampler_module, "_greedy_output", lambda logits: calls.append(1) or fast(logits))
     vocab, gen = 2000, torch.Generator().manual_seed(7)
     logits = torch.randn(6, vocab, generator=gen)
     logits[1, 5] = logits[1, 1500] = logits[1].max() + 1  # a tie: the first wins
     plain = [new_state(SamplingParams(temperature=0), [3, 4], 2) for _ in range(6)]
     tokens = Sampler(vocab)(logits, plain).tokens
+    assert calls == [1]
     assert tokens.dtype == torch.int64 and tokens.tolist() == logits.argmax(dim=-1).tolist()
     assert tokens[1] == 5
-    for other in (dict(logprobs=0), dict(repetition_penalty=1.0001), dict(min_tokens=1)):
+    # the last row's largest logit on EOS (masked until min_tokens), on a prompt token (a penalty halves it), or
+    # logprobs asked for: each moves its row off the numpy path, and only that row's token changes
+    special = logits.clone()
+    special[5, 2] = special[5, 3] = special[5].max() + 1.0
+    runner_up = int(logits[5].argmax())
+    for other, expected in ((dict(min_tokens=1), 3), (dict(repetition_penalty=2.0), 2), (dict(logprobs=0), 2)):
+        calls.clear()
+        row = special[5].clone()
+        if "repetition_penalty" in other:
+            row[2] = float(logits[5].min()) - 1  # only the prompt token 3 stays on top; halved, it falls below
+            expected = runner_up
+        batch = torch.cat([special[:5], row.unsqueeze(0)])
         mixed = plain[:5] + [new_state(SamplingParams(temperature=0, **other), [3, 4], 2)]
-        assert Sampler(vocab)(logits, mixed).tokens.tolist() == tokens.tolist(), other
-
-
+        out = Sampler(vocab)(batch, mixed)
+        assert calls == [], other
+        assert out.tokens.tolist() == tokens.tolist()[:5] + [expected], other
+        assert (out.logprobs is not None) == ("logprobs" in other), other
 
 def test_a_penalty_that_makes_a_logit_infinite_chooses_that_token():
     """The model's logits are finite; a repetition penalty of ~0 (the API allows any > 0; float32 rounds 1e-300

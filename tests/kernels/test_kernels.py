@@ -218,14 +218,21 @@ def test_decode_attention(isa, dtype, q_heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_kv_decode_attention(isa, dtype):
-    # One or two sequences decoding make too few items for the threads: each item's keys are split in
-    # ranges whose partial results are merged (split-KV). The slots for them are kept between calls, so
-    # calls of more, fewer and more ranges again each must match the reference.
-    for seed, context_lens in enumerate(([1000], [700, 300], [129], [2000])):
-        q_lens = [1] * len(context_lens)
-        q, kc, vc, tables, lens, starts = attention_case(dtype, 9, 3, 64, context_lens, q_lens, seed=10 + seed)
-        out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
-        assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
+    # One or two sequences make too few items for the threads (fewer than two a thread, with 4 threads: 3 KV
+    # heads a sequence): each item's keys are split in ranges whose partial results are merged (split-KV). The
+    # slots for them are kept between calls, so calls of more, fewer and more ranges again each must match the
+    # reference; so must a 16-token extend whose last range (key 256) only its last query sees, the other rows'
+    # partials there empty, after calls that left other values in those slots.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the kernels read OpenMP's, which torch sets
+    try:
+        cases = [([1000], [1]), ([700, 300], [1, 1]), ([129], [1]), ([2000], [1]), ([257], [16]), ([1000], [1])]
+        for seed, (context_lens, q_lens) in enumerate(cases):
+            q, kc, vc, tables, lens, starts = attention_case(dtype, 9, 3, 64, context_lens, q_lens, seed=10 + seed)
+            out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+            assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
