@@ -73,19 +73,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
         # logits: [S, V], row s belongs to states[s]
         self._check(logits, states)
-        if all(_plain_greedy(state) for state in states):
-            return _greedy_output(logits)
         raw = logits.float()
+        if all(_plain_greedy(state) for state in states):
+            return _greedy_output(raw)
         shaped = mask_stop_tokens(apply_penalties(raw, states), states)
         tokens = self._choose(shaped, states)
         undrawn = tokens < 0  # no finite, positive mass to draw from: the argmax decides (a penalty that made a
         if undrawn.any():     # logit infinite makes that token certain; NaN or +inf comes first, as in torch)
             tokens[undrawn] = greedy_tokens(shaped[undrawn])
-        # Where the model's own logit for the token chosen is not a finite number, its row was NaN or infinite
-        # (or all -inf): a broken model, not a token. NO_TOKEN; the engine aborts the request.
-        picked = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        tokens = torch.where(torch.isfinite(picked), tokens, NO_TOKEN)
-        return _with_logprobs(raw, tokens, states)
+        return _with_logprobs(raw, _usable(raw, tokens), states)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
@@ -155,15 +151,21 @@ def _plain_greedy(state: SamplingState) -> bool:
         len(state.output_ids) < params.min_tokens and state.early_stops is not None)
 
 
-def _greedy_output(logits: torch.Tensor) -> SampleOutput:
-    """What __call__ gives rows that are all `_plain_greedy`, in numpy: each torch op on these few values costs
-    10-40 us right after a step has streamed the weights through the caches, and the general path's half dozen
-    were ~0.15 ms of a ~5 ms batch-1 decode step (Zen 4)."""
-    raw = logits.float().contiguous().numpy()
-    tokens = raw.argmax(axis=-1)  # the first on ties; NaN counts as largest (greedy_tokens)
-    picked = raw[np.arange(raw.shape[0]), tokens]
-    return SampleOutput(torch.from_numpy(np.where(np.isfinite(picked), tokens, NO_TOKEN).astype(np.int64)), None, None,
-                        None)
+def _greedy_output(raw: torch.Tensor) -> SampleOutput:
+    """What __call__ gives rows that are all `_plain_greedy`: the argmax of the raw logits, no torch op on them."""
+    return SampleOutput(_usable(raw, greedy_tokens(raw)), None, None, None)
+
+
+def _usable(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens, but NO_TOKEN where the model's own logit for the token chosen is not a finite number: its row was
+    NaN or infinite (or all -inf), a broken model, not a token; the engine aborts the request.
+
+    raw: [S, V] float32; tokens: [S] int64 >= 0. In numpy: each torch op on these few values costs 10-40 us right
+    after a step has streamed the weights through the caches (a plain greedy batch's half dozen of them were
+    ~0.15 ms of a ~5 ms batch-1 decode step on Zen 4)."""
+    chosen = tokens.numpy()
+    picked = raw.contiguous().numpy()[np.arange(chosen.shape[0]), chosen]
+    return torch.from_numpy(np.where(np.isfinite(picked), chosen, NO_TOKEN).astype(np.int64, copy=False))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

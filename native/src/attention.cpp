@@ -170,8 +170,8 @@ void write_rows(const AttentionArgs& a, const Item& it, int64_t rows, const floa
   }
 }
 
-// Split-KV partial results: per item slot, per row, [max, sum, acc[D]]
-// Each slot holds every row's (m, l, acc[D]) of one split range; merge reads only the rows its item has.
+// Split-KV partial results: a slot a split range, in it per row [max, sum, acc[D]]; merge reads only the rows
+// its item has, each written by that range's run_item in the same call.
 struct Partials {
   int64_t row_floats = 0, rows = 0;
   float* data = nullptr;
