@@ -7,7 +7,6 @@ it. Input staging buffers are allocated once at the largest step size and reused
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from itertools import chain
 
@@ -63,12 +62,9 @@ class ModelRunner:
         # every scheduled request has at least one token, so as many sampled rows as tokens means a step of
         # decodes only, each sampled: hidden's rows in order, no gather (two torch ops) needed
         last = hidden if len(rows) == hidden.shape[0] else hidden[batch.logit_indices[rows]]
+        # A hidden row that is not finite (a broken model) gives NaN logits on every head, the quantized ones too
+        # (native/src/act_quant.cpp: such a block's scale is NaN), and the sampler gives that row no token.
         logits = self.model.logits(last)
-        # A hidden state that is not finite (a broken model) can come out of the quantized head as finite logits
-        # (activations quantized to integers take NaN as 0): made NaN here, so the sampler gives it no token.
-        # One sum first (~10 us): the rows are looked at only where it is not finite.
-        if not math.isfinite(last.sum().item()):
-            logits[~torch.isfinite(last).all(dim=-1)] = float("nan")
         states = [self.states[output.requests[i].request_id] for i in rows]
         result = self.sampler(logits, states)
         return self._collect([output.requests[i].request_id for i in rows], states, result)

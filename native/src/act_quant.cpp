@@ -1,6 +1,8 @@
 // x quantized per block of 32 for the integer tiles (packed.h's Activations): one int8 plane h (ActQuant int8, as
 // llama.cpp's Q8 blocks) or two, h and l (int16: x = scale (256 h + l), about 16 bits), with the sums the tiles'
 // zero points and mins take; or kept float32 for the exact tiles (none).
+#include <limits>
+
 #include "packed.h"
 
 namespace appliance::APPLIANCE_ISA {
@@ -8,6 +10,9 @@ namespace {
 
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
+// A block with a NaN or an infinity gets scale NaN (its integers are then meaningless): every tile multiplies
+// by x's scale, so the row's outputs come out NaN, as float32 arithmetic would give them, and a broken model's
+// NaN reaches its logits (the sampler gives such a row no token) instead of becoming finite numbers here.
 template <typename T, bool kHalves>
 void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& isum, int32_t* isum_first) {
   constexpr int V = kQuantBlock / VecF::N;
@@ -18,9 +23,11 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
     peak = VecF::max(peak, VecF::max(v[c], VecF::zero() - v[c]));
   }
   const float amax = peak.reduce_max();
-  if (!(amax > 0.f)) {
+  if (!(amax > 0.f)) {  // all zeros (scale 0), or a NaN among them (scale NaN: see above)
+    bool zeros = amax == 0.f;  // (a NaN in the first vector can be dropped by the second's max: look)
+    for (int i = 0; i < kQuantBlock && zeros; ++i) zeros = to_float(x[i]) == 0.f;
     std::memset(q, 0, planes * kQuantBlock);
-    scale = 0.f, isum = 0;
+    scale = zeros ? 0.f : std::numeric_limits<float>::quiet_NaN(), isum = 0;
     if (kHalves) *isum_first = 0;
     return;
   }
@@ -39,7 +46,13 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
     }
   }
   scale = planes == 2 ? amax / 127.f / 256.f : amax / 127.f;
-  isum = static_cast<int32_t>(sum.reduce_add());  // one horizontal sum a block: they were the critical path
+  const float total = sum.reduce_add();  // one horizontal sum a block: they were the critical path
+  if (total != total) {  // a NaN or infinite x (vmaxps can drop a NaN from amax; an infinite one makes x * 0 NaN)
+    scale = std::numeric_limits<float>::quiet_NaN(), isum = 0;
+    if (kHalves) *isum_first = 0;
+    return;
+  }
+  isum = static_cast<int32_t>(total);
   if (kHalves) *isum_first = static_cast<int32_t>(first.reduce_add());
 }
 

@@ -262,6 +262,33 @@ def test_a_row_gives_the_same_result_in_any_batch(isa, qtype):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
+@pytest.mark.parametrize("qtype", [GT.Q4_1, GT.Q8_0, GT.Q5_K, GT.Q6_K, GT.Q2_K], ids=lambda t: t.name)
+def test_a_row_with_nan_or_infinity_gives_no_finite_output_and_leaves_the_others(isa, qtype):
+    """Quantizing x to integers must not turn a NaN or an infinity into a finite number (a broken model's hidden
+    state would become made-up logits): none of that row's outputs is finite (NaN from the integer tiles; the
+    float path gives what float32 arithmetic does), and the other rows are what they are alone. Bad values where a block's maximum can drop a NaN (its second vector
+    finite, or the rest of the block zeros), an infinity, and a row with both; one row, and among 37."""
+    k = 512
+    q, _ = quantized(48, k, qtype)
+    x = torch.randn(37, k)
+    bad = {3: [(40, float("nan"))], 7: [(3, float("nan")), (20, 2.0)], 11: [(70, float("inf"))],
+           12: [(100, float("-inf")), (101, float("nan"))], 20: [(129, float("nan"))]}
+    x[20, 128:160] = 0.0  # row 20's fifth block: zeros and one NaN
+    for row, values in bad.items():
+        for col, value in values:
+            x[row, col] = value
+    for activations in ("int16", "int8", "float"):
+        packed = q.pack(activations)
+        out = packed.linear(x)
+        for row in range(37):
+            if row in bad:
+                assert not torch.isfinite(out[row]).any(), (activations, row)
+            else:
+                assert torch.isfinite(out[row]).all()
+                assert torch.equal(out[row], packed.linear(x[row:row + 1])[0])
+        assert not torch.isfinite(packed.linear(x[7:8])).any() and not torch.isfinite(packed.linear(x[20:21])).any()
+
+
 @pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK, ids=lambda t: t.name)
 def test_prompt_rows_take_the_exact_products_where_the_kernels_widen(isa, qtype):
     """int16 rows marked as prompt tokens: where the kernels widen the weights (AVX2), float32 FMAs on the
