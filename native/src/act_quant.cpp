@@ -10,6 +10,7 @@ namespace {
 
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
+// A block whose max|x| is below 1e-36 is taken as zeros (denormals: SiLU of a very negative gate).
 // A block with a NaN or an infinity gets scale NaN (its integers are then meaningless): every tile multiplies
 // by x's scale, so the row's outputs come out NaN, as float32 arithmetic would give them, and a broken model's
 // NaN reaches its logits (the sampler gives such a row no token) instead of becoming finite numbers here.
@@ -23,11 +24,12 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
     peak = VecF::max(peak, VecF::max(v[c], VecF::zero() - v[c]));
   }
   const float amax = peak.reduce_max();
-  if (!(amax > 0.f)) {  // all zeros (scale 0), or a NaN among them (scale NaN: see above)
-    bool zeros = amax == 0.f;  // (a NaN in the first vector can be dropped by the second's max: look)
-    for (int i = 0; i < kQuantBlock && zeros; ++i) zeros = to_float(x[i]) == 0.f;
+  constexpr float kTiny = 1e-36f;  // (127 / amax overflows below 127 / FLT_MAX, ~3.7e-37)
+  if (!(amax >= kTiny)) {  // zeros, or too small to scale (as zeros: scale 0); or a NaN among them (scale NaN)
+    bool finite = amax == amax;  // (a NaN in the first vector can be dropped by the second's max: look)
+    for (int i = 0; i < kQuantBlock && finite; ++i) finite = to_float(x[i]) == to_float(x[i]);
     std::memset(q, 0, planes * kQuantBlock);
-    scale = zeros ? 0.f : std::numeric_limits<float>::quiet_NaN(), isum = 0;
+    scale = finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), isum = 0;
     if (kHalves) *isum_first = 0;
     return;
   }

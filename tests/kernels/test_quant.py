@@ -267,7 +267,8 @@ def test_a_row_with_nan_or_infinity_gives_no_finite_output_and_leaves_the_others
     """Quantizing x to integers must not turn a NaN or an infinity into a finite number (a broken model's hidden
     state would become made-up logits): none of that row's outputs is finite (NaN from the integer tiles; the
     float path gives what float32 arithmetic does), and the other rows are what they are alone. Bad values where a block's maximum can drop a NaN (its second vector
-    finite, or the rest of the block zeros), an infinity, and a row with both; one row, and among 37."""
+    finite, or the rest of the block zeros), an infinity, and a row with both; one row, and among 37. A block of
+    finite values too small to scale (denormals among them) stays finite: as zeros."""
     k = 512
     q, _ = quantized(48, k, qtype)
     x = torch.randn(37, k)
@@ -277,9 +278,14 @@ def test_a_row_with_nan_or_infinity_gives_no_finite_output_and_leaves_the_others
     for row, values in bad.items():
         for col, value in values:
             x[row, col] = value
+    x[30, 64:96] = torch.tensor([1e-38, -3e-37, 0.0, 1e-45] * 8)  # row 30's third block: finite, too small to scale
+    zeroed = x[30:31].clone()
+    zeroed[0, 64:96] = 0.0
     for activations in ("int16", "int8", "float"):
         packed = q.pack(activations)
         out = packed.linear(x)
+        if activations != "float":  # (the integer tiles take it as zeros; the float path keeps its tiny products)
+            assert torch.equal(out[30], packed.linear(zeroed)[0])
         for row in range(37):
             if row in bad:
                 assert not torch.isfinite(out[row]).any(), (activations, row)
