@@ -23,15 +23,19 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
     v[c] = VecF::load(x + c * VecF::N);
     peak = VecF::max(peak, VecF::max(v[c], VecF::zero() - v[c]));
   }
+  // a block of zeros (scale 0) or of NaN (scale NaN): no integers, no sums
+  const auto empty = [&](float s) {
+    std::memset(q, 0, planes * kQuantBlock);
+    scale = s, isum = 0;
+    if (kHalves) *isum_first = 0;
+  };
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
   const float amax = peak.reduce_max();
   constexpr float kTiny = 1e-36f;  // (127 / amax overflows below 127 / FLT_MAX, ~3.7e-37)
-  if (!(amax >= kTiny)) {  // zeros, or too small to scale (as zeros: scale 0); or a NaN among them (scale NaN)
+  if (!(amax >= kTiny)) {  // zeros, or too small to scale (as zeros); or a NaN among them
     bool finite = amax == amax;  // (a NaN in the first vector can be dropped by the second's max: look)
     for (int i = 0; i < kQuantBlock && finite; ++i) finite = to_float(x[i]) == to_float(x[i]);
-    std::memset(q, 0, planes * kQuantBlock);
-    scale = finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), isum = 0;
-    if (kHalves) *isum_first = 0;
-    return;
+    return empty(finite ? 0.f : kNaN);
   }
   const VecF inv = VecF::set1(127.f / amax);
   VecF sum = VecF::zero(), first = VecF::zero();  // of the combined integers, exact in float32 (|256 h + l| * 32 < 2^24)
@@ -49,11 +53,7 @@ void quantize_block(const T* x, int planes, int8_t* q, float& scale, int32_t& is
   }
   scale = planes == 2 ? amax / 127.f / 256.f : amax / 127.f;
   const float total = sum.reduce_add();  // one horizontal sum a block: they were the critical path
-  if (total != total) {  // a NaN or infinite x (vmaxps can drop a NaN from amax; an infinite one makes x * 0 NaN)
-    scale = std::numeric_limits<float>::quiet_NaN(), isum = 0;
-    if (kHalves) *isum_first = 0;
-    return;
-  }
+  if (total != total) return empty(kNaN);  // a NaN or infinite x (vmaxps can drop a NaN from amax; inf makes x * 0 NaN)
   isum = static_cast<int32_t>(total);
   if (kHalves) *isum_first = static_cast<int32_t>(first.reduce_add());
 }

@@ -250,6 +250,7 @@ def test_plain_greedy_rows_take_the_numpy_path_and_the_general_path_keeps_the_re
         assert out.tokens.tolist() == tokens.tolist()[:5] + [expected], other
         assert (out.logprobs is not None) == ("logprobs" in other), other
 
+
 def test_a_penalty_that_makes_a_logit_infinite_chooses_that_token():
     """The model's logits are finite; a repetition penalty of ~0 (the API allows any > 0; float32 rounds 1e-300
     to 0) divides a seen token's positive logit into +inf. That is the user's doing, not a broken model: the

@@ -289,8 +289,9 @@ def test_a_row_with_nan_or_infinity_gives_no_finite_output_and_leaves_the_others
         for row in range(37):
             if row in bad:
                 assert not torch.isfinite(out[row]).any(), (activations, row)
-            else:
-                assert torch.isfinite(out[row]).all()
+            elif activations == "float":  # (float32 FMAs: compared within float32 rounding)
+                torch.testing.assert_close(out[row], packed.linear(x[row:row + 1])[0])
+            else:  # (integer sums: exact in any tile)
                 assert torch.equal(out[row], packed.linear(x[row:row + 1])[0])
         assert not torch.isfinite(packed.linear(x[7:8])).any() and not torch.isfinite(packed.linear(x[20:21])).any()
 
