@@ -11,7 +11,7 @@ namespace {
 // One block: h = round(x * 127 / max|x|) and, with two planes, l = round((x * 127 / max|x| - h) * 256),
 // both in [-127, 127]; x is then max|x| / 127 * (h + l / 256) to about 2^-16 of max|x|.
 // A block whose max|x| is below 1e-36 is taken as zeros (denormals: SiLU of a very negative gate).
-// A block with a NaN or an infinity gets scale NaN (its integers are then meaningless): every tile multiplies
+// A block with a NaN or an infinity gets scale NaN (and zeros for integers): every tile multiplies
 // by x's scale, so the row's outputs come out NaN, as float32 arithmetic would give them, and a broken model's
 // NaN reaches its logits (the sampler gives such a row no token) instead of becoming finite numbers here.
 template <typename T, bool kHalves>
