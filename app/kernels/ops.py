@@ -266,11 +266,31 @@ def use_bf16_dot(mode: str) -> AbstractContextManager[None]:
     return _switched(_native.bf16_dot_mode, _native.set_bf16_dot, mode)
 
 
+def wide_int_tiles() -> bool:
+    """Whether the avx2 kernels' int16 row tiles take several rows (where integer multiplies are cheap) rather
+    than one (where the multiplier limits them); see `int_mul_ratio`. The same bits either way."""
+    return _native.wide_int_tiles()
+
+
+def int_mul_ratio() -> float:
+    """vpmaddubsw's ymm issue rate over vfmadd231ps', measured once per process (0.0 without the avx2 kernels):
+    ~0.5 where a 256-bit multiply takes two halves through one pipe (AMD Zen 1), ~1 on AMD Zen 3. From 0.75 up
+    the int16 row tiles take several rows (`wide_int_tiles` under "auto")."""
+    return _native.int_mul_ratio()
+
+
+def use_int_tiles(mode: str) -> AbstractContextManager[None]:
+    """Inside the block, "narrow" / "wide" force the avx2 int16 row tiles' shape, "auto" measures (tests compare)."""
+    return _switched(_native.int_tiles_mode, _native.set_int_tiles, mode)
+
+
 def describe() -> str:
     """The kernels in use, for logs: the ISA and, with AVX512-BF16, how bfloat16 pairs are multiplied."""
     name = _native.isa()
     if _native.widens_prompts():
-        return f"{name} (int16 prompt rows on float32 FMAs, weights widened)"
+        tiles = "wide" if _native.wide_int_tiles() else "narrow"
+        return (f"{name} (int16 prompt rows on float32 FMAs, weights widened; {tiles} int16 row tiles: vpmaddubsw "
+                f"issues at {_native.int_mul_ratio():.2f}x an FMA's rate here)")
     if name != "avx512bf16":
         return name
     ratio = _native.bf16_dot_ratio()

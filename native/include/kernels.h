@@ -355,6 +355,7 @@ struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
   void dequantize(const DequantArgs&);           \
   bool widens_prompts();                         \
   double bf16_dot_issue_ratio();                 \
+  double int_mul_issue_ratio();                  \
   }
 
 APPLIANCE_DECLARE_KERNELS(avx512bf16)
@@ -396,5 +397,18 @@ void set_bf16_dot(Bf16Dot mode);
 Bf16Dot bf16_dot_mode();
 bool bf16_dot();             // the choice in force (measured on first use under `automatic`)
 double bf16_dot_ratio();     // vdpbf16ps' issue rate over vfmadd231ps' (measured; 0 without AVX512-BF16)
+
+// How many rows the AVX2 kernels' integer row tiles take under int16 x (quant.cpp, row_tiles): one row (narrow)
+// where the CPU's integer multiplier is what limits them, as on AMD Zen 1, whose vector unit is 128 bits wide
+// and multiplies a ymm register in two halves through its one multiply pipe; several (wide) where the
+// multiplies are cheap and the instructions around them are what counts, as on AMD Zen 3. `auto` (the default)
+// measures vpmaddubsw's issue rate over vfmadd231ps' once per process (int_mul_issue_ratio, ~0.5 ms; Zen 1
+// ~0.5, Zen 3 ~1.1) and takes wide tiles from 0.75 up. Either way a row gets the same bits (exact integer sums,
+// the same float32 steps per row). Only the avx2 kernels have narrow tiles.
+enum class IntTiles : int { automatic = 0, narrow = 1, wide = 2 };
+void set_int_tiles(IntTiles mode);
+IntTiles int_tiles_mode();
+bool wide_int_tiles();       // the choice in force (measured on first use under `automatic`)
+double int_mul_ratio();      // vpmaddubsw's ymm issue rate over vfmadd231ps' (measured; 0 without AVX2 kernels)
 
 }  // namespace appliance

@@ -50,8 +50,18 @@ constexpr int tile_rows(int planes) { return planes == 2 ? 3 : 4; }
 // sums: Q4_0, Q4_1, Q4_K) take 1 row (int16) or 2 (int8) a tile. AMD EPYC Zen 1, 3,072 x 768 and 768 x 1,536
 // at 8 to 256 rows: Q4_1 and Q4_K int8 1.15-1.44x faster, int16 1.0-1.06x. The other types stay at tile_rows:
 // in narrow tiles Q5_0, Q6_K and Q8_0 at 8 rows were 5-20% slower (not profiled).
+// Under int16 that holds where the multiplier limits the tiles (Zen 1 multiplies a ymm register in two halves
+// through one pipe); where multiplies are cheap (kernels.h, wide_int_tiles: AMD EPYC Zen 3), what limits them is
+// the instructions around the multiplies (the nibbles split, the sums kept in memory), which a row tile of
+// several rows shares: int16 4-bit tiles take tile_rows there. Zen 3, int16, paired in one process (the library's
+// two ways alternated, medians of 14 ratios): the default model's Q4_1 linears of a layer at 3 / 8 / 32 / 256
+// rows 0.89 / 0.84 / 0.81 / 0.81 of the narrow tiles' time (2 rows: 0.84 / 0.83 at 8 / 32); its decode steps at
+// batch 2 / 8 / 32 0.92 / 0.87 / 0.84. (int8's narrow tiles stay: 3 or 4 rows were 1.07-1.38x slower there.)
 constexpr bool kNarrowTiles = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2;
 constexpr int narrow_tile_rows(int planes) { return planes == 2 ? 1 : 2; }
+// Byte tiles as words (below) where wide_int_tiles: 2 rows. Zen 3, the default model's Q8_0 head (49,152 x 576) at
+// 8 / 32 rows: 0.82 / 0.82 of the 1-row tiles' time (3 rows 0.83 / 0.82), paired as above.
+constexpr int kWideWordRows = 2;
 // Weights of any byte (Q8_0, the IQ4 codebooks' values) and of 5 bits (the Q5 types, also where row_tiles expands
 // them to bytes) under int16 x on AVX2: int_tile takes each vector of 4-byte lanes as two of unsigned words against
 // x's combined integers 256 h + l (vpmaddwd: one multiply a pair of products), where the two planes take two

@@ -92,6 +92,33 @@ bool bf16_dot() {
   }
 }
 
+namespace {
+std::atomic<int> g_int_tiles{static_cast<int>(IntTiles::automatic)};
+std::once_flag g_int_ratio_once;
+double g_int_ratio = 0.0;
+constexpr double kWideIntTiles = 0.75;  // vpmaddubsw's rate, as a fraction of the FMA's, from which wide tiles pay
+}  // namespace
+
+double int_mul_ratio() {
+  std::call_once(g_int_ratio_once, [] {
+#if defined(__x86_64__)
+    if (cpu_supports("avx2")) g_int_ratio = avx2::int_mul_issue_ratio();
+#endif
+  });
+  return g_int_ratio;
+}
+
+void set_int_tiles(IntTiles mode) { g_int_tiles.store(static_cast<int>(mode)); }
+IntTiles int_tiles_mode() { return static_cast<IntTiles>(g_int_tiles.load()); }
+
+bool wide_int_tiles() {
+  switch (static_cast<IntTiles>(g_int_tiles.load(std::memory_order_relaxed))) {
+    case IntTiles::wide: return true;
+    case IntTiles::narrow: return false;
+    default: return int_mul_ratio() >= kWideIntTiles;
+  }
+}
+
 const KernelTable& kernels() {
   if (g_current == nullptr) g_current = find(best_isa());
   return *g_current;

@@ -326,6 +326,14 @@ void use_bf16_dot(const std::string& mode) {
   require(false, "bf16_dot mode '" + mode + "' is not one of auto, on, off");
 }
 
+const char* const kIntTilesModes[] = {"auto", "narrow", "wide"};  // IntTiles' order
+
+void use_int_tiles(const std::string& mode) {
+  for (int i = 0; i < 3; ++i)
+    if (mode == kIntTilesModes[i]) return set_int_tiles(static_cast<IntTiles>(i));
+  require(false, "int_tiles mode '" + mode + "' is not one of auto, narrow, wide");
+}
+
 
 // ---- DecoderStack: the whole layer stack in one call (native/include/decoder.h) ----
 
@@ -490,6 +498,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("bf16_dot_ratio", [] { return bf16_dot_ratio(); }, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_dot_mode", [] { return std::string(kBf16DotModes[static_cast<int>(bf16_dot_mode())]); });
   m.def("set_bf16_dot", &use_bf16_dot);
+  m.def("wide_int_tiles", [] { return wide_int_tiles(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("int_mul_ratio", [] { return int_mul_ratio(); }, py::call_guard<py::gil_scoped_release>());
+  m.def("int_tiles_mode", [] { return std::string(kIntTilesModes[static_cast<int>(int_tiles_mode())]); });
+  m.def("set_int_tiles", &use_int_tiles);
   m.def("max_threads", [] { return omp_get_max_threads(); });
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),

@@ -414,12 +414,15 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
   const bool expand = PLANES != 0 && BITS != 16 && t.layout.scale_bytes == 1 && t.layout.has_min && !t.layout.halves &&
                       r_end - r_begin > 2 * kMR;
   if (expand) expand_scales<NP>(t, p0);
-  if constexpr (kByteWords && BITS == 8 && PLANES == 2) {  // bytes as words: narrow too (packed.h)
-    if (t.x->words) return rows_in_tiles<narrow_tile_rows(PLANES), NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
+  if constexpr (kByteWords && BITS == 8 && PLANES == 2) {  // bytes as words: narrow too, or 2 rows (packed.h)
+    if (t.x->words) {
+      if (wide_int_tiles()) return rows_in_tiles<kWideWordRows, NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
+      return rows_in_tiles<narrow_tile_rows(PLANES), NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
+    }
   }
   if constexpr (kNarrowTiles && BITS == 4 && PLANES != 0) {
-    const PackedLayout& L = t.layout;
-    if (!L.lut && !L.high_bits && !L.halves)  // Q4_0, Q4_1, Q4_K, Q4_M32: int_tile's pair sums
+    const PackedLayout& L = t.layout;  // Q4_0, Q4_1, Q4_K, Q4_M32: int_tile's pair sums (int16: narrow or not, packed.h)
+    if (!L.lut && !L.high_bits && !L.halves && (PLANES == 1 || !wide_int_tiles()))
       return rows_in_tiles<narrow_tile_rows(PLANES), NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
   }
   rows_in_tiles<kMR, NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);

@@ -30,7 +30,7 @@ K_SCALES = {GT.Q2_K: ([80, 82], 5e-3), GT.Q3_K: ([108], 2e-3), GT.Q4_K: ([0, 2],
             GT.Q6_K: ([208], 3e-5), GT.IQ4_NL: ([0], 2.5e-3), GT.IQ4_XS: ([0], 7e-5)}
 
 
-@pytest.fixture(params=variants())
+@pytest.fixture(params=variants(tiles=True))
 def isa(request):
     with running(request.param):
         yield request.param
@@ -260,6 +260,28 @@ def test_a_row_gives_the_same_result_in_any_batch(isa, qtype):
     xb = x.to(torch.bfloat16)
     alone = torch.cat([dense.linear(xb[i:i + 1], torch.float32) for i in range(37)])
     assert torch.equal(dense.linear(xb, torch.float32), alone)
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="only the avx2 kernels have narrow int16 row tiles")
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_1, GT.IQ4_NL], ids=lambda t: t.name)
+def test_narrow_and_wide_row_tiles_give_the_same_bits(qtype):
+    """The avx2 kernels' int16 row tiles take one row or several (kernels.wide_int_tiles: whichever suits the
+    CPU's multiplier): the same exact integer sums and float32 steps per row, so the same bits, at every row
+    count (1 to 9: whole tiles and each remainder; 37), and close to the float64 reference."""
+    k = 512 if qtype == GT.Q4_K else 160
+    q, w = quantized(80, k, qtype)
+    x = torch.randn(37, k)
+    with kernels.use_isa("avx2"):
+        packed = q.pack("int16")
+        for rows in [*range(1, 10), 37]:
+            with kernels.use_int_tiles("narrow"):
+                narrow = packed.linear(x[:rows])
+            with kernels.use_int_tiles("wide"):
+                wide = packed.linear(x[:rows])
+            assert torch.equal(narrow, wide), rows
+            reference = (x[:rows].double() @ w.double().T).float()
+            torch.testing.assert_close(wide, reference, atol=2e-3 * reference.abs().max().item(), rtol=0)
+    assert kernels.int_mul_ratio() > 0 and kernels.wide_int_tiles() == (kernels.int_mul_ratio() >= 0.75)
 
 
 @pytest.mark.parametrize("qtype", [GT.Q4_1, GT.Q8_0, GT.Q5_K, GT.Q6_K, GT.Q2_K], ids=lambda t: t.name)
