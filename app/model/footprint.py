@@ -152,6 +152,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
 
 
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # projections the model stacks into one weight
+BF16 = 30  # GGML's id: BF16 weights load as bfloat16 at any compute dtype (app/model/loader.py, kept_bfloat16)
 
 
 def _kept_as(header) -> dict[str, int | None]:
@@ -159,13 +160,15 @@ def _kept_as(header) -> dict[str, int | None]:
     fuse_rows decides, a fused group with a float part is expanded (one of mixed quantized types runs as its
     parts, each in its own type)."""
     kept_as = {name: KEPT_QUANT_TYPES[header.tensor_types[name]][1]
-               if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2 else None
+               if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2
+               else BF16 if header.tensor_types[name] == BF16 and len(shape) == 2 and int(shape[0]) % 32 == 0 else None
                for name, shape in header.tensor_shapes.items()}
     layers = {name.split(".")[1] for name in kept_as if name.startswith("blk.")}
     for layer in layers:
         for group in FUSED:
             names = [f"blk.{layer}.{part}.weight" for part in group if f"blk.{layer}.{part}.weight" in kept_as]
-            if None in {kept_as[name] for name in names}:
+            kinds = {kept_as[name] for name in names}
+            if None in kinds or BF16 in kinds and len(kinds) > 1:  # (app/model/loader.py, _unmix_bfloat16)
                 for name in names:
                     kept_as[name] = None
     return kept_as
@@ -199,6 +202,8 @@ def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
 
 
 def _packed_bytes(shape: tuple[int, ...] | list[int], qtype: int) -> int:
+    if qtype == BF16:
+        return _product(shape) * 2
     kind = PACKED_QUANT_TYPES[qtype]
     return _product(shape) // kind.weights * kind.packed_bytes
 

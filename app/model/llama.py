@@ -151,7 +151,8 @@ class LlamaForCausalLM:
 
 
 class _Weights:
-    """Hands out each named tensor once, in the compute dtype, and notices what was never used."""
+    """Hands out each named tensor once, in the compute dtype (but a weight the loader kept as bfloat16 for the
+    kernels to pack: loader.kept_bfloat16), and notices what was never used."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype):
         self.weights, self.dtype, self.used = weights, dtype, set()
@@ -161,7 +162,9 @@ class _Weights:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
         self.used.add(name)
         weight = self.weights[name]
-        return weight if not isinstance(weight, torch.Tensor) else weight.to(self.dtype).contiguous()
+        if not isinstance(weight, torch.Tensor) or weight.dtype == torch.bfloat16 and weight.dim() == 2:
+            return weight if not isinstance(weight, torch.Tensor) else weight.contiguous()
+        return weight.to(self.dtype).contiguous()
 
     def check_all_used(self, ignore: set[str]) -> None:
         unused = sorted(set(self.weights) - self.used - ignore)

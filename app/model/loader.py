@@ -53,10 +53,12 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
         part = shard.take(name, tensor)
         if part is not None:
             floating = isinstance(part, torch.Tensor) and part.is_floating_point()
-            weights[name] = part.to(DTYPES[dtype]) if floating else part
+            weights[name] = part.to(DTYPES[dtype]) if floating and not (keep and kept_bfloat16(part)) else part
         del tensor, part
         bar.update()
     bar.close()
+    if keep and dtype == "float32":
+        _unmix_bfloat16(weights)
     model = LlamaForCausalLM(checkpoint.config, weights, DTYPES[dtype], group, shard, activations)
     del weights
     tok = load_tokenizer(source) if tokenizer else None
@@ -70,6 +72,30 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
     return LoadedModel(model, checkpoint.config, tok, template, seconds)
 
 
+def kept_bfloat16(weight) -> bool:
+    """A GGUF file's BF16 weight (GGUFCheckpoint.tensors with keep_quantized) stays bfloat16 under float32 compute
+    too, where the kernels can pack it (rows of whole blocks of 32): they multiply float32 x by its exactly widened
+    values, the products the float32 reference makes, at half its bytes and on the native layer stack (AMD Zen 3,
+    a BF16 file under float32 served one stream at 11.8 tokens/s as float32 weights on torch)."""
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
+        and weight.shape[1] % 32 == 0
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # (HF names) stacked into one weight
+
+
+def _unmix_bfloat16(weights: dict) -> None:
+    """Where a projection the model fuses has bfloat16 parts beside others (F16 or F32 ones, quantized blocks),
+    its bfloat16 parts go to float32, so that the fused weight is the float32 one it always was (quant.fuse_rows
+    expands to its float parts' dtype; app/model/footprint.py sizes it so)."""
+    for name in [n for n, w in weights.items() if kept_bfloat16(w)]:
+        parent, leaf = name.rsplit(".", 2)[0], name.split(".")[-2]
+        group = next((g for g in FUSED if leaf in g), ())
+        siblings = [weights[f"{parent}.{s}.weight"] for s in group if f"{parent}.{s}.weight" in weights]
+        if not all(kept_bfloat16(w) for w in siblings):
+            weights[name] = weights[name].float()
+
+
 def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -> str:
     """What became of the file's weight types: kept quantized (as stored), or dequantized (and why); and the
     fused projections of mixed types, run as their parts."""
@@ -81,6 +107,8 @@ def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -
     kept = sorted(t for t in types if keep and t in {name for name, _ in KEPT_TYPES.values()})
     expanded = sorted(t for t in types if t not in kept and t not in ("F32", "F16", "BF16"))
     said = f"; kept quantized: {', '.join(kept)} (activations: {activations})" if kept else ""
+    if keep and dtype == "float32" and "BF16" in types:
+        said += "; BF16 weights kept as bfloat16, multiplied in float32"
     fused = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.mlp.gate_up)]
     mixed = sum(isinstance(w, PackedParts) for w in fused)
     if mixed:

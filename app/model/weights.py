@@ -66,7 +66,8 @@ class GGUFCheckpoint:
         return data[start:start + count].reshape(*reversed(dims[1:]), row_bytes)
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """Every tensor by HF name; with `keep_quantized`, 2-D weights of a kept type as QuantizedTensor."""
+        """Every tensor by HF name; with `keep_quantized`, 2-D weights of a kept type as QuantizedTensor and BF16
+        ones as bfloat16 (their bits: the kernels take them packed, app/model/quant.py `pack`)."""
         import gguf
 
         arch = self.meta["general.architecture"]
@@ -76,6 +77,8 @@ class GGUFCheckpoint:
             if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
                 blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
                 weight = QuantizedTensor(blocks, KEPT_TYPES[qtype.value][1], int(dims[0]))
+            elif keep_quantized and qtype.name == "BF16" and len(dims) == 2:
+                weight = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)  # a copy, [rows, cols]
             else:
                 values = gguf.quants.dequantize(raw, qtype)
                 weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only

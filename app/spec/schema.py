@@ -37,7 +37,8 @@ class ModelSpec(Section):
     """Model name served by the API; default: the file or directory name without extension."""
     dtype: Dtype = "auto"
     """Compute dtype: "auto" picks bfloat16 where the CPU has native BF16, else float32. Under bfloat16,
-    dense weights run on native bfloat16 kernels (AVX512-BF16 where present); float32 weights on torch."""
+    dense weights run on native bfloat16 kernels (AVX512-BF16 where present); float32 weights on torch. A BF16
+    GGUF's weights stay bfloat16 under float32 too (half the bytes; float32 products, as the reference's)."""
     quantized: Literal["keep", "dequantize"] = "keep"
     """GGUF quantized weights: "keep" runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL and IQ4_XS weights
     on native kernels as they are stored (3.1 bits a weight for Q2_K, 3.6 for Q3_K, 4.4-5 for Q4_* and IQ4_*,

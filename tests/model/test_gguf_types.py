@@ -180,3 +180,52 @@ def test_unsupported_tensor_type_lists_the_supported_ones(tiny, tmp_path):
     write_gguf(w)
     with pytest.raises(UnsupportedModel, match="TQ1_0 are not supported; supported: F32, F16, BF16, Q8_0"):
         load_model(ModelSource(tmp_path / "iq.gguf", "gguf", "m"), "float32", tokenizer=False)
+
+
+def test_a_bf16_file_under_float32_keeps_its_weights_bfloat16(tmp_path, caplog):
+    """A BF16 GGUF served with dtype float32 (a CPU without native BF16): its linears, embedding and head stay
+    bfloat16, packed (half the bytes of float32, the native layer stack), and multiply float32 x by their exactly
+    widened values: the logits of the same file expanded to float32 on torch (model.quantized: dequantize) up to
+    float32 rounding, and the same greedy tokens. The plan sizes it as it loads. The tiny file's gate (F16) beside
+    its up projection (BF16) stays the float32 weight it was (their fused projection is expanded)."""
+    from app.model.footprint import read_footprint
+    from app.model.quant import PackedWeight
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+    from tests.gguf_files import requantize_gguf
+
+    path = tmp_path / "bf16.gguf"
+    requantize_gguf(resolve_source(ModelSpec()).path, path, lambda name, columns: "BF16")
+    source = ModelSource(path, "gguf", "bf16")
+    with caplog.at_level("INFO", logger="app.model.loader"):
+        ours = load_model(source, "float32", tokenizer=False)
+    assert "BF16 weights kept as bfloat16, multiplied in float32" in caplog.text
+    model = ours.model
+    first = model.layers[0]
+    for weight in (model.embed, model.lm_head, first.attention.qkv.weight, first.attention.o.weight,
+                   first.mlp.gate_up.weight, first.mlp.down.weight):
+        assert isinstance(weight, PackedWeight) and weight.type_name == "BF16"
+    assert model._native_stack(model.new_kv_cache(16, 16)) is not None
+    held = model.resident_bytes() - model.cos_sin.numel() * model.cos_sin.element_size()
+    assert held == read_footprint(source).weight_bytes("float32")
+    expanded = load_model(source, "float32", tokenizer=False, quantized="dequantize").model
+    assert isinstance(expanded.layers[0].attention.qkv.weight, torch.Tensor)
+    assert held < 0.55 * (expanded.resident_bytes() - expanded.cos_sin.numel() * expanded.cos_sin.element_size())
+    ours_session, expanded_session = Session(model, 1), Session(expanded, 1)
+    ids = [[1, 9690, 314, 253, 1789, 2330, 30, 216]]
+    for _ in range(6):
+        got, want = ours_session.step(ids)[0], expanded_session.step(ids)[0]
+        assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+        assert got.argmax() == want.argmax()
+        ids = [[int(want.argmax())]]
+
+
+def test_a_fused_projection_of_bf16_and_other_parts_stays_float32(tiny):
+    """LAYER_TYPES' first layer: F16 gate beside BF16 up: one float32 weight, sized so by the plan."""
+    from app.model.footprint import read_footprint
+
+    ours = load_model(ModelSource(tiny, "gguf", "tiny"), "float32", tokenizer=False).model
+    gate_up = ours.layers[0].mlp.gate_up.weight
+    assert isinstance(gate_up, torch.Tensor) and gate_up.dtype == torch.float32
+    held = ours.resident_bytes() - ours.cos_sin.numel() * ours.cos_sin.element_size()
+    assert held == read_footprint(ModelSource(tiny, "gguf", "tiny")).weight_bytes("float32")
