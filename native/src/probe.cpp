@@ -9,6 +9,20 @@
 
 namespace appliance::APPLIANCE_ISA {
 
+namespace {
+// `other`'s issue rate over `base`'s (instructions a second, measured by each), each one's best of seven
+// alternated timings, so that a preempted or throttled one does not count; 0 where `base` measured nothing.
+template <typename Base, typename Other>
+[[maybe_unused]] double issue_ratio(Base base, Other other) {
+  double b = 0.0, o = 0.0;
+  for (int trial = 0; trial < 7; ++trial) {
+    b = std::max(b, base());
+    o = std::max(o, other());
+  }
+  return b > 0.0 ? o / b : 0.0;
+}
+}  // namespace
+
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
 namespace {
 
@@ -51,16 +65,8 @@ __attribute__((noinline)) double issue_rate() {
 
 }  // namespace
 
-// Each instruction's best of seven alternated timings, so that a preempted or throttled one does not count
-// (an Intel Xeon, family 6 model 207: vdpbf16ps 1.35 G/s a core, vfmadd231ps 5.46, ratio 0.25).
-double bf16_dot_issue_ratio() {
-  double fma = 0.0, dot = 0.0;
-  for (int trial = 0; trial < 7; ++trial) {
-    fma = std::max(fma, issue_rate<false>());
-    dot = std::max(dot, issue_rate<true>());
-  }
-  return fma > 0.0 ? dot / fma : 0.0;
-}
+// (an Intel Xeon, family 6 model 207: vdpbf16ps 1.35 G/s a core, vfmadd231ps 5.46, ratio 0.25)
+double bf16_dot_issue_ratio() { return issue_ratio(issue_rate<false>, issue_rate<true>); }
 #else
 double bf16_dot_issue_ratio() { return 0.0; }
 #endif
@@ -111,16 +117,9 @@ APPLIANCE_ISSUE_RATE(fma_rate, __m256, APPLIANCE_FMA_INIT, APPLIANCE_FMA, APPLIA
 
 }  // namespace
 
-// Each instruction's best of seven alternated timings (AMD EPYC Zen 3, family 25 model 1: ratio 1.00, five
-// calls; Zen 1, family 23 model 1: vpmaddubsw ymm 1.24 G/s a core, vfmadd231ps 2.39, ~0.52).
-double int_mul_issue_ratio() {
-  double fma = 0.0, mul = 0.0;
-  for (int trial = 0; trial < 7; ++trial) {
-    fma = std::max(fma, fma_rate());
-    mul = std::max(mul, mul_rate());
-  }
-  return fma > 0.0 ? mul / fma : 0.0;
-}
+// (AMD EPYC Zen 3, family 25 model 1: 1.00-1.32 at each start; Zen 1, family 23 model 1: vpmaddubsw ymm 1.24 G/s
+// a core, vfmadd231ps 2.39, ~0.52)
+double int_mul_issue_ratio() { return issue_ratio(fma_rate, mul_rate); }
 #else
 double int_mul_issue_ratio() { return 0.0; }
 #endif
