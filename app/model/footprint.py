@@ -178,9 +178,12 @@ def _from_hf(path: Path) -> ModelFootprint:
     config = json.loads((path / "config.json").read_text())
     heads = int(config["num_attention_heads"])
     shapes: dict[str, list[int]] = {}
+    dtypes: dict[str, str] = {}
     for file in sorted(path.glob("*.safetensors")):
-        shapes.update(_safetensors_shapes(file))
+        for name, (dtype, shape) in _safetensors_headers(file).items():
+            shapes[name], dtypes[name] = shape, dtype
     params = ParamCounts.of(shapes)
+    kept = _kept_bfloat16(shapes, dtypes)
     return ModelFootprint(
         architecture=(config.get("architectures") or ["unknown"])[0],
         num_params=params.total,
@@ -191,14 +194,38 @@ def _from_hf(path: Path) -> ModelFootprint:
         context_length=int(config.get("max_position_embeddings", 2048)),
         intermediate_size=int(config.get("intermediate_size") or 0),
         params=params,
+        kept=ParamCounts.of(kept) if kept else None,
+        kept_bytes=ParamCounts.of({name: (_product(shape) * 2,) for name, shape in kept.items()}) if kept else None,
     )
 
 
-def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
+HF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # (HF names) stacked into one weight
+
+
+def fused_siblings(name: str, names) -> list[str]:
+    """The weights of `names` (HF names) stacked with `name` into one fused projection, itself included; [] for one
+    that is not fused."""
+    parent, leaf = name.rsplit(".", 2)[0], name.split(".")[-2]
+    group = next((g for g in HF_FUSED if leaf in g), ())
+    return [f"{parent}.{part}.weight" for part in group if f"{parent}.{part}.weight" in names]
+
+
+def _kept_bfloat16(shapes: dict[str, list[int]], dtypes: dict[str, str]) -> dict[str, list[int]]:
+    """The safetensors weights that load as bfloat16 at any compute dtype (app/model/loader.py, kept_bfloat16): 2-D
+    BF16 ones of whole blocks of 32 in a row, but those of a fused projection with a part that is not (_unmix_bfloat16)."""
+    def kept(name: str) -> bool:
+        return dtypes[name] == "BF16" and len(shapes[name]) == 2 and int(shapes[name][1]) % 32 == 0
+
+    return {name: shape for name, shape in shapes.items()
+            if kept(name) and all(kept(s) for s in fused_siblings(name, shapes))}
+
+
+def _safetensors_headers(file: Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) of every tensor in the file, read from its header"""
     from safetensors import safe_open  # only HF directories need it
 
     with safe_open(str(file), framework="numpy") as tensors:
-        return {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
+        return {name: (tensors.get_slice(name).get_dtype(), tensors.get_slice(name).get_shape()) for name in tensors.keys()}
 
 
 def _packed_bytes(shape: tuple[int, ...] | list[int], qtype: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from app.model.config import ModelConfig
+from app.model.footprint import fused_siblings
 from app.model.llama import LlamaForCausalLM
 from app.model.source import ModelSource
 from app.model.tokenizer import load_tokenizer
@@ -48,8 +49,9 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
     shard = ShardSpec.of(checkpoint.config, rank, size)
     weights = {}
     bar = tqdm(total=len(checkpoint), desc=f"loading {source.served_name}", unit="tensor", disable=None, leave=False)
-    keep = quantized == "keep" and isinstance(checkpoint, GGUFCheckpoint)
-    for name, tensor in checkpoint.tensors(keep_quantized=True) if keep else checkpoint.tensors():
+    keep = quantized == "keep"
+    gguf = isinstance(checkpoint, GGUFCheckpoint)
+    for name, tensor in checkpoint.tensors(keep_quantized=True) if keep and gguf else checkpoint.tensors():
         part = shard.take(name, tensor)
         if part is not None:
             floating = isinstance(part, torch.Tensor) and part.is_floating_point()
@@ -73,15 +75,13 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
 
 
 def kept_bfloat16(weight) -> bool:
-    """A GGUF file's BF16 weight (GGUFCheckpoint.tensors with keep_quantized) stays bfloat16 under float32 compute
-    too, where the kernels can pack it (rows of whole blocks of 32): they multiply float32 x by its exactly widened
-    values, the products the float32 reference makes, at half its bytes and on the native layer stack (AMD Zen 3,
-    a BF16 file under float32 served one stream at 11.8 tokens/s as float32 weights on torch)."""
+    """A bfloat16 weight (a GGUF file's BF16 one, GGUFCheckpoint.tensors with keep_quantized; a bfloat16 tensor of
+    safetensors) stays bfloat16 under float32 compute too, where the kernels can pack it (rows of whole blocks of
+    32): they multiply float32 x by its exactly widened values, the products the float32 reference makes, at half
+    its bytes and on the native layer stack (AMD Zen 3, a BF16 file under float32 served one stream at 11.8 tokens/s
+    as float32 weights on torch, 39.8 packed)."""
     return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
         and weight.shape[1] % 32 == 0
-
-
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # (HF names) stacked into one weight
 
 
 def _unmix_bfloat16(weights: dict) -> None:
@@ -89,10 +89,7 @@ def _unmix_bfloat16(weights: dict) -> None:
     its bfloat16 parts go to float32, so that the fused weight is the float32 one it always was (quant.fuse_rows
     expands to its float parts' dtype; app/model/footprint.py sizes it so)."""
     for name in [n for n, w in weights.items() if kept_bfloat16(w)]:
-        parent, leaf = name.rsplit(".", 2)[0], name.split(".")[-2]
-        group = next((g for g in FUSED if leaf in g), ())
-        siblings = [weights[f"{parent}.{s}.weight"] for s in group if f"{parent}.{s}.weight" in weights]
-        if not all(kept_bfloat16(w) for w in siblings):
+        if not all(kept_bfloat16(weights[s]) for s in fused_siblings(name, weights)):
             weights[name] = weights[name].float()
 
 
@@ -100,7 +97,12 @@ def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -
     """What became of the file's weight types: kept quantized (as stored), or dequantized (and why); and the
     fused projections of mixed types, run as their parts."""
     if not isinstance(checkpoint, GGUFCheckpoint):
-        return ""
+        from app.model.quant import PackedWeight
+
+        linears = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.attention.o, lay.mlp.gate_up,
+                                                                  lay.mlp.down)]
+        kept = dtype == "float32" and any(isinstance(w, PackedWeight) and w.type_name == "BF16" for w in linears)
+        return "; bfloat16 weights kept as bfloat16, multiplied in float32" if kept else ""
     from app.model.quant import KEPT_TYPES, PackedParts
 
     types = checkpoint.types()

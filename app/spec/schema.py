@@ -37,14 +37,16 @@ class ModelSpec(Section):
     """Model name served by the API; default: the file or directory name without extension."""
     dtype: Dtype = "auto"
     """Compute dtype: "auto" picks bfloat16 where the CPU has native BF16, else float32. Under bfloat16,
-    dense weights run on native bfloat16 kernels (AVX512-BF16 where present); float32 weights on torch. A BF16
-    GGUF's weights stay bfloat16 under float32 too (half the bytes; float32 products, as the reference's)."""
+    dense weights run on native bfloat16 kernels (AVX512-BF16 where present); float32 weights on torch. bfloat16
+    weights (a BF16 GGUF's, bfloat16 safetensors) stay bfloat16 under float32 too (half the bytes; float32 products,
+    as the reference's), unless `quantized` is "dequantize"."""
     quantized: Literal["keep", "dequantize"] = "keep"
     """GGUF quantized weights: "keep" runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL and IQ4_XS weights
     on native kernels as they are stored (3.1 bits a weight for Q2_K, 3.6 for Q3_K, 4.4-5 for Q4_* and IQ4_*,
     5.5-6.6 for the Q5 types and Q6_K, 8.5 for Q8_0), against 16 for bfloat16 and 32 for float32 (IQ1_S to IQ3_S are
     dequantized at load, logged);
-    "dequantize" expands every weight to the compute dtype at load. The compute dtype applies to activations."""
+    "dequantize" expands every weight (bfloat16 ones too) to the compute dtype at load. The compute dtype applies to
+    activations."""
     quantized_activations: Literal["int16", "int8", "float"] = "int16"
     """How activations meet kept-quantized weights: "int16" quantizes each block of 32 to about 16 bits and uses
     int8 dot products (AVX512-VNNI), within about 1e-5 of float32 (on AVX2 CPUs, whose integer multiplies are

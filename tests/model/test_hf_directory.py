@@ -61,3 +61,42 @@ def test_sharded_safetensors_load_the_same(hf_dir, tmp_path):
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def test_bfloat16_safetensors_under_float32_stay_bfloat16(hf_dir, tmp_path, caplog):
+    """A directory of bfloat16 safetensors (how most Hugging Face models ship) served with dtype float32 (a CPU
+    without native BF16): its linears, embedding and head stay bfloat16, packed, as a BF16 GGUF's do, and give the
+    logits of the same directory expanded to float32 on torch (model.quantized: dequantize) up to float32 rounding,
+    and its greedy tokens. The plan sizes them as they load: half the bytes."""
+    from safetensors.torch import load_file, save_file
+
+    from app.model.footprint import read_footprint
+    from app.model.quant import PackedWeight
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    save_file({n: t.to(torch.bfloat16) for n, t in tensors.items()}, str(tmp_path / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+    source = resolve_source(ModelSpec(path=str(tmp_path)))
+    with caplog.at_level("INFO", logger="app.model.loader"):
+        ours = load_model(source, "float32", tokenizer=False).model
+    assert "bfloat16 weights kept as bfloat16, multiplied in float32" in caplog.text
+    first = ours.layers[0]
+    for weight in (ours.embed, first.attention.qkv.weight, first.attention.o.weight, first.mlp.gate_up.weight,
+                   first.mlp.down.weight):
+        assert isinstance(weight, PackedWeight) and weight.type_name == "BF16"
+    assert ours._native_stack(ours.new_kv_cache(16, 16)) is not None
+    footprint = read_footprint(source)
+    held = ours.resident_bytes() - ours.cos_sin.numel() * ours.cos_sin.element_size()
+    assert held == footprint.weight_bytes("float32")
+    expanded = load_model(source, "float32", tokenizer=False, quantized="dequantize").model
+    assert isinstance(expanded.layers[0].attention.qkv.weight, torch.Tensor)
+    full = expanded.resident_bytes() - expanded.cos_sin.numel() * expanded.cos_sin.element_size()
+    assert full == footprint.dequantized().weight_bytes("float32") and held < 0.55 * full
+    ours_session, expanded_session = Session(ours, 1), Session(expanded, 1)
+    ids = [[1, 9690, 314, 253, 1789, 2330, 30, 216]]
+    for _ in range(6):
+        got, want = ours_session.step(ids)[0], expanded_session.step(ids)[0]
+        assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+        assert got.argmax() == want.argmax()
+        ids = [[int(want.argmax())]]
