@@ -66,57 +66,53 @@ bool select_isa(const char* name) {
 }
 
 namespace {
-std::atomic<int> g_bf16_dot{static_cast<int>(Bf16Dot::automatic)};
-std::once_flag g_ratio_once;
-double g_ratio = 0.0;
-constexpr double kBf16DotRatio = 0.5;  // vdpbf16ps' rate, as a fraction of the FMA's, from which it pays
-}  // namespace
+// A kernel choice that this CPU's instruction rates make (measured once a process, on first use: the issue rate
+// of one instruction as a fraction of vfmadd231ps'), unless the caller forces it. mode: 0 measures; else the
+// forced value of the choice's enum.
+struct MeasuredChoice {
+  std::atomic<int> mode{0};
+  std::once_flag once;
+  double ratio = 0.0;
 
-double bf16_dot_ratio() {
-  std::call_once(g_ratio_once, [] {
-#if defined(__x86_64__)
-    if (cpu_supports("avx512bf16")) g_ratio = avx512bf16::bf16_dot_issue_ratio();
-#endif
-  });
-  return g_ratio;
-}
-
-void set_bf16_dot(Bf16Dot mode) { g_bf16_dot.store(static_cast<int>(mode)); }
-Bf16Dot bf16_dot_mode() { return static_cast<Bf16Dot>(g_bf16_dot.load()); }
-
-bool bf16_dot() {
-  switch (static_cast<Bf16Dot>(g_bf16_dot.load(std::memory_order_relaxed))) {
-    case Bf16Dot::on: return true;
-    case Bf16Dot::off: return false;
-    default: return bf16_dot_ratio() >= kBf16DotRatio;
+  double measured(const char* isa, double (*probe)()) {
+    std::call_once(once, [&] {
+      if (probe != nullptr && cpu_supports(isa)) ratio = probe();
+    });
+    return ratio;
   }
-}
+  // the forced choice (`yes`: the enum's value for true), or whether the measured ratio reaches `threshold`
+  bool chosen(int yes, const char* isa, double (*probe)(), double threshold) {
+    const int forced = mode.load(std::memory_order_relaxed);
+    return forced != 0 ? forced == yes : measured(isa, probe) >= threshold;
+  }
+};
 
-namespace {
-std::atomic<int> g_int_tiles{static_cast<int>(IntTiles::automatic)};
-std::once_flag g_int_ratio_once;
-double g_int_ratio = 0.0;
+#if defined(__x86_64__)
+double (*const kBf16DotProbe)() = avx512bf16::bf16_dot_issue_ratio;
+double (*const kIntMulProbe)() = avx2::int_mul_issue_ratio;
+#else
+double (*const kBf16DotProbe)() = nullptr;
+double (*const kIntMulProbe)() = nullptr;
+#endif
+
+MeasuredChoice g_bf16_dot;  // Bf16Dot
+constexpr double kBf16DotRatio = 0.5;  // vdpbf16ps' rate, as a fraction of the FMA's, from which it pays
+MeasuredChoice g_int_tiles;  // IntTiles
 constexpr double kWideIntTiles = 0.75;  // vpmaddubsw's rate, as a fraction of the FMA's, from which wide tiles pay
 }  // namespace
 
-double int_mul_ratio() {
-  std::call_once(g_int_ratio_once, [] {
-#if defined(__x86_64__)
-    if (cpu_supports("avx2")) g_int_ratio = avx2::int_mul_issue_ratio();
-#endif
-  });
-  return g_int_ratio;
+double bf16_dot_ratio() { return g_bf16_dot.measured("avx512bf16", kBf16DotProbe); }
+void set_bf16_dot(Bf16Dot mode) { g_bf16_dot.mode.store(static_cast<int>(mode)); }
+Bf16Dot bf16_dot_mode() { return static_cast<Bf16Dot>(g_bf16_dot.mode.load()); }
+bool bf16_dot() {
+  return g_bf16_dot.chosen(static_cast<int>(Bf16Dot::on), "avx512bf16", kBf16DotProbe, kBf16DotRatio);
 }
 
-void set_int_tiles(IntTiles mode) { g_int_tiles.store(static_cast<int>(mode)); }
-IntTiles int_tiles_mode() { return static_cast<IntTiles>(g_int_tiles.load()); }
-
+double int_mul_ratio() { return g_int_tiles.measured("avx2", kIntMulProbe); }
+void set_int_tiles(IntTiles mode) { g_int_tiles.mode.store(static_cast<int>(mode)); }
+IntTiles int_tiles_mode() { return static_cast<IntTiles>(g_int_tiles.mode.load()); }
 bool wide_int_tiles() {
-  switch (static_cast<IntTiles>(g_int_tiles.load(std::memory_order_relaxed))) {
-    case IntTiles::wide: return true;
-    case IntTiles::narrow: return false;
-    default: return int_mul_ratio() >= kWideIntTiles;
-  }
+  return g_int_tiles.chosen(static_cast<int>(IntTiles::wide), "avx2", kIntMulProbe, kWideIntTiles);
 }
 
 const KernelTable& kernels() {
