@@ -162,8 +162,10 @@ class _Weights:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
         self.used.add(name)
         weight = self.weights[name]
-        if not isinstance(weight, torch.Tensor) or weight.dtype == torch.bfloat16 and weight.dim() == 2:
-            return weight if not isinstance(weight, torch.Tensor) else weight.contiguous()
+        if not isinstance(weight, torch.Tensor):
+            return weight  # quantized blocks
+        if weight.dtype == torch.bfloat16 and weight.dim() == 2:
+            return weight.contiguous()  # bfloat16 at any compute dtype: the kernels pack it
         return weight.to(self.dtype).contiguous()
 
     def check_all_used(self, ignore: set[str]) -> None:

@@ -10,7 +10,7 @@ from app.model.config import UnsupportedModel
 from app.model.loader import load_model
 from app.model.source import ModelSource
 from tests.gguf_files import new_gguf, write_gguf
-from tests.model.test_parity import Session
+from tests.model.test_parity import Session, assert_follows
 
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 256, 4, 2, 512, 512
 # types gguf cannot quantize (random blocks): where their float16 scales sit, and the scale that keeps the
@@ -211,13 +211,7 @@ def test_a_bf16_file_under_float32_keeps_its_weights_bfloat16(tmp_path, caplog):
     expanded = load_model(source, "float32", tokenizer=False, quantized="dequantize").model
     assert isinstance(expanded.layers[0].attention.qkv.weight, torch.Tensor)
     assert held < 0.55 * (expanded.resident_bytes() - expanded.cos_sin.numel() * expanded.cos_sin.element_size())
-    ours_session, expanded_session = Session(model, 1), Session(expanded, 1)
-    ids = [[1, 9690, 314, 253, 1789, 2330, 30, 216]]
-    for _ in range(6):
-        got, want = ours_session.step(ids)[0], expanded_session.step(ids)[0]
-        assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
-        assert got.argmax() == want.argmax()
-        ids = [[int(want.argmax())]]
+    assert_follows(model, expanded, [1, 9690, 314, 253, 1789, 2330, 30, 216])
 
 
 def test_a_fused_projection_of_bf16_and_other_parts_stays_float32(tiny):

@@ -8,7 +8,7 @@ import torch
 from app.model.loader import load_model
 from app.model.source import resolve_source
 from app.spec.schema import ModelSpec
-from tests.model.test_parity import PROMPTS, Session
+from tests.model.test_parity import PROMPTS, Session, assert_follows
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,4 @@ def test_bfloat16_safetensors_under_float32_stay_bfloat16(hf_dir, tmp_path, capl
     assert isinstance(expanded.layers[0].attention.qkv.weight, torch.Tensor)
     full = expanded.resident_bytes() - expanded.cos_sin.numel() * expanded.cos_sin.element_size()
     assert full == footprint.dequantized().weight_bytes("float32") and held < 0.55 * full
-    ours_session, expanded_session = Session(ours, 1), Session(expanded, 1)
-    ids = [[1, 9690, 314, 253, 1789, 2330, 30, 216]]
-    for _ in range(6):
-        got, want = ours_session.step(ids)[0], expanded_session.step(ids)[0]
-        assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
-        assert got.argmax() == want.argmax()
-        ids = [[int(want.argmax())]]
+    assert_follows(ours, expanded, [1, 9690, 314, 253, 1789, 2330, 30, 216])

@@ -93,6 +93,17 @@ class Session:
         return out
 
 
+def assert_follows(ours, reference, ids: list[int], steps: int = 6, tolerance: float = 1e-4) -> None:
+    """Both models fed the reference's greedy tokens from the prompt `ids`: every step's logits within `tolerance`
+    (relative to the largest), and the same greedy token."""
+    ours_session, reference_session, new = Session(ours, 1), Session(reference, 1), [ids]
+    for _ in range(steps):
+        got, want = ours_session.step(new)[0], reference_session.step(new)[0]
+        assert (got - want).abs().max().item() < tolerance * max(1.0, want.abs().max().item())
+        assert got.argmax() == want.argmax()
+        new = [[int(want.argmax())]]
+
+
 def reference_greedy(model, ids: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """transformers' own forward with its KV cache; returns the prompt's last logits and the tokens."""
     with torch.inference_mode():
