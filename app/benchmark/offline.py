@@ -6,6 +6,7 @@ on a dataset; every request generates exactly its max_tokens (ignore_eos).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -51,6 +52,7 @@ def run(spec: str | None, dtype: str | None, requests: int, input_len: int, outp
     for prefix_caching in (True, False) if prefix_workload else (True,):
         os.sched_setaffinity(0, cpus)  # the previous LLM pinned this thread to its rank 0's CPUs
         llm = LLM(spec, model=model, scheduler={**scheduler, "prefix_caching": prefix_caching})
+        gc.freeze()  # as the served engine does (app/engine/process.py): the collector stops walking the model
         try:
             dtype_used, vocab = llm.dtype, llm.core.executor.vocab_size
             if prefix_caching:
