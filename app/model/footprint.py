@@ -225,7 +225,8 @@ def _safetensors_headers(file: Path) -> dict[str, tuple[str, list[int]]]:
     from safetensors import safe_open  # only HF directories need it
 
     with safe_open(str(file), framework="numpy") as tensors:
-        return {name: (tensors.get_slice(name).get_dtype(), tensors.get_slice(name).get_shape()) for name in tensors.keys()}
+        slices = {name: tensors.get_slice(name) for name in tensors.keys()}
+        return {name: (part.get_dtype(), part.get_shape()) for name, part in slices.items()}
 
 
 def _packed_bytes(shape: tuple[int, ...] | list[int], qtype: int) -> int:
