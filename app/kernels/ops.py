@@ -169,7 +169,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int, in_features
     # x: [..., K] float; weight: packed [V, K] (pack_quant) -> x @ W^T: [..., V] in out_dtype (default x's),
     # accumulated in float32; activations: 0 float32 FMAs, 1 int8 per block of 32, 2 int16 (two int8 planes).
     # out: [rows of x, V] to write into (rows at any stride: some columns of a wider output), or None.
-    # prompt: x's rows are prompt tokens: under int16, float32 FMAs on widened weights where `widens_prompts`
+    # prompt: x's rows are prompt tokens: under int16, float32 FMAs on widened weights where `widens_prompts(qtype)`
     rows = _rows(x, "x")
     if out is not None and out_dtype is not None and out.dtype != out_dtype:
         raise TypeError(f"out: dtype {out.dtype} differs from out_dtype {out_dtype}")
@@ -217,10 +217,12 @@ def isa() -> str:
     return _native.isa()
 
 
-def widens_prompts() -> bool:
-    """Whether these kernels run int16 prompt rows as float32 FMAs on weights widened to float32 (AVX2, where
-    that is faster than its integer multiplies: native/src/widened.cpp), exact as the reference's products."""
-    return _native.widens_prompts()
+def widens_prompts(qtype: int | None = None) -> bool:
+    """Whether these kernels run int16 prompt rows of packed type `qtype` (None: of any type) as float32 FMAs on
+    weights widened to float32, exact as the reference's products: AVX2, where that is faster than its integer
+    multiplies (native/src/widened.cpp), except, where those multiplies are cheap (`wide_int_tiles`), the types
+    with one scale a block, whose rows beyond a few run as 16-bit words (native/include/packed.h, expands_words)."""
+    return _native.widens_prompts(qtype)
 
 
 def compiled_isas() -> list[str]:
@@ -288,9 +290,11 @@ def describe() -> str:
     """The kernels in use, for logs: the ISA and, with AVX512-BF16, how bfloat16 pairs are multiplied."""
     name = _native.isa()
     if _native.widens_prompts():
-        tiles = "wide" if _native.wide_int_tiles() else "narrow"
-        return (f"{name} (int16 prompt rows on float32 FMAs, weights widened; {tiles} int16 row tiles: vpmaddubsw "
-                f"issues at {_native.int_mul_ratio():.2f}x an FMA's rate here)")
+        ratio = f"vpmaddubsw issues at {_native.int_mul_ratio():.2f}x an FMA's rate here"
+        if not _native.wide_int_tiles():
+            return f"{name} (int16 prompt rows on float32 FMAs, weights widened; narrow int16 row tiles: {ratio})"
+        return (f"{name} (int16 rows beyond 4 as 16-bit words where a type has one scale a block; other types' "
+                f"prompt rows on float32 FMAs, weights widened; wide int16 row tiles: {ratio})")
     if name != "avx512bf16":
         return name
     ratio = _native.bf16_dot_ratio()

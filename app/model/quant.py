@@ -19,7 +19,7 @@ products, see native/include/kernels.h). How activations meet them (`ACTIVATIONS
   - "int16": each block of 32 activations quantized to about 16 bits (two int8 planes) and multiplied
     with int8 dot products (AVX512-VNNI); agrees with float32 to about 1e-5 of a logit's range. Prompt rows
     (`prompt=True`) take float32 FMAs on weights widened to float32 where that is faster
-    (`kernels.widens_prompts()`: AVX2, native/src/widened.cpp), the reference's products;
+    (`kernels.widens_prompts(qtype)`: AVX2, native/src/widened.cpp), the reference's products;
   - "int8": one plane, as llama.cpp does: fastest, and answers can differ from float32 ones;
   - "float": float32 FMAs on the exactly widened weights (a prompt's many rows expand the weight for
     torch's GEMM): the reference's arithmetic, slowest.
@@ -141,7 +141,7 @@ class PackedWeight:
         """x [..., in_features] @ W^T -> [..., rows], accumulated in float32, in out_dtype (default x's); or
         into `out` ([rows of x, rows], at any row stride: some columns of a fused weight's output). `prompt`:
         x's rows are prompt tokens (int16 runs them as float32 FMAs on widened weights where
-        `kernels.widens_prompts()`)."""
+        `kernels.widens_prompts(qtype)`)."""
         rows = x.numel() // self.in_features
         if self.activations == "float" and self.qtype != BF16 and rows > GEMM_ROWS and (out_dtype is None or out_dtype == x.dtype):
             result = torch.nn.functional.linear(x, self.dequantize(x.dtype))
@@ -262,10 +262,10 @@ def fuse_rows(parts: Sequence[Weight]) -> Weight:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, runs: Sequence[RowRun] = (),
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ W^T (+ bias); packed weights take x's `runs` of prompt rows and decode rows apart where the kernels
-    run prompt rows their own way (int16, `kernels.widens_prompts()`), as the native stack does."""
+    run a part's prompt rows their own way (int16, `kernels.widens_prompts(qtype)`), as the native stack does."""
     if isinstance(weight, Packed):
-        if len(runs) > 1 and weight.activations == "int16" and kernels.widens_prompts() and \
-                any(p.qtype != BF16 for p in weight.parts):
+        widens = weight.activations == "int16" and any(kernels.widens_prompts(p.qtype) for p in weight.parts)
+        if len(runs) > 1 and widens:
             out = torch.cat([weight.linear(x[r.begin:r.end], out_dtype, prompt=r.prompt) for r in runs])
         else:
             out = weight.linear(x, out_dtype, prompt=bool(runs) and runs[0].prompt)

@@ -7,6 +7,7 @@
 // (dense float weights, per-head Q/K norms, float activations) stays on the Python path.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -65,7 +66,8 @@ class DecoderStack {
   void add_layer(const DecoderLayerWeights& layer) {
     layers_.push_back(layer);
     for (const PackedMatrix* m : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      for (const PackedPart& p : m->parts) quantized_ = quantized_ || p.qtype != QType::bf16;
+      for (const PackedPart& p : m->parts)
+        if (std::find(qtypes_.begin(), qtypes_.end(), p.qtype) == qtypes_.end()) qtypes_.push_back(p.qtype);
   }
   void set_cache_shape(DType dtype, int64_t block_size, int64_t num_blocks) {
     shape_.cache_dtype = dtype, shape_.block_size = block_size, shape_.num_blocks = num_blocks;
@@ -87,7 +89,7 @@ class DecoderStack {
   std::vector<DecoderLayerWeights> layers_;
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<RowRun> runs_, slab_;  // this step's (find_runs), a slab's (slab_runs)
-  bool quantized_ = false;           // a weight is quantized (BF16 ones run every row the same way)
+  std::vector<QType> qtypes_;        // the weights' types (find_runs: whether any runs prompt rows its own way)
 };
 
 }  // namespace appliance

@@ -353,7 +353,7 @@ struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
   void packed_linear(const PackedLinearArgs&);   \
   void packed_rows(const PackedRowsArgs&);       \
   void dequantize(const DequantArgs&);           \
-  bool widens_prompts();                         \
+  bool widens_prompts(QType);                    \
   double bf16_dot_issue_ratio();                 \
   double int_mul_issue_ratio();                  \
   }
@@ -378,7 +378,8 @@ struct KernelTable {
   void (*packed_linear)(const PackedLinearArgs&);
   void (*packed_rows)(const PackedRowsArgs&);
   void (*dequantize)(const DequantArgs&);
-  bool (*widens_prompts)();  // whether int16 prompt rows run as float32 FMAs on widened weights (widened.cpp)
+  bool (*widens_prompts)(QType);  // whether int16 prompt rows of a type run as float32 FMAs on widened weights
+                                  // (widened.cpp; not the types that expand to words, packed.h expands_words)
 };
 
 const KernelTable& kernels();

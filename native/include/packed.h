@@ -88,7 +88,26 @@ inline bool byte_words(const PackedLayout& L) {
 // Q6_K 49,152 x 768 at 2 / 3 / 4 / 8 rows, in halves_tile as words 7.42 / 10.1 / 11.1 (expanded) / 25.4 ms,
 // expanded 8.73 / 10.0 / 11.1 / 18.6; Q2_K 3,072 x 768 at 8 / 32 rows 2.00 / 7.75 ms in halves_tile as bytes,
 // 1.17 / 3.60 expanded).
+// On AVX2 where multiplies are cheap (kernels.h, wide_int_tiles: AMD EPYC Zen 3), every type with one scale a
+// block (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, the IQ4 types, Q8_0, and ours of them) runs row chunks of more than
+// kExpandedWordRows int16 rows as words (words.cpp, expand_unsigned_words): each panel pair expanded once into
+// 16-bit words u, then one vpmaddwd and one vpaddd per 16 products against x's combined integers 256 h + l, the
+// sums in registers.
+// The integer tiles spend instructions beside each multiply (the nibbles split, int16 pair sums widened, AVX2's
+// 16 registers too few for their accumulators: the compiler kept them in memory). Their integer sums and float32
+// steps are the same, so a row gets the same bits either way. Prompt rows of these types take them too, not the
+// widened float32 weights (widens_prompts). Zen 3, paired in one process (14 or 8 alternated rounds, medians of
+// B/A): the default model's Q4_1 layer linears at 8 / 32 rows 0.90 / 0.68 of the integer tiles' time and its
+// 256-row prompts 0.85 of the widened path's; its Q8_0 head at 8 / 32 rows 0.76 / 0.52; 3,072 x 768 at 8 / 32 /
+// 256 (prompt) rows: Q4_0 0.84 / 0.64 / 0.84, Q4_K 0.83 / 0.64 / 0.86, Q5_0 0.65 / 0.51 / 0.90, Q5_K 0.61 / 0.51 /
+// 0.85, IQ4_NL 0.70 / 0.56 / 0.83, IQ4_XS 0.66 / 0.56 / 0.85, Q8_0 0.72 / 0.54 / 0.89. At 3 and 4 rows the
+// expansion costs what it saves (Q4_1 1.06 / 1.00, the head 1.00 / 1.02).
+constexpr int64_t kExpandedWordRows = 4;
+inline bool expands_words(const PackedLayout& L) {
+  return kNarrowTiles && !L.halves && (L.bits == 4 || L.bits == 8) && wide_int_tiles();
+}
 inline int64_t word_rows_above(const PackedLayout& L) {
+  if (expands_words(L)) return kExpandedWordRows;
   const bool word_type = L.halves && L.scale_bytes == 1;
   return !word_type ? INT64_MAX : (kByteWords ? 1 : L.has_min ? 12 : 4) * tile_rows(2);
 }
@@ -334,7 +353,8 @@ template <int MR, int NP, int BITS>
 void float_tile(const Tiles& t, int64_t r0, int64_t p0);
 template <int MR, int NP, typename X>
 void bf16_tile(const Tiles& t, int64_t r0, int64_t p0);
-// Rows [r_begin, r_end) of Q2_K's, Q3_K's or Q6_K's panels [p0, p0 + 2) as words (words.cpp), int16 x only.
+// Rows [r_begin, r_end) of panels [p0, p0 + 2) as words (words.cpp), int16 x only: Q2_K, Q3_K and Q6_K, and where
+// expands_words, the types with one scale a block.
 void word_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre);
 
 }  // namespace appliance::APPLIANCE_ISA

@@ -338,6 +338,7 @@ struct I32x16 {
     return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, _mm512_set1_epi32(x2)))};
 #endif
   }
+  void keep() { asm("" : "+v"(v)); }  // the value stays in its register as computed: no reassociation
   // a 16-byte table in every 128-bit lane; lookup: each byte (below 16) replaced by its entry
   static I32x16 table16(const uint8_t* t) { return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))}; }
   I32x16 lookup(I32x16 table) const { return {_mm512_shuffle_epi8(table.v, v)}; }
@@ -457,6 +458,7 @@ struct I32x16 {
     const __m256i x = _mm256_set1_epi32(x2);
     return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(w.a, x)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(w.b, x))};
   }
+  void keep() { asm("" : "+x"(a), "+x"(b)); }  // (as above)
   static I32x16 table16(const uint8_t* t) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
     return {table, table};
@@ -562,6 +564,7 @@ struct I32x16 {
   static I32x16 dot2(I32x16 acc, I32x16 w, int32_t x2) {
     APPLIANCE_LANES(acc.v[i] + word(w.v[i], 0) * word(x2, 0) + word(w.v[i], 1) * word(x2, 1))
   }
+  void keep() {}  // (as above)
   static I32x16 table16(const uint8_t* t) { I32x16 r{}; std::memcpy(r.v, t, 16); return r; }  // (lanes 4.. unused)
   I32x16 lookup(I32x16 table) const {
     const uint8_t* entries = reinterpret_cast<const uint8_t*>(table.v);

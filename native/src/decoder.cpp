@@ -70,11 +70,13 @@ void* DecoderStack::buffer(size_t index, int64_t bytes) {
 }
 
 // The step's rows in runs of one role: prompt tokens (a sequence's first prompt_rows) or generated ones. Where the
-// kernels run prompt rows their own way (kernels().widens_prompts(), int16), each run takes its own linears, so a
-// token's path is its role's however it was scheduled (chunked, after a prefix hit, recomputed); else one run.
+// kernels run a weight type's prompt rows their own way (kernels().widens_prompts(type), int16), each run takes its own
+// linears, so a token's path is its role's however it was scheduled (chunked, after a prefix hit, recomputed); else
+// one run.
 void DecoderStack::find_runs(const StepBatch& b) {
   runs_.clear();
-  const bool split = quantized_ && shape_.act == ActQuant::int16 && kernels().widens_prompts();
+  const bool split = shape_.act == ActQuant::int16 &&
+                     std::any_of(qtypes_.begin(), qtypes_.end(), [](QType t) { return kernels().widens_prompts(t); });
   auto add = [&](int64_t begin, int64_t end, bool prompt) {
     if (begin == end) return;
     if (!runs_.empty() && runs_.back().prompt == prompt) runs_.back().end = end;

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -197,10 +198,12 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
   kernels().linear_f32_out({dt, static_cast<float*>(out.ptr), x.ptr, w.ptr, x.dim(0), x.dim(1), w.dim(0), x.st(0)});
 }
 
+constexpr QType kQTypes[] = {QType::q4_0,   QType::q4_1,   QType::q5_0,   QType::q5_1,  QType::q8_0,   QType::q2_k,
+                             QType::q3_k,   QType::q4_k,   QType::q5_k,   QType::q6_k,  QType::iq4_nl, QType::iq4_xs,
+                             QType::bf16,   QType::q4_m32, QType::q8_m32, QType::q8_h32, QType::iq4_f32, QType::q4_hm32};
+
 QType quant_type(int code) {
-  for (QType q : {QType::q4_0, QType::q4_1, QType::q5_0, QType::q5_1, QType::q8_0, QType::q2_k, QType::q3_k, QType::q4_k, QType::q5_k, QType::q6_k,
-                  QType::iq4_nl, QType::iq4_xs, QType::bf16, QType::q4_m32, QType::q8_m32, QType::q8_h32, QType::iq4_f32,
-                  QType::q4_hm32})
+  for (QType q : kQTypes)
     if (code == static_cast<int>(q)) return q;
   fail("qtype: " + std::to_string(code) + " is not a packed weight type (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, "
        "Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, Q4_M32 = 100, Q8_M32 = 101, Q8_H32 = 102, "
@@ -490,7 +493,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("converted_type", [](int from) { return static_cast<int>(converted_type(file_type(from))); });
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
-  m.def("widens_prompts", [] { return kernels().widens_prompts(); });
+  m.def("widens_prompts", [](std::optional<int> qtype) {  // (no type: whether any type's are)
+    if (qtype) return kernels().widens_prompts(quant_type(*qtype));
+    return std::any_of(std::begin(kQTypes), std::end(kQTypes), [](QType t) { return kernels().widens_prompts(t); });
+  }, py::arg("qtype") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("best_isa", [] { return std::string(best_isa()); });
   m.def("compiled_isas", &compiled);
   m.def("select_isa", &use_isa);

@@ -400,9 +400,11 @@ void rows_in_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, i
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   constexpr int kMR = tile_rows(PLANES);
-  if constexpr ((BITS == 2 || BITS == 4) && PLANES != 0) {
+  if constexpr (PLANES == 2 && BITS != 16) {  // Q2_K, Q3_K, Q6_K; where expands_words, the types with one scale a block
     static_assert(NP == 2, "row tiles run panel pairs, as word_rows does");
-    if (t.x->words && r_end - r_begin > word_rows_above(t.layout)) return word_rows(t, r_begin, r_end, p0, pre);  // Q2_K, Q3_K, Q6_K
+    if (t.x->words && r_end - r_begin > word_rows_above(t.layout)) return word_rows(t, r_begin, r_end, p0, pre);
+  }
+  if constexpr ((BITS == 2 || BITS == 4) && PLANES != 0) {
     if (t.layout.high_bits && r_end - r_begin > 4 * kMR) {
       const Tiles bytes = BITS == 2 ? expand_quants<NP, 3>(t, p0, r_begin, pre)
                           : t.layout.high_bits == 2 ? expand_quants<NP, 6>(t, p0, r_begin, pre)
@@ -529,7 +531,8 @@ void packed_linear(const PackedLinearArgs& a) {
 #endif
     return run<16, 0>(t, a, nullptr);
   }
-  if (kWidenPrompts && a.prompt && a.act == ActQuant::int16) return widened_linear(float_rows(t, a, x), a.rows);  // widened.cpp
+  if (kWidenPrompts && a.prompt && a.act == ActQuant::int16 && !expands_words(L))
+    return widened_linear(float_rows(t, a, x), a.rows);  // widened.cpp
   size_for(a, x);
   if (a.act == ActQuant::int16) bits == 4 ? run<4, 2>(t, a, &x) : bits == 2 ? run<2, 2>(t, a, &x) : run<8, 2>(t, a, &x);
   else if (a.act == ActQuant::int8) bits == 4 ? run<4, 1>(t, a, &x) : bits == 2 ? run<2, 1>(t, a, &x) : run<8, 1>(t, a, &x);

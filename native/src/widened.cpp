@@ -126,7 +126,7 @@ void run_widened(const Tiles& t, int64_t rows) {
 
 }  // namespace
 
-bool widens_prompts() { return kWidenPrompts; }
+bool widens_prompts(QType t) { return kWidenPrompts && t != QType::bf16 && !expands_words(packed_layout(t)); }
 
 void widened_linear(const Tiles& t, int64_t rows) {
   if constexpr (kWidenPrompts) {

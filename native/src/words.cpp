@@ -1,8 +1,11 @@
-// Q2_K's, Q3_K's and Q6_K's row chunks of int16 x above word_rows_above (prompts; on AVX2 above one row tile) as
-// 16-bit words: each panel pair of a row chunk expanded once into signed words (u - zero) sc_h, then multiplied with
-// x's combined integers 256 h + l (vpdpwssd; vpmaddwd without VNNI). Called by quant.cpp's row_tiles; the halves
-// tile (quant.cpp) runs the same types for fewer rows and folds its sums in the same order, so that a row's result
-// does not depend on which of the two ran it.
+// int16 x's row chunks as 16-bit words, each panel pair of a row chunk expanded once and multiplied with x's
+// combined integers 256 h + l (vpdpwssd; vpmaddwd without VNNI). Called by quant.cpp's row_tiles above
+// word_rows_above:
+//   - Q2_K, Q3_K and Q6_K (prompts; on AVX2 above one row tile) as signed words (u - zero) sc_h; the halves tile
+//     (quant.cpp) runs them for fewer rows and folds its sums in the same order;
+//   - where expands_words (AVX2 with cheap multiplies, packed.h), the types with one scale a block as unsigned words
+//     u, whose sums and float32 steps are int_tile's.
+// Either way a row's result does not depend on which tile ran it.
 #include "packed.h"
 
 namespace appliance::APPLIANCE_ISA {
@@ -109,11 +112,106 @@ void word_tile(const Tiles& t, int64_t r0, int64_t p0) {
   else word_tile<MR, NP, false>(t, r0, p0);  // Q3_K, Q6_K
 }
 
+// Where expands_words (packed.h), the types with one scale a block above kExpandedWordRows: panels [p0, p0 + NP)
+// as unsigned words u (bytes, nibbles, a Q5 type's nibbles and high bit, a codebook's bytes), word pair v of a
+// block its weights 2v and 2v + 1 as the word tile reads them (16 vectors of 64 bytes), then the block's d and m
+// in float32 as block_scales gives them to the integer tiles (16 each).
+template <int BITS, bool kLut>
+void block_words(const uint8_t* from, uint8_t* to) {
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < 8; ++g) {  // vector g: weights 4g..4g+3, word pairs 2g and 2g + 1
+      const I32x16 u = I32x16::load(from + 64 * g);
+      u.byte_words(0).store(to + 128 * g), u.byte_words(1).store(to + 128 * g + 64);
+    }
+  } else {
+    for (int g = 0; g < 4; ++g) {  // vector g, half h: weights 16h+4g.., word pairs 8h + 2g and the next
+      const I32x16 v = I32x16::load(from + 64 * g);
+      for (int h = 0; h < 2; ++h) {
+        I32x16 u = nibble_weights<BITS>(from, v, g, h);
+        if constexpr (kLut) u = u.lookup(I32x16::table16(kIq4Unsigned));
+        u.byte_words(0).store(to + 64 * (8 * h + 2 * g)), u.byte_words(1).store(to + 64 * (8 * h + 2 * g) + 64);
+      }
+    }
+  }
+}
+thread_local std::vector<uint8_t> unsigned_words;
+template <int NP>
+Tiles expand_unsigned_words(const Tiles& t, int64_t p0, int64_t r0, int64_t pre) {
+  const PackedLayout& from_layout = t.layout;
+  const PackedLayout L{4, from_layout.zero, from_layout.has_min, false, 4, 16 * 64, 16 * 64 + 2 * 4 * kPanelRows};
+  void (*words)(const uint8_t*, uint8_t*) = from_layout.bits == 8 ? block_words<8, false>
+                                            : from_layout.lut ? block_words<4, true>
+                                            : from_layout.high_bits ? block_words<5, false> : block_words<4, false>;
+  return expanded<NP>(t, L, unsigned_words, p0, r0, pre, [&](int64_t b, const uint8_t* from, uint8_t* to) {
+    words(from, to);
+    F32x16 d, m;
+    block_scales(from_layout, from, b, d, m);
+    float* scalars = reinterpret_cast<float*>(to + L.quant_bytes);
+    d.store(scalars), m.store(scalars + kPanelRows);
+  });
+}
+
+// Rows [r0, r0 + MR) against one panel of expand_unsigned_words: per block the int32 sum of u against x's combined
+// integers, then as int_tile: acc += float(sum - zero sum(x)) d scale (kMin: sum(x) is not taken, m times x's
+// sum is added), so that a row gets int_tile's bits. keep() holds each sum in its register in order: without it
+// GCC reassociated the adds into a tree of products kept in memory (a standalone copy ran at ~0.4x).
+// Unsigned words: |sum| <= 255 x 32,639 x 32 < 2^31.
+template <int MR, bool kMin>
+[[gnu::noinline]] void unsigned_word_tile(const Tiles& t, int64_t r0, int64_t panel) {
+  const Activations& x = *t.x;
+  const int32_t zero = t.layout.zero;
+  F32x16 acc[MR][1];
+  zero_all(acc);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* blk = panel_block(t, panel, b);
+    const int8_t* xw[MR];
+    for (int r = 0; r < MR; ++r) xw[r] = x_block<true, 2>(x, r0 + r, t.blocks, b);
+    I32x16 sum[MR];
+    for (int r = 0; r < MR; ++r) sum[r] = I32x16::zero();
+#pragma GCC unroll 16
+    for (int v = 0; v < 16; ++v) {
+      const I32x16 w = I32x16::load(blk + 64 * v);
+      for (int r = 0; r < MR; ++r) {
+        sum[r] = I32x16::dot2(sum[r], w, load4(xw[r] + 4 * v));
+        sum[r].keep();
+      }
+    }
+    const float* scalars = reinterpret_cast<const float*>(blk + t.layout.quant_bytes);
+    const F32x16 d = F32x16::load(scalars), m = kMin ? F32x16::load(scalars + kPanelRows) : F32x16::zero();
+    for (int r = 0; r < MR; ++r) {
+      const int64_t cell = (r0 + r) * t.blocks + b;
+      const F32x16 scale = F32x16::set1(x.scale[cell]);
+      I32x16 total = sum[r];
+      if constexpr (!kMin) total = total - I32x16::set1(zero * x.isum[cell]);
+      acc[r][0] = F32x16::fmadd(total.to_float(), d * scale, acc[r][0]);
+      if constexpr (kMin) acc[r][0] = F32x16::fmadd(m, F32x16::set1(x.fsum[cell]), acc[r][0]);
+    }
+  }
+  store_tile<MR, 1>(t, r0, panel, acc);
+}
+
+// A panel at a time, its rows in tiles of 3 (AVX2: 6 sums, 6 accumulators, a weight vector and a broadcast in
+// 16 registers; 4 measured the same), then the 1 or 2 left
+template <bool kMin>
+void unsigned_word_rows(const Tiles& t, int64_t r_begin, int64_t r_end) {
+  constexpr int kMR = tile_rows(2);
+  for (int j = 0; j < 2; ++j) {
+    int64_t r = r_begin;
+    for (; r + kMR <= r_end; r += kMR) unsigned_word_tile<kMR, kMin>(t, r, j);
+    if (r_end - r == 2) unsigned_word_tile<2, kMin>(t, r, j);
+    else if (r_end - r == 1) unsigned_word_tile<1, kMin>(t, r, j);
+  }
+}
+
 }  // namespace
 
 void word_rows(const Tiles& packed, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   constexpr int NP = 2;
   const PackedLayout& L = packed.layout;
+  if (!L.halves) {  // expands_words
+    const Tiles t = expand_unsigned_words<NP>(packed, p0, r_begin, pre);
+    return L.has_min ? unsigned_word_rows<true>(t, r_begin, r_end) : unsigned_word_rows<false>(t, r_begin, r_end);
+  }
   const Tiles t = L.bits == 4 ? expand_words<NP, 6>(packed, p0, r_begin, pre)
                   : L.has_min ? expand_words<NP, 2>(packed, p0, r_begin, pre) : expand_words<NP, 3>(packed, p0, r_begin, pre);
   constexpr int kMR = tile_rows(2);  // 3: then 2 or 1 rows are left

@@ -263,12 +263,14 @@ def test_a_row_gives_the_same_result_in_any_batch(isa, qtype):
 
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="only the avx2 kernels have narrow int16 row tiles")
-@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_1, GT.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K, GT.IQ4_NL, GT.IQ4_XS],
+                         ids=lambda t: t.name)
 def test_narrow_and_wide_row_tiles_give_the_same_bits(qtype):
     """The avx2 kernels' int16 row tiles take one row or several (kernels.wide_int_tiles: whichever suits the
-    CPU's multiplier): the same exact integer sums and float32 steps per row, so the same bits, at every row
-    count (1 to 9: whole tiles and each remainder; 37), and close to the float64 reference."""
-    k = 512 if qtype == GT.Q4_K else 160
+    CPU's multiplier), and wide, more than 4 rows run as 16-bit words expanded once (packed.h, expands_words): the
+    same exact integer sums and float32 steps per row, so the same bits, at every row count (1 to 9: whole tiles
+    and each remainder; 37), and close to the float64 reference."""
+    k = 512 if qtype in (GT.Q4_K, GT.Q5_K, GT.IQ4_XS) else 160
     q, w = quantized(80, k, qtype)
     x = torch.randn(37, k)
     with kernels.use_isa("avx2"):
@@ -320,16 +322,16 @@ def test_a_row_with_nan_or_infinity_gives_no_finite_output_and_leaves_the_others
 
 @pytest.mark.parametrize("qtype", TYPES + SUPERBLOCK, ids=lambda t: t.name)
 def test_prompt_rows_take_the_exact_products_where_the_kernels_widen(isa, qtype):
-    """int16 rows marked as prompt tokens: where the kernels widen the weights (AVX2), float32 FMAs on the
-    reference's products, ten times closer to x @ w than int16's quantized x (~2e-5 of the largest output);
-    elsewhere the integer tiles, as any row. Either way a row gets the same bits alone or among 37 rows, and
-    an unmarked row still gets int16's."""
+    """int16 rows marked as prompt tokens: where the kernels widen the type's weights (AVX2, but not the types that
+    expand to words where multiplies are cheap), float32 FMAs on the reference's products, ten times closer to
+    x @ w than int16's quantized x (~2e-5 of the largest output); elsewhere the integer tiles (or words), as any
+    row. Either way a row gets the same bits alone or among 37 rows, and an unmarked row still gets int16's."""
     k = 512 if qtype in SUPERBLOCK else 160
     q, w = quantized(67, k, qtype, seed=3)
     packed = q.pack("int16")
     x = torch.randn(37, k)
     x[0, :32] = 0  # an all-zero block
-    exact = kernels.widens_prompts()
+    exact = kernels.widens_prompts(packed.qtype)
     for rows in (x, x.to(torch.bfloat16)):
         reference = rows.double() @ w.double().T
         expected = reference if exact else quantize_activations(rows, "int16").double() @ w.double().T
