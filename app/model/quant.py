@@ -264,8 +264,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, ru
     """x @ W^T (+ bias); packed weights take x's `runs` of prompt rows and decode rows apart where the kernels
     run a part's prompt rows their own way (int16, `kernels.widens_prompts(qtype)`), as the native stack does."""
     if isinstance(weight, Packed):
-        widens = weight.activations == "int16" and any(kernels.widens_prompts(p.qtype) for p in weight.parts)
-        if len(runs) > 1 and widens:
+        if len(runs) > 1 and weight.activations == "int16" and \
+                any(kernels.widens_prompts(p.qtype) for p in weight.parts):
             out = torch.cat([weight.linear(x[r.begin:r.end], out_dtype, prompt=r.prompt) for r in runs])
         else:
             out = weight.linear(x, out_dtype, prompt=bool(runs) and runs[0].prompt)

@@ -319,8 +319,8 @@ struct PackedLinearArgs {  // out[s, v] = sum_k x[s, k] * w[v, k], accumulated i
   const void* x;          // [S, K] rows at x_stride
   const uint8_t* weight;  // packed [V, K]
   int64_t rows, in_features, out_features, x_stride, out_stride;
-  bool prompt = false;    // the rows are prompt tokens: int16 takes widened float32 weights for them where
-                          // that is faster (widens_prompts: AVX2), else the integer tiles as for any row
+  bool prompt = false;    // the rows are prompt tokens: int16 takes widened float32 weights for them where that
+                          // is faster for the type (widens_prompts(qtype): AVX2), else the tiles of any row
 };
 
 struct PackedRowsArgs {  // out[i, :] = w[ids[i], :] dequantized (an embedding lookup, or the whole weight)

@@ -3,7 +3,8 @@
 // how a tile finds a panel's block, its scales and its weights, and what it stores.
 //   quant.cpp        packed_linear: the integer tiles, and the threads' split of the tiles
 //   act_quant.cpp    x quantized per block of 32 (int8, int16), or kept float
-//   words.cpp        Q2_K, Q3_K, Q6_K prompts as 16-bit words (expand_words, word_tile)
+//   words.cpp        int16 rows as 16-bit words: Q2_K, Q3_K, Q6_K prompts (expand_words, word_tile), and where
+//                    expands_words, the types with one scale a block (expand_unsigned_words, unsigned_word_tile)
 //   float_tiles.cpp  the exact (ActQuant none) and BF16 tiles
 //   widened.cpp      int16 prompt rows on AVX2: panel pairs widened to float32, FMA tiles
 //   dequant.cpp      packed_rows (embedding rows) and dequantize (GGUF rows to float)
@@ -32,7 +33,7 @@ struct Activations {
   std::vector<int32_t> isum_first;  // [rows][blocks]: the same sum over the block's first 16
   std::vector<float> fsum;    // [rows][blocks]: the sum of the block's x as the kernel sees it
   std::vector<float> fx;      // planes 0: x as float32 rows [rows][K]
-  bool words = false;         // the word tiles run (Q2_K, Q3_K, Q6_K under many row tiles; byte_words): xw too
+  bool words = false;         // the word tiles run (above word_rows_above; byte_words): xw too
   std::vector<int16_t> xw;    // [rows][blocks][32]: the combined integers 256 h + l
 };
 
@@ -90,8 +91,8 @@ inline bool byte_words(const PackedLayout& L) {
 // 1.17 / 3.60 expanded).
 // On AVX2 where multiplies are cheap (kernels.h, wide_int_tiles: AMD EPYC Zen 3), every type with one scale a
 // block (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, the IQ4 types, Q8_0, and ours of them) runs row chunks of more than
-// kExpandedWordRows int16 rows as words (words.cpp, expand_unsigned_words): each panel pair expanded once into
-// 16-bit words u, then one vpmaddwd and one vpaddd per 16 products against x's combined integers 256 h + l, the
+// kExpandedWordRows int16 rows as words (words.cpp, expand_unsigned_words): each panel expanded once a row chunk
+// into 16-bit words u, then one vpmaddwd and one vpaddd per 16 products against x's combined integers 256 h + l, the
 // sums in registers.
 // The integer tiles spend instructions beside each multiply (the nibbles split, int16 pair sums widened, AVX2's
 // 16 registers too few for their accumulators: the compiler kept them in memory). Their integer sums and float32
@@ -104,7 +105,7 @@ inline bool byte_words(const PackedLayout& L) {
 // expansion costs what it saves (Q4_1 1.06 / 1.00, the head 1.00 / 1.02).
 constexpr int64_t kExpandedWordRows = 4;
 inline bool expands_words(const PackedLayout& L) {
-  return kNarrowTiles && !L.halves && (L.bits == 4 || L.bits == 8) && wide_int_tiles();
+  return kNarrowTiles && !L.halves && L.high_bits <= 1 && (L.bits == 4 || L.bits == 8) && wide_int_tiles();
 }
 inline int64_t word_rows_above(const PackedLayout& L) {
   if (expands_words(L)) return kExpandedWordRows;

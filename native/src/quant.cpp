@@ -15,9 +15,9 @@
 //   - splits the tiles over the threads by panels (few rows: decode streams the weights once) and, for
 //     many rows, by chunks of rows too (prefill: a panel's blocks stay in cache while the rows go past).
 // The integer dot products are exact, so every ISA computes the same sums up to float32 rounding.
-// Beside this file: act_quant.cpp (x's blocks), words.cpp (the K-quants' prompts as words), widened.cpp (int16 prompt
-// rows on AVX2: float32 FMAs on widened weights), float_tiles.cpp (the
-// exact and BF16 tiles), dequant.cpp (rows back to float); packed.h holds what they share.
+// Beside this file: act_quant.cpp (x's blocks), words.cpp (int16 rows as words: the K-quants' prompts, and on AVX2 with
+// cheap multiplies every type with one scale a block), widened.cpp (int16 prompt rows on AVX2: float32 FMAs on
+// widened weights), float_tiles.cpp (the exact and BF16 tiles), dequant.cpp (rows back to float); packed.h holds what they share.
 #include <algorithm>
 #include <cstring>
 #include <vector>

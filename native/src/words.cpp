@@ -1,4 +1,4 @@
-// int16 x's row chunks as 16-bit words, each panel pair of a row chunk expanded once and multiplied with x's
+// int16 x's row chunks as 16-bit words, each panel of a row chunk expanded once and multiplied with x's
 // combined integers 256 h + l (vpdpwssd; vpmaddwd without VNNI). Called by quant.cpp's row_tiles above
 // word_rows_above:
 //   - Q2_K, Q3_K and Q6_K (prompts; on AVX2 above one row tile) as signed words (u - zero) sc_h; the halves tile
@@ -137,6 +137,7 @@ void block_words(const uint8_t* from, uint8_t* to) {
 thread_local std::vector<uint8_t> unsigned_words;
 Tiles expand_unsigned_words(const Tiles& t, int64_t panel, int64_t r0, int64_t pre) {
   const PackedLayout& from_layout = t.layout;
+  // (the tile reads only zero, has_min, quant_bytes and block_bytes of this layout; bits 4: no byte_words)
   const PackedLayout L{4, from_layout.zero, from_layout.has_min, false, 4, 16 * 64, 16 * 64 + 2 * 4 * kPanelRows};
   void (*words)(const uint8_t*, uint8_t*) = from_layout.bits == 8 ? block_words<8, false>
                                             : from_layout.lut ? block_words<4, true>
@@ -205,7 +206,7 @@ void unsigned_word_rows(const Tiles& t, int64_t r_begin, int64_t r_end) {
 void word_rows(const Tiles& packed, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   constexpr int NP = 2;
   const PackedLayout& L = packed.layout;
-  if (!L.halves) {  // expands_words
+  if (expands_words(L)) {
     // a panel at a time, so that its words (~20 KiB at K = 576) stay in L1 for its row tiles (both panels
     // expanded first: Zen 3, paired, the default model's Q4_1 linears at 8 / 32 / 256 rows 1.02 / 1.01 / 1.02x)
     for (int j = 0; j < NP; ++j) {

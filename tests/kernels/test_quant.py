@@ -262,27 +262,36 @@ def test_a_row_gives_the_same_result_in_any_batch(isa, qtype):
     assert torch.equal(dense.linear(xb, torch.float32), alone)
 
 
+CUTS = {"Q4_M32": GT.Q4_K, "Q8_M32": GT.Q5_K, "IQ4_F32": GT.IQ4_XS}  # our blocks of 32, cut from these
+
+
 @pytest.mark.skipif("avx2" not in ISAS, reason="only the avx2 kernels have narrow int16 row tiles")
-@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K, GT.IQ4_NL, GT.IQ4_XS],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K, GT.Q8_0, GT.Q5_0, GT.Q5_1, GT.Q5_K, GT.IQ4_NL, GT.IQ4_XS,
+                                   *CUTS], ids=lambda t: getattr(t, "name", t))
 def test_narrow_and_wide_row_tiles_give_the_same_bits(qtype):
     """The avx2 kernels' int16 row tiles take one row or several (kernels.wide_int_tiles: whichever suits the
-    CPU's multiplier), and wide, more than 4 rows run as 16-bit words expanded once (packed.h, expands_words): the
-    same exact integer sums and float32 steps per row, so the same bits, at every row count (1 to 9: whole tiles
-    and each remainder; 37), and close to the float64 reference."""
-    k = 512 if qtype in (GT.Q4_K, GT.Q5_K, GT.IQ4_XS) else 160
-    q, w = quantized(80, k, qtype)
-    x = torch.randn(37, k)
+    CPU's multiplier), and wide, a row chunk of more than 4 rows runs as 16-bit words expanded once (packed.h,
+    expands_words): the same exact integer sums and float32 steps per row, so the same bits, at every row count
+    (1 to 9: whole tiles and each remainder; 37; 66 and 68, a second row chunk of 2 and of 4), for float32 and
+    bfloat16 rows, and close to the float64 reference."""
+    if qtype in CUTS:  # a tensor-parallel cut off a superblock: our type of the same values
+        q, w = quantized(80, 1536, CUTS[qtype])
+        q, w, k = q.columns(range(288, 576)), w[:, 288:576], 288
+        assert q.type_name == qtype
+    else:
+        k = 512 if qtype in (GT.Q4_K, GT.Q5_K, GT.IQ4_XS) else 160
+        q, w = quantized(80, k, qtype)
     with kernels.use_isa("avx2"):
         packed = q.pack("int16")
-        for rows in [*range(1, 10), 37]:
-            with kernels.use_int_tiles("narrow"):
-                narrow = packed.linear(x[:rows])
-            with kernels.use_int_tiles("wide"):
-                wide = packed.linear(x[:rows])
-            assert torch.equal(narrow, wide), rows
-            reference = (x[:rows].double() @ w.double().T).float()
-            torch.testing.assert_close(wide, reference, atol=2e-3 * reference.abs().max().item(), rtol=0)
+        for x in (torch.randn(68, k), torch.randn(68, k).to(torch.bfloat16)):
+            for rows in [*range(1, 10), 37, 66, 68]:
+                with kernels.use_int_tiles("narrow"):
+                    narrow = packed.linear(x[:rows], torch.float32)
+                with kernels.use_int_tiles("wide"):
+                    wide = packed.linear(x[:rows], torch.float32)
+                assert torch.equal(narrow, wide), (x.dtype, rows)
+                reference = (x[:rows].double() @ w.double().T).float()
+                torch.testing.assert_close(wide, reference, atol=2e-3 * reference.abs().max().item(), rtol=0)
     assert kernels.int_mul_ratio() > 0 and kernels.wide_int_tiles() == (kernels.int_mul_ratio() >= 0.75)
 
 
