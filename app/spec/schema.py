@@ -51,8 +51,8 @@ class ModelSpec(Section):
     """How activations meet kept-quantized weights: "int16" quantizes each block of 32 to about 16 bits and uses
     int8 dot products (AVX512-VNNI), within about 1e-5 of float32 (on AVX2 CPUs, prompt tokens of some weight types
     take float32 FMAs on the widened weights instead, of every type where integer multiplies are slow, such as AMD
-    Zen 1: faster there, and the reference's own products); "int8" (as llama.cpp) is faster, but answers can differ from float32 ones; "float"
-    is float32 arithmetic on the exact weights (the reference; slowest)."""
+    Zen 1: faster there, and the reference's own products); "int8" (as llama.cpp) is faster, but answers can
+    differ from float32 ones; "float" is float32 arithmetic on the exact weights (the reference; slowest)."""
     max_model_len: int | None = Field(default=None, ge=16, le=1 << 20)
     """Longest sequence (prompt + output) in tokens; default: the model's own context length."""
     chat_template: str | None = Field(default=None, min_length=1)

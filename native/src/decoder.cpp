@@ -70,9 +70,9 @@ void* DecoderStack::buffer(size_t index, int64_t bytes) {
 }
 
 // The step's rows in runs of one role: prompt tokens (a sequence's first prompt_rows) or generated ones. Where the
-// kernels run a weight type's prompt rows their own way (kernels().widens_prompts(type), int16), each run takes its own
-// linears, so a token's path is its role's however it was scheduled (chunked, after a prefix hit, recomputed); else
-// one run.
+// kernels run a weight type's prompt rows their own way (kernels().widens_prompts(type), int16), each run takes its
+// own linears, so a token's path is its role's however it was scheduled (chunked, after a prefix hit, recomputed);
+// else one run.
 void DecoderStack::find_runs(const StepBatch& b) {
   runs_.clear();
   const bool split = shape_.act == ActQuant::int16 &&

@@ -198,9 +198,9 @@ void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
   kernels().linear_f32_out({dt, static_cast<float*>(out.ptr), x.ptr, w.ptr, x.dim(0), x.dim(1), w.dim(0), x.st(0)});
 }
 
-constexpr QType kQTypes[] = {QType::q4_0,   QType::q4_1,   QType::q5_0,   QType::q5_1,  QType::q8_0,   QType::q2_k,
-                             QType::q3_k,   QType::q4_k,   QType::q5_k,   QType::q6_k,  QType::iq4_nl, QType::iq4_xs,
-                             QType::bf16,   QType::q4_m32, QType::q8_m32, QType::q8_h32, QType::iq4_f32, QType::q4_hm32};
+constexpr QType kQTypes[] = {QType::q4_0, QType::q4_1, QType::q5_0, QType::q5_1, QType::q8_0, QType::q2_k,
+                             QType::q3_k, QType::q4_k, QType::q5_k, QType::q6_k, QType::iq4_nl, QType::iq4_xs,
+                             QType::bf16, QType::q4_m32, QType::q8_m32, QType::q8_h32, QType::iq4_f32, QType::q4_hm32};
 
 QType quant_type(int code) {
   for (QType q : kQTypes)

@@ -15,9 +15,10 @@
 //   - splits the tiles over the threads by panels (few rows: decode streams the weights once) and, for
 //     many rows, by chunks of rows too (prefill: a panel's blocks stay in cache while the rows go past).
 // The integer dot products are exact, so every ISA computes the same sums up to float32 rounding.
-// Beside this file: act_quant.cpp (x's blocks), words.cpp (int16 rows as words: the K-quants' prompts, and on AVX2 with
-// cheap multiplies every type with one scale a block), widened.cpp (int16 prompt rows on AVX2: float32 FMAs on
-// widened weights), float_tiles.cpp (the exact and BF16 tiles), dequant.cpp (rows back to float); packed.h holds what they share.
+// Beside this file: act_quant.cpp (x's blocks), words.cpp (int16 rows as words: the K-quants' prompts, and on AVX2
+// with cheap multiplies every type with one scale a block), widened.cpp (int16 prompt rows on AVX2: float32 FMAs on
+// widened weights), float_tiles.cpp (the exact and BF16 tiles), dequant.cpp (rows back to float); packed.h holds
+// what they share.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -400,7 +401,8 @@ void rows_in_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, i
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   constexpr int kMR = tile_rows(PLANES);
-  if constexpr (PLANES == 2 && BITS != 16) {  // Q2_K, Q3_K, Q6_K; where expands_words, the types with one scale a block
+  // Q2_K, Q3_K, Q6_K; where expands_words, the types with one scale a block
+  if constexpr (PLANES == 2 && BITS != 16) {
     static_assert(NP == 2, "row tiles run panel pairs, as word_rows does");
     if (t.x->words && r_end - r_begin > word_rows_above(t.layout)) return word_rows(t, r_begin, r_end, p0, pre);
   }
