@@ -45,7 +45,7 @@ struct KeyVector {
   int64_t stride;
 };
 
-// The next key tile's K and V blocks, asked for two cache lines at a time from inside the inner
+// The next key tile's K and V blocks, asked for a cache line or two at a time from inside the inner
 // products' loops. A sequence's blocks lie anywhere in the pool, so the hardware prefetchers cannot see
 // the next one coming, and a decode step streams the whole cache. All of a tile's lines asked for at
 // once (16 KiB) stalled the core on its full miss queues, with little left to overlap; two lines an
@@ -54,8 +54,13 @@ struct KeyVector {
 // these drips of the next tile's K and V): 32 sequences 10.2 -> 8.1 ms, 8 sequences 2.6 -> 2.0 ms;
 // cache-resident unchanged. Asking for the line after a division per line instead of a running pointer
 // cost a third of the cache-resident speed.
+// The AVX2 kernels ask for one line a step: on a 2-vCPU Zen 3 guest (~16 GB/s to two threads) two lines a step
+// came too fast for its miss queues. Alternated there, bfloat16 cache, 30 layers (lines a step 1, 2 = 1.00, 4,
+// one every other step, none): decode 32 x 512 keys 0.71-0.78, 1, 1.23, 1.22, 1.74; 8 x 300 0.83-0.85, 1, 1.16,
+// 1.15, 1.65; prefill 256 at 256 0.85, 2,048 at 4,096 0.86; the default model's decode steps at 300 keys, batch
+// 8 / 32, 0.94 / 0.89. The AVX-512 kernels keep two, measured on Zen 5 above and not re-measured.
 struct Prefetcher {
-  static constexpr int kLinesAStep = 2;
+  static constexpr int kLinesAStep = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2 ? 1 : 2;
   std::vector<const char*> blocks;  // the next tile's K blocks, then its V blocks (an item's KV heads of each)
   size_t taken = 0;                 // blocks whose lines are being or have been asked for
   const char* line = nullptr;       // the next line to ask for, in the block being asked for
