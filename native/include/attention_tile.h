@@ -58,7 +58,8 @@ struct KeyVector {
 // came too fast for its miss queues. Alternated there, bfloat16 cache, 30 layers (lines a step 1, 2 = 1.00, 4,
 // one every other step, none): decode 32 x 512 keys 0.71-0.78, 1, 1.23, 1.22, 1.74; 8 x 300 0.83-0.85, 1, 1.16,
 // 1.15, 1.65; prefill 256 at 256 0.85, 2,048 at 4,096 0.86; the default model's decode steps at 300 keys, batch
-// 8 / 32, 0.94 / 0.89. The AVX-512 kernels keep two, measured on Zen 5 above and not re-measured.
+// 8 / 32, 0.94 / 0.89; against a float32 cache two lines took 1.24-1.35x one's. The AVX-512 kernels keep two,
+// measured on Zen 5 above and not re-measured.
 struct Prefetcher {
   static constexpr int kLinesAStep = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2 ? 1 : 2;
   std::vector<const char*> blocks;  // the next tile's K blocks, then its V blocks (an item's KV heads of each)
