@@ -116,7 +116,8 @@ def _bench_parsers(commands) -> None:
                        help="GGUF quantized weights kept or expanded at load; repeatable; default: the spec's")
     model.add_argument("--activations", action="append", choices=["int16", "int8", "float"],
                        help="how activations meet kept-quantized weights; repeatable; default: the spec's")
-    model.add_argument("--kv-dtype", choices=["float32", "bfloat16"], help="KV cache dtype (default: the compute dtype)")
+    model.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"],
+                       help="KV cache dtype (default: the compute dtype)")
     model.add_argument("--python-layers", action="store_true",
                        help="run the layers one Python-level kernel call at a time, not as one native stack")
     model.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")

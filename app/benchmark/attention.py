@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--decode-context", type=int, action="append", help="default: 512 2048")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kv-dtype", choices=list(DTYPES), help="the cache's dtype (default: the same as q's)")
+    parser.add_argument("--kv-dtype", choices=[*DTYPES, "float16"], help="the cache's dtype (default: the same as q's)")
     parser.add_argument("--layers", type=int, default=1,
                         help="calls a case, each on a cache of its own (default: 1); N times the memory")
     parser.add_argument("--no-prefill", action="store_true", help="time decode only (--context then does nothing)")
@@ -83,7 +83,7 @@ def main() -> None:
     if args.layers < 1:
         parser.error(f"--layers must be at least 1, not {args.layers}")
     cpus = sorted(os.sched_getaffinity(0))
-    kv = DTYPES[args.kv_dtype] if args.kv_dtype else None
+    kv = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     cache = f" ({args.kv_dtype} cache)" if args.kv_dtype else ""
     layers = f" x {args.layers} layers" if args.layers > 1 else ""
     with kernels.use_bf16_dot(args.bf16_dot):

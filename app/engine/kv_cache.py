@@ -22,7 +22,7 @@ class KVCacheConfig:
 
     num_blocks: int
     block_size: int  # tokens per block
-    dtype: str | None = None  # "float32" or "bfloat16"; None: the model's dtype
+    dtype: str | None = None  # "float32", "bfloat16" or "float16"; None: the model's dtype
     prefix_caching: bool = True
 
 

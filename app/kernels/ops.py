@@ -13,8 +13,9 @@ import torch
 
 from app import _native
 
-_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3, torch.uint8: 4}
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3, torch.uint8: 4, torch.float16: 5}
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a KV cache's (float16: the cache only)
 
 
 def _ref(t: torch.Tensor, name: str, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES, dims: int | None = None) -> tuple:
@@ -94,7 +95,7 @@ def kv_cache_from_blocks(keys: torch.Tensor, values: torch.Tensor, dtype: torch.
     """The paged cache holding keys and values: [blocks, Hk, block_size, D] each, in token order.
 
     The cache's own order within a (block, KV head) is the one its kernels read without transposing
-    (native/src/cache.cpp): float32 keys [D, block_size], values [block_size, D]; bfloat16 the same with
+    (native/src/cache.cpp): float32 and float16 keys [D, block_size], values [block_size, D]; bfloat16 the same with
     neighbours paired, keys [D/2, block_size, 2], values [block_size/2, D, 2]. Shapes stay
     [blocks, Hk, D, block_size] and [blocks, Hk, block_size, D]; index a cache only through these two helpers.
     """
@@ -119,11 +120,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor) -> None:
     # key, value: [T, Hk, D]; key_cache: [blocks, Hk, D, block_size], value_cache: [blocks, Hk, block_size, D],
     # each in the order kv_cache_from_blocks gives; slot_mapping: [T] int64 (-1: skip).
-    # The caches may be bfloat16 for float32 keys and values (rounded as they are written).
+    # The caches may be bfloat16 or float16 for float32 keys and values (rounded to nearest even as they are written).
     _same_dtype(key, value=value)
     _same_dtype(key_cache, value_cache=value_cache)
     _native.write_kv_cache(_ref(key, "key", dims=3), _ref(value, "value", dims=3),
-                           _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4),
+                           _ref(key_cache, "key_cache", CACHE_DTYPES, 4),
+                           _ref(value_cache, "value_cache", CACHE_DTYPES, 4),
                            _ref(slot_mapping, "slot_mapping", (torch.int64,), 1))
 
 
@@ -132,12 +134,13 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     out: torch.Tensor | None = None) -> torch.Tensor:
     # q: [Tq, Hq, D], the new tokens of every sequence back to back (q_starts: [S+1] int64 offsets);
     # each attends causally to all context_lens[s] cached tokens of its sequence. Returns [Tq, Hq, D].
-    # The caches may have another float dtype than q (a bfloat16 cache for float32 activations).
+    # The caches may have another float dtype than q (a bfloat16 or float16 cache for float32 activations).
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     _same_dtype(q, out=out)
     _same_dtype(key_cache, value_cache=value_cache)
-    _native.paged_attention(_ref(out, "out", dims=3), _ref(q, "q", dims=3), _ref(key_cache, "key_cache", dims=4),
-                            _ref(value_cache, "value_cache", dims=4),
+    _native.paged_attention(_ref(out, "out", dims=3), _ref(q, "q", dims=3),
+                            _ref(key_cache, "key_cache", CACHE_DTYPES, 4),
+                            _ref(value_cache, "value_cache", CACHE_DTYPES, 4),
                             _ref(block_tables, "block_tables", (torch.int32,), 2),
                             _ref(context_lens, "context_lens", (torch.int32,), 1),
                             _ref(q_starts, "q_starts", (torch.int64,), 1), float(scale))
@@ -329,7 +332,8 @@ class DecoderStack:
         self._stack.add_layer(packed(qkv, "qkv"), packed(o, "o"), packed(gate_up, "gate_up"), packed(down, "down"),
                               _ref(input_norm, "input_norm", dims=1), _ref(post_norm, "post_norm", dims=1),
                               None if qkv_bias is None else _ref(qkv_bias, "qkv_bias", dims=1),
-                              _ref(key_cache, "key_cache", dims=4), _ref(value_cache, "value_cache", dims=4))
+                              _ref(key_cache, "key_cache", CACHE_DTYPES, 4),
+                              _ref(value_cache, "value_cache", CACHE_DTYPES, 4))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, q_starts: torch.Tensor, prompt_rows: torch.Tensor) -> None:

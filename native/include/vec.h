@@ -60,12 +60,35 @@ inline float fp16_to_float(uint16_t h) {  // IEEE half bits -> float (exact)
   return f;
 }
 
+// IEEE half bits: a type of its own (bf16 is a plain uint16_t), so that overloads and templates tell a float16
+// KV cache from a bfloat16 one
+struct f16 {
+  uint16_t bits;
+};
+
+inline uint16_t float_to_fp16(float f) {  // round to nearest even, as F16C's vcvtps2ph and torch's .to(float16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN (quiet)
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // from 65,520 on (and infinity): infinity
+  if (a >= 0x38800000u) {  // a normal half (from 2^-14): the exponent rebiased by 127 - 15, carries included
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
+  }
+  float magnitude;  // a subnormal half (or zero): m 2^-24, m rounded to nearest even (1,024 is 2^-14's bits)
+  std::memcpy(&magnitude, &a, 4);
+  return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(magnitude * 16777216.f)));
+}
+
 template <typename T> inline float to_float(T x);
 template <> inline float to_float<float>(float x) { return x; }
 template <> inline float to_float<bf16>(bf16 x) { return bf16_to_float(x); }
 template <typename T> inline T from_float(float x);
 template <> inline float from_float<float>(float x) { return x; }
 template <> inline bf16 from_float<bf16>(float x) { return float_to_bf16(x); }
+template <> inline float to_float<f16>(f16 x) { return fp16_to_float(x.bits); }
+template <> inline f16 from_float<f16>(float x) { return {float_to_fp16(x)}; }
 
 inline int32_t byte_sum(int32_t x4) {  // the sum of x4's four signed bytes
   return static_cast<int8_t>(x4) + static_cast<int8_t>(x4 >> 8) + static_cast<int8_t>(x4 >> 16) + static_cast<int8_t>(x4 >> 24);
@@ -89,7 +112,11 @@ struct VecF {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
   }
+  static VecF load(const f16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(f16* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   void store(bf16* p) const {
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
@@ -155,7 +182,11 @@ struct VecF {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
+  static VecF load(const f16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(f16* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   void store(bf16* p) const {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -221,7 +252,9 @@ struct VecF {
   static VecF set1(float x) { return {vdupq_n_f32(x)}; }
   static VecF load(const float* p) { return {vld1q_f32(p)}; }
   static VecF load(const bf16* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
+  static VecF load(const f16* p) { return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(&p->bits)))}; }
   void store(float* p) const { vst1q_f32(p, v); }
+  void store(f16* p) const { vst1_u16(&p->bits, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
   void store(bf16* p) const {
     uint32x4_t u = vreinterpretq_u32_f32(v);
     uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));

@@ -3,7 +3,8 @@
 // Cache layouts within one (block, KV head), chosen so that the inner products need no transposition:
 //   - float32: keys [D, B] (transposed), values [B, D]. A row's scores for VecF::N keys are D FMAs of a
 //     broadcast q element with one vector loaded straight from the cache (SIMD across keys); P.V adds
-//     broadcast p[j] times value row j.
+//     broadcast p[j] times value row j. float16: the same layout, each vector widened as it is loaded
+//     (vcvtph2ps), the arithmetic float32.
 //   - bfloat16: the same, with neighbours paired in 32-bit lanes: keys [D/2, B, 2] (features d, d + 1 of
 //     a key side by side), values [B/2, D, 2] (keys j, j + 1 of a feature side by side). A 64-byte load
 //     is 16 lanes of pairs: vdpbf16ps's operand (q or p pair broadcast, two products a lane) where the
@@ -326,6 +327,7 @@ void attention_impl(const AttentionArgs& a) {
 // module.cpp.
 void paged_attention(const AttentionArgs& a) {
   const bool f32 = a.dtype == DType::f32, cache_f32 = a.cache_dtype == DType::f32;
+  if (a.cache_dtype == DType::f16) return f32 ? attention_impl<float, f16>(a) : attention_impl<bf16, f16>(a);
   if (f32 && cache_f32) return attention_impl<float, float>(a);
   if (cache_f32) return attention_impl<bf16, float>(a);
   if constexpr (kHasBf16Dot) {

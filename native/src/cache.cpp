@@ -1,5 +1,5 @@
-// Writing new keys and values into the paged KV cache. Within one (block, KV head), float32 caches hold
-// keys [head_dim, block_size] (transposed, so that attention scores a vector of keys at a time) and values
+// Writing new keys and values into the paged KV cache. Within one (block, KV head), float32 and float16 caches
+// hold keys [head_dim, block_size] (transposed, so that attention scores a vector of keys at a time) and values
 // [block_size, head_dim] (one head's tokens contiguous for P.V to stream through); bfloat16 caches hold
 // the same with neighbours paired in 32-bit lanes, keys [head_dim / 2, block_size, 2] and values
 // [block_size / 2, head_dim, 2], the operand layout of vdpbf16ps (attention.cpp says why).
@@ -40,9 +40,9 @@ void write_impl(const CacheWriteArgs& a) {
       const int64_t base = (block * a.kv_heads + h) * a.block_size * a.head_dim;
       const T* k = key + t * a.key_stride + h * a.head_dim;
       const T* v = value + t * a.value_stride + h * a.head_dim;
-      if constexpr (std::is_same_v<C, float>) {
+      if constexpr (!std::is_same_v<C, bf16>) {  // float32, float16
         put(vc + base + offset * a.head_dim, v, a.head_dim);
-        for (int64_t d = 0; d < a.head_dim; ++d) kc[base + d * a.block_size + offset] = to_float(k[d]);
+        for (int64_t d = 0; d < a.head_dim; ++d) kc[base + d * a.block_size + offset] = from_float<C>(to_float(k[d]));
       } else {  // feature d of key `offset`: pair d / 2, lane `offset`, half d % 2; of the value: pair offset / 2
         C* kp = kc + base + 2 * offset;
         for (int64_t d = 0; d < a.head_dim; ++d) kp[(d / 2) * 2 * a.block_size + d % 2] = from_float<C>(to_float(k[d]));
@@ -57,7 +57,8 @@ void write_impl(const CacheWriteArgs& a) {
 
 void write_kv_cache(const CacheWriteArgs& a) {
   const bool f32 = a.dtype == DType::f32, cache_f32 = a.cache_dtype == DType::f32;
-  if (f32 && cache_f32) write_impl<float, float>(a);
+  if (a.cache_dtype == DType::f16) f32 ? write_impl<float, f16>(a) : write_impl<bf16, f16>(a);
+  else if (f32 && cache_f32) write_impl<float, float>(a);
   else if (f32) write_impl<float, bf16>(a);
   else if (cache_f32) write_impl<bf16, float>(a);
   else write_impl<bf16, bf16>(a);

@@ -25,7 +25,7 @@ using namespace appliance;
 
 namespace {
 
-enum Code : int { F32 = 0, BF16 = 1, I32 = 2, I64 = 3, U8 = 4 };
+enum Code : int { F32 = 0, BF16 = 1, I32 = 2, I64 = 3, U8 = 4, F16 = 5 };
 using Ref = std::tuple<uintptr_t, int, std::vector<int64_t>, std::vector<int64_t>>;
 
 struct T {
@@ -64,6 +64,12 @@ void contiguous(const T& t) {
 DType float_type(const T& t) {
   require(t.code == F32 || t.code == BF16, t.name + ": dtype must be float32 or bfloat16");
   return t.code == F32 ? DType::f32 : DType::bf16;
+}
+
+// A KV cache's: float32, bfloat16 or float16
+DType cache_type(const T& t) {
+  require(t.code == F32 || t.code == BF16 || t.code == F16, t.name + ": dtype must be float32, bfloat16 or float16");
+  return t.code == F32 ? DType::f32 : t.code == BF16 ? DType::bf16 : DType::f16;
 }
 
 void same_type(const T& a, const T& b) { require(a.code == b.code, b.name + ": dtype differs from " + a.name); }
@@ -125,8 +131,8 @@ void silu_and_mul(const Ref& out_r, const Ref& x_r) {
 // value_cache: [blocks, Hk, B, D]; key_cache: [blocks, Hk, D, B] (transposed within each block; a bfloat16
 // cache pairs neighbours within a block, see cache.cpp, so B and D must be even)
 void kv_caches(const T& kc, const T& vc) {
-  contiguous(kc), contiguous(vc), float_type(vc), same_type(vc, kc);
-  require(float_type(vc) != DType::bf16 || (vc.dim(2) % 2 == 0 && vc.dim(3) % 2 == 0),
+  contiguous(kc), contiguous(vc), cache_type(vc), same_type(vc, kc);
+  require(cache_type(vc) != DType::bf16 || (vc.dim(2) % 2 == 0 && vc.dim(3) % 2 == 0),
           "value_cache: a bfloat16 cache needs an even block_size and head_dim, got [" + std::to_string(vc.dim(2)) +
               ", " + std::to_string(vc.dim(3)) + "]");
   const std::vector<int64_t> expected{vc.dim(0), vc.dim(1), vc.dim(3), vc.dim(2)};
@@ -148,7 +154,7 @@ void write_kv_cache(const Ref& k_r, const Ref& v_r, const Ref& kc_r, const Ref& 
     require(s[t] < kc.dim(0) * B, "slot_mapping: slot " + std::to_string(s[t]) + " is past the cache's " +
                                       std::to_string(kc.dim(0) * B) + " slots");
   kernels().write_kv_cache({dt, k.ptr, v.ptr, kc.ptr, vc.ptr, s, tokens, H, D, B, kc.dim(0), k.st(0), v.st(0),
-                            float_type(kc)});
+                            cache_type(kc)});
 }
 
 void check_sequences(const T& tables, const T& lens, const T& starts, int64_t tq, int64_t blocks, int64_t B) {
@@ -185,7 +191,7 @@ void paged_attention(const Ref& out_r, const Ref& q_r, const Ref& kc_r, const Re
   check_sequences(bt, cl, qs, tq, kc.dim(0), B);
   kernels().paged_attention({dt, out.ptr, q.ptr, kc.ptr, vc.ptr, static_cast<const int32_t*>(bt.ptr),
                              static_cast<const int32_t*>(cl.ptr), static_cast<const int64_t*>(qs.ptr), cl.dim(0), Hq,
-                             Hk, D, B, bt.dim(1), kc.dim(0), q.st(0), out.st(0), scale, float_type(kc)});
+                             Hk, D, B, bt.dim(1), kc.dim(0), q.st(0), out.st(0), scale, cache_type(kc)});
 }
 
 void linear_f32_out(const Ref& out_r, const Ref& x_r, const Ref& w_r) {
@@ -397,10 +403,10 @@ void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, cons
                                                                   std::to_string(s.kv_heads) + ", block_size, " +
                                                                   std::to_string(s.head_dim) + "]");
   if (stack.num_layers() == 0) {
-    s.cache_dtype = float_type(kc), s.block_size = vc.dim(2), s.num_blocks = vc.dim(0);
+    s.cache_dtype = cache_type(kc), s.block_size = vc.dim(2), s.num_blocks = vc.dim(0);
     require(s.block_size > 0, "value_cache: block_size must be positive");
   } else {
-    require(float_type(kc) == s.cache_dtype && vc.dim(2) == s.block_size && vc.dim(0) == s.num_blocks,
+    require(cache_type(kc) == s.cache_dtype && vc.dim(2) == s.block_size && vc.dim(0) == s.num_blocks,
             "key_cache: every layer's cache must have the first layer's dtype and shape");
   }
   DecoderLayerWeights l{packed_matrix(qkv, qkvw, H, "qkv"),

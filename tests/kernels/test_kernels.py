@@ -156,7 +156,50 @@ def test_write_kv_cache_rounds_into_a_bfloat16_cache(isa):
         assert torch.equal(v[slot // block_size, :, slot % block_size], value[t].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_rounds_into_a_float16_cache(isa, dtype):
+    # float16 rounds to nearest even, as torch does: halfway cases both ways, subnormals (down to 2^-24 and below
+    # half of it), the largest half (65,504), what rounds past it to infinity (65,520 on), infinities, -0
+    tokens, kv_heads, head_dim, block_size, blocks = 7, 3, 72, 16, 4
+    kc, vc = make_cache(blocks, kv_heads, block_size, head_dim, torch.float16)
+    key, value = torch.randn(tokens, kv_heads, head_dim) * 8, torch.randn(tokens, kv_heads, head_dim) / 8
+    edges = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 1e-30, 6.1e-5, 65504.,
+                          65519., 65520., 1e6, float("inf"), -0.0, -3 * 2 ** -25, 2047.5, 4095.])
+    key[0, 0, :len(edges)], value[1, 2, -len(edges):] = edges, -edges
+    key, value = key.to(dtype), value.to(dtype)
+    slots = torch.randperm(blocks * block_size)[:tokens].to(torch.int64)
+    kernels.write_kv_cache(key, value, kc, vc, slots)
+    k, v = kernels.kv_cache_blocks(kc, vc)
+    for t, slot in enumerate(slots.tolist()):
+        assert torch.equal(k[slot // block_size, :, slot % block_size], key[t].to(torch.float16))
+        assert torch.equal(v[slot // block_size, :, slot % block_size], value[t].to(torch.float16))
+    assert torch.equal(k[slots[0] // block_size, 0, slots[0] % block_size, 12].view(torch.int16), torch.tensor(-32768,
+                       dtype=torch.int16))  # -0 stays -0
+
+
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 40])
+def test_attention_with_a_float16_cache(isa, q_dtype, block_size):
+    # a float16 cache is read as float32 (widened as it is loaded): a whole prompt, an extend after cached tokens,
+    # decodes on and off block boundaries, a sequence with no new tokens, never a slot past the context (NaN there),
+    # and one sequence alone, whose keys split in ranges (split-KV)
+    for context_lens, q_lens in (([300, 517, 64, 1, 129, 33], [300, 45, 1, 1, 1, 0]), ([1000], [1])):
+        q, kc, vc, tables, lens, starts = attention_case(q_dtype, 9, 3, 64, context_lens, q_lens, block_size, seed=4)
+        used = torch.zeros(kc.shape[0], block_size, dtype=torch.bool)
+        for s, ctx in enumerate(context_lens):
+            for pos in range(ctx):
+                used[tables[s, pos // block_size], pos % block_size] = True
+        keys, values = (t.clone().float() * 4 for t in kernels.kv_cache_blocks(kc, vc))
+        keys[(~used)[:, None, :, None].expand_as(keys)] = float("nan")
+        values[(~used)[:, None, :, None].expand_as(values)] = float("nan")
+        kc, vc = kernels.kv_cache_from_blocks(keys, values, torch.float16)
+        out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+        assert out.dtype == q_dtype
+        assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), q_dtype)
+
+
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                      (torch.float32, torch.float16), (torch.bfloat16, torch.float16)])
 def test_attention_with_a_cache_of_another_dtype(isa, q_dtype, cache_dtype):
     context_lens, q_lens = [37, 100, 81, 250], [37, 29, 1, 1]  # prompt, extend, decodes
     q, kc, vc, tables, lens, starts = attention_case(q_dtype, 9, 3, 64, context_lens, q_lens, seed=3)

@@ -47,6 +47,21 @@ int main() {
   AttentionArgs bargs{DType::bf16, c1.data(), qb.data(), kb.data(), vb.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f, DType::bf16};
   neon::paged_attention(bargs); bargs.out = c2.data(); portable::paged_attention(bargs);
   check("paged_attention bf16", maxdiff(fromb(c1), fromb(c2)), 2e-2);
+  // a float16 cache under float32 q (the same layout as float32's, widened as it is loaded), and writing into it
+  std::vector<f16> kh(kc.size()), vh(vc.size()), kh2(kc.size()), vh2(vc.size());
+  for (size_t i = 0; i < kc.size(); ++i) kh[i] = from_float<f16>(kc[i]), vh[i] = from_float<f16>(vc[i]);
+  std::vector<float> h1(41 * Hq * D), h2(41 * Hq * D);
+  AttentionArgs hargs{DType::f32, h1.data(), q.data(), kh.data(), vh.data(), tables, lens, starts, 2, Hq, Hk, D, B, 5, NB, Hq * D, Hq * D, 0.125f, DType::f16};
+  neon::paged_attention(hargs); hargs.out = h2.data(); portable::paged_attention(hargs);
+  check("paged_attention f16 cache", maxdiff(h1, h2), 1e-4);
+  int64_t slots[4] = {5, 40, 77, 127};
+  auto nk = rnd(4 * Hk * D), nv = rnd(4 * Hk * D);
+  CacheWriteArgs wargs{DType::f32, nk.data(), nv.data(), kh.data(), vh.data(), slots, 4, Hk, D, B, NB, Hk * D, Hk * D, DType::f16};
+  kh2 = kh, vh2 = vh;
+  neon::write_kv_cache(wargs); wargs.key_cache = kh2.data(), wargs.value_cache = vh2.data(); portable::write_kv_cache(wargs);
+  int differ = 0;
+  for (size_t i = 0; i < kh.size(); ++i) differ += kh[i].bits != kh2[i].bits || vh[i].bits != vh2[i].bits;
+  check("write_kv_cache f16 (bits)", static_cast<float>(differ), 0);
   // attention over key tiles of several 8-token blocks, head_dim 72 (not a multiple of the vector),
   // GQA 6/2: a 150-token prompt and a 5-token extend after 88 cached tokens
   const int64_t Hq2 = 6, Hk2 = 2, D2 = 72, B2 = 8, NB2 = 32, M2 = 19;
