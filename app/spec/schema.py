@@ -115,7 +115,7 @@ class KvCacheSpec(Section):
     dtype: KvDtype = "auto"
     """KV-cache dtype; "auto" follows the model's compute dtype. "float16" and "bfloat16" under float32 compute halve
     the KV memory (and the bytes attention reads) at the cost of rounding K and V as they are written: float16 keeps
-    3 more bits of each (llama.cpp's default cache), and values beyond +-65,504 become infinite; bfloat16 keeps
+    3 more bits of each (llama.cpp's default cache), and values from +-65,520 on become infinite; bfloat16 keeps
     float32's range."""
 
 

@@ -179,23 +179,26 @@ def test_write_kv_cache_rounds_into_a_float16_cache(isa, dtype):
 
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 40])
-def test_attention_with_a_float16_cache(isa, q_dtype, block_size):
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 72)])
+def test_attention_with_a_float16_cache(isa, q_dtype, block_size, q_heads, kv_heads, head_dim):
     # a float16 cache is read as float32 (widened as it is loaded): a whole prompt, an extend after cached tokens,
     # decodes on and off block boundaries, a sequence with no new tokens, never a slot past the context (NaN there),
-    # and one sequence alone, whose keys split in ranges (split-KV)
+    # and one sequence alone, whose keys split in ranges (split-KV); head_dim 72: P.V's scalar tail on AVX-512
     for context_lens, q_lens in (([300, 517, 64, 1, 129, 33], [300, 45, 1, 1, 1, 0]), ([1000], [1])):
-        q, kc, vc, tables, lens, starts = attention_case(q_dtype, 9, 3, 64, context_lens, q_lens, block_size, seed=4)
+        q, kc, vc, tables, lens, starts = attention_case(q_dtype, q_heads, kv_heads, head_dim, context_lens, q_lens,
+                                                         block_size, seed=4)
         used = torch.zeros(kc.shape[0], block_size, dtype=torch.bool)
         for s, ctx in enumerate(context_lens):
             for pos in range(ctx):
                 used[tables[s, pos // block_size], pos % block_size] = True
-        keys, values = (t.clone().float() * 4 for t in kernels.kv_cache_blocks(kc, vc))
+        keys, values = (t.clone().float() for t in kernels.kv_cache_blocks(kc, vc))
         keys[(~used)[:, None, :, None].expand_as(keys)] = float("nan")
         values[(~used)[:, None, :, None].expand_as(values)] = float("nan")
         kc, vc = kernels.kv_cache_from_blocks(keys, values, torch.float16)
-        out = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+        scale = head_dim ** -0.5
+        out = kernels.paged_attention(q, kc, vc, tables, lens, starts, scale)
         assert out.dtype == q_dtype
-        assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), q_dtype)
+        assert_close(out, attention_ref(q, kc, vc, tables, lens, q_lens, scale), q_dtype)
 
 
 @pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
