@@ -11,7 +11,9 @@ from pathlib import Path
 from app.spec.errors import Described, Problem, SpecError
 from app.topology.machine import Topology
 
-MINIMUM_ISA = {"x86_64": ("avx2", "AVX2"), "aarch64": ("asimd", "NEON (asimd)")}
+# /proc/cpuinfo's flag -> its name; the x86 kernels are built with -mavx2 -mfma -mf16c (F16C widens float16 weights
+# and caches), the arm64 ones for NEON
+MINIMUM_ISA = {"x86_64": {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C"}, "aarch64": {"asimd": "NEON (asimd)"}}
 NATIVE_BF16 = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
 
 
@@ -20,10 +22,18 @@ def check_isa(topo: Topology) -> None:
     if topo.arch not in MINIMUM_ISA:
         raise SpecError([Problem("(cpu)", "an x86-64 CPU with AVX2 or an arm64 CPU with NEON",
                                  Described(f"architecture {topo.arch!r} ({topo.cpu_model})"))])
-    flag, name = MINIMUM_ISA[topo.arch]
-    if not topo.has(flag):
-        raise SpecError([Problem("(cpu)", f"a {topo.arch} CPU with {name}; the kernels need it",
-                                 Described(f"{topo.cpu_model} without {name} (no '{flag}' in /proc/cpuinfo)"))])
+    needed = MINIMUM_ISA[topo.arch]
+    missing = [flag for flag in needed if not topo.has(flag)]
+    if missing:
+        flags = ", ".join(f"'{flag}'" for flag in missing)
+        raise SpecError([Problem("(cpu)", f"a {topo.arch} CPU with {_and(needed.values())}; the kernels need it",
+                                 Described(f"{topo.cpu_model} without {_and(needed[f] for f in missing)} "
+                                           f"(no {flags} in /proc/cpuinfo)"))])
+
+
+def _and(names) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def check_native_build() -> None:

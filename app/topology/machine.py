@@ -19,7 +19,7 @@ from app.topology.nodes import SYS_CPU, NumaNode, read_nodes
 from app.topology.root import Root
 
 # ISA flags the appliance cares about, as /proc/cpuinfo spells them.
-X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+X86_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 ARM_FLAGS = ("asimd", "asimdhp", "bf16", "i8mm", "sve", "sve2")
 

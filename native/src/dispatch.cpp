@@ -20,12 +20,14 @@ const char* const kCompiled[] = {"avx512bf16", "avx512", "avx2", "portable", nul
 
 bool cpu_supports(const char* isa) {
   __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  // every x86 tier but portable is built with -mavx2 -mfma -mf16c (F16C: float16 weights and caches)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   // the avx512bf16 tier also uses VNNI's vpdpbusd; every CPU with AVX512-BF16 has it
   if (!std::strcmp(isa, "avx512bf16")) return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (!std::strcmp(isa, "avx512")) return avx512;
-  if (!std::strcmp(isa, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (!std::strcmp(isa, "avx2")) return avx2;
   return !std::strcmp(isa, "portable");
 }
 #elif defined(__aarch64__)

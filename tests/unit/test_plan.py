@@ -13,7 +13,7 @@ from app.spec.errors import SpecError
 from app.spec.load import parse_spec
 from app.topology.cpulist import format_cpulist as fmt
 from app.topology.cpulist import parse_cpulist
-from tests.conftest import SMOLLM2, topology
+from tests.conftest import REPO, SMOLLM2, topology
 
 SPECS = {
     "tp1": "parallel: {tp: 1}",
@@ -376,6 +376,24 @@ def test_cpu_without_avx2_is_refused():
     with pytest.raises(SpecError) as error:
         _plan("x86-no-avx2", SPECS["tp1"])
     assert "without AVX2" in error.value.render()
+
+
+def test_cpu_with_avx2_but_without_f16c_is_refused_by_name(tmp_path):
+    """The x86 kernels are built with -mf16c too: a CPU that lacks it is refused, not sent a SIGILL."""
+    import shutil
+
+    from app.bootstrap.isa import check_isa
+    from app.topology.machine import read_topology
+
+    root = tmp_path / "no-f16c"
+    shutil.copytree(REPO / "tests" / "topologies" / "k8s-cpuset8-smt", root)
+    cpuinfo = root / "proc" / "cpuinfo"
+    cpuinfo.write_text(cpuinfo.read_text().replace(" f16c", ""))
+    check_isa(read_topology(REPO / "tests" / "topologies" / "k8s-cpuset8-smt"))  # the capture as it is passes
+    with pytest.raises(SpecError) as error:
+        check_isa(read_topology(root))
+    rendered = error.value.render()
+    assert "without F16C (no 'f16c' in /proc/cpuinfo)" in rendered and "AVX2, FMA and F16C" in rendered
 
 
 def test_without_chunked_prefill_one_step_must_hold_the_longest_sequence():
