@@ -167,12 +167,22 @@ class Gate:
 async def models(request: Request) -> Response:
     """The served model, once an engine can take requests: clients (vLLM's benchmark among them) poll this
     route to wait for a server, then send; before that it is a 503, as the completions routes are."""
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.ctx)]})
+
+
+async def model(request: Request) -> Response:
+    """One model by its id (the openai client's `models.retrieve`); ids may hold slashes ("org/name")."""
     ctx = request.app.state.ctx
+    ctx.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(ctx))
+
+
+def _model_card(ctx: Context) -> dict:
     if not ctx.engine.ready():
         raise APIError(503, f"the engine is {ctx.engine.state()}; the model is listed once it can serve", None,
                        "engine_unavailable")
-    return JSONResponse({"object": "list", "data": [{"id": ctx.served_name, "object": "model", "created": ctx.created,
-                                                     "owned_by": "appliance", "max_model_len": ctx.max_model_len}]})
+    return {"id": ctx.served_name, "object": "model", "created": ctx.created, "owned_by": "appliance",
+            "max_model_len": ctx.max_model_len}
 
 
 async def tokenize(request: Request) -> Response:
@@ -280,6 +290,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version, methods=["GET"]),

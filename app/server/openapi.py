@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import cache
 
 from pydantic.json_schema import models_json_schema
@@ -12,6 +13,7 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("post", "/v1/completions", "Create a completion", p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse),
     ("get", "/v1/models", "List the served model", None, p.ModelList),
+    ("get", "/v1/models/{model}", "The served model by its id (404 for any other)", None, p.ModelCard),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse),
     ("post", "/detokenize", "Turn token ids back into text", p.DetokenizeRequest, p.DetokenizeResponse),
 ]
@@ -30,6 +32,9 @@ def openapi_document(version: str) -> dict:
             "200": {"description": "OK", "content": {"application/json": {"schema": _ref(response)}}},
             "400": _error("Bad request"), "401": _error("Missing or wrong API key"), "404": _error("Unknown model"),
             "413": _error("Body too large"), "429": _error("Waiting queue full"), "503": _error("Not ready")}}
+        if "{" in path:
+            operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                       for name in re.findall(r"{(\w+)}", path)]
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
         paths[path] = {method: operation}

@@ -178,7 +178,7 @@ def test_api_key_is_required_when_configured(keyed):
 
 KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
                 ("GET", "/openapi.json", None), ("GET", "/version", None), ("GET", "/v1/models", None),
-                ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1})]
+                ("GET", "/v1/models/smollm2", None), ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1})]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), KEYED_ROUTES, ids=[r[1] for r in KEYED_ROUTES])

@@ -113,6 +113,11 @@ def test_stop_sequences_and_echo(client):
 def test_models_tokenize_detokenize_version_openapi(appliance, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).model_dump() == models.data[0].model_dump()
+    for other in ("gpt-4o", "org/smollm2", MODEL + "x"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve(other)
+        assert missing.value.code == "model_not_found" and f"`{other}` does not exist" in missing.value.message
     tok = httpx.post(appliance.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) == 2 and tok["max_model_len"] == 8192
     text = httpx.post(appliance.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
@@ -121,7 +126,8 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
     assert chat["count"] > 3
     assert httpx.get(appliance.url + "/version").json()["version"]
     spec = httpx.get(appliance.url + "/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(spec["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
+            "/detokenize"} <= set(spec["paths"])
 
 
 def test_metrics_use_vllm_names(appliance, client):
