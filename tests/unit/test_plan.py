@@ -295,9 +295,13 @@ def test_kv_fraction_is_of_the_node_share():
 
 
 def test_kv_fraction_respects_the_cgroup_limit():
-    # 16 GiB cgroup limit, 1 rank: min(128 GiB node, 16 GiB) * 0.2, fp32 (no native BF16)
+    # 16 GiB cgroup limit, 1 rank: min(128 GiB node, 16 GiB) * 0.2; float32 compute (no native BF16), so "auto"
+    # takes a float16 cache
     plan = _plan("k8s-cpuset8-smt", SPECS["tp1"])
-    assert plan.ranks[0].kv_blocks == _blocks(16 * 1024**3, 0.2, 2 * 30 * 3 * 64 * 4)
+    assert (plan.dtype, plan.kv_dtype) == ("float32", "float16")
+    assert plan.ranks[0].kv_blocks == _blocks(16 * 1024**3, 0.2, 2 * 30 * 3 * 64 * 2)
+    exact = _plan("k8s-cpuset8-smt", SPECS["tp1"] + "\nkv_cache: {dtype: float32}")
+    assert exact.kv_dtype == "float32" and exact.ranks[0].kv_blocks == _blocks(16 * 1024**3, 0.2, 2 * 30 * 3 * 64 * 4)
 
 
 def test_kv_absolute_size_and_block_size():
@@ -433,8 +437,8 @@ def test_nodes_that_list_the_same_cpus_are_one_node_with_interleaved_memory():
     assert [(r.memory_policy, r.memory_nodes) for r in plan.ranks] == [("interleave", (0, 1))] * 2
     assert ("NUMA nodes [0, 1] list the same CPUs (a firmware table error?): which node a CPU is on is "
             "unknown, so rank(s) 0, 1 interleave their memory over the nodes that list their CPUs") in plan.warnings
-    assert plan.dtype == "float32"  # no native BF16 on this CPU
-    per_token = 2 * 30 * 2 * 64 * 4  # K and V, 30 layers, ceil(3/2) KV heads, head_dim 64, fp32
+    assert (plan.dtype, plan.kv_dtype) == ("float32", "float16")  # no native BF16 on this CPU
+    per_token = 2 * 30 * 2 * 64 * 2  # K and V, 30 layers, ceil(3/2) KV heads, head_dim 64, float16
     assert plan.ranks[0].kv_blocks == _blocks(128 * 1024**3, 0.2, per_token)  # 256 GiB over two ranks
 
 
