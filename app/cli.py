@@ -117,7 +117,8 @@ def _bench_parsers(commands) -> None:
     model.add_argument("--activations", action="append", choices=["int16", "int8", "float"],
                        help="how activations meet kept-quantized weights; repeatable; default: the spec's")
     model.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"],
-                       help="KV cache dtype (default: the compute dtype)")
+                       help="KV cache dtype (default: the spec's; its \"auto\" is bfloat16 under bfloat16 compute, "
+                            "float16 under float32)")
     model.add_argument("--python-layers", action="store_true",
                        help="run the layers one Python-level kernel call at a time, not as one native stack")
     model.add_argument("--batch", action="append", type=int, help="decode batch sizes; default: 1 and 16")
@@ -205,7 +206,8 @@ def _bench_model(args: argparse.Namespace) -> int:
     with kernels.use_bf16_dot(args.bf16_dot):
         run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
             args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized],
-            args.activations or [doc.spec.model.quantized_activations], args.kv_dtype, not args.python_layers)
+            args.activations or [doc.spec.model.quantized_activations], args.kv_dtype or doc.spec.kv_cache.dtype,
+            not args.python_layers)
     return 0
 
 

@@ -18,6 +18,7 @@ from app import kernels
 from app.model.batch import make_batch
 from app.model.loader import load_model
 from app.model.source import ModelSource
+from app.placement.plan import AUTO_KV_DTYPE
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Result:
     what: str
     dtype: str
     quantized: str  # "keep/<activations>" or "dequantize"
+    kv_dtype: str
     batch: int
     context: int
     value: float
@@ -39,7 +41,8 @@ class Bench:
         self.loaded.model.native_stack = native_stack  # False: the Python layers, even where the native stack runs
         self.quantized = f"keep/{activations}" if quantized == "keep" else quantized
         self.model, self.dtype, self.block_size, self.capacity = self.loaded.model, dtype, block_size, capacity
-        self.kv_dtype = getattr(torch, kv_dtype) if kv_dtype else None
+        self.kv_name = AUTO_KV_DTYPE[dtype] if kv_dtype in (None, "auto") else kv_dtype  # as `serve` would take it
+        self.kv_dtype = getattr(torch, self.kv_name)
         self.vocab = self.loaded.config.vocab_size
 
     def _cache(self, seqs: int):
@@ -69,7 +72,8 @@ class Bench:
             whole_prompt()
             times.append(time.perf_counter() - start)
         what = "prefill" if chunk == tokens else f"prefill/{chunk}"
-        return Result(what, self.dtype, self.quantized, 1, tokens, tokens / statistics.median(times), "tokens/s")
+        return Result(what, self.dtype, self.quantized, self.kv_name, 1, tokens, tokens / statistics.median(times),
+                      "tokens/s")
 
     def decode(self, batch: int, context: int, steps: int) -> Result:
         blocks, cache = self._cache(batch)
@@ -80,7 +84,8 @@ class Bench:
             start = time.perf_counter()
             self._run(blocks, cache, [context + 1 + step] * batch, [1] * batch)
             times.append(time.perf_counter() - start)
-        return Result("decode step", self.dtype, self.quantized, batch, context, statistics.median(times) * 1000, "ms")
+        return Result("decode step", self.dtype, self.quantized, self.kv_name, batch, context,
+                      statistics.median(times) * 1000, "ms")
 
 
 def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int, prompt: int, steps: int,
@@ -96,8 +101,8 @@ def run(source: ModelSource, dtypes: list[str], batches: list[int], context: int
                           activations=act, kv_dtype=kv_dtype, native_stack=native_stack)
             for result in [bench.prefill(prompt, repeats=3, chunk=chunk)] + [bench.decode(b, context, steps)
                                                                              for b in batches]:
-                print(f"{result.what:12} {result.dtype:9} {result.quantized:11} batch {result.batch:3} context "
-                      f"{result.context:5}  {result.value:9.1f} {result.unit}", flush=True)
+                print(f"{result.what:12} {result.dtype:9} {result.quantized:11} kv {result.kv_dtype:8} batch "
+                      f"{result.batch:3} context {result.context:5}  {result.value:9.1f} {result.unit}", flush=True)
                 results.append(result)
     print(json.dumps([asdict(r) for r in results]))
     return results

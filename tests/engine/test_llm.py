@@ -10,8 +10,11 @@ from app import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    # bind_threads=False: pinning would confine the whole test process to the rank's CPUs
-    return LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB"}, bind_threads=False)
+    # bind_threads=False: pinning would confine the whole test process to the rank's CPUs; the exact cache (a float32
+    # spec's "auto" takes float16), so that the cache tests below compare with it
+    llm = LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB", "dtype": "float32"}, bind_threads=False)
+    assert llm.core.executor.runner.kv_cache[0][0].dtype == torch.float32
+    return llm
 
 
 def test_chat_answers_the_capital_of_france(llm):
@@ -33,8 +36,8 @@ def test_a_bfloat16_kv_cache_under_float32_activations():
 
 def test_a_float16_kv_cache_keeps_the_float32_caches_answers(llm):
     # float16 K/V keep 11 bits of each value (bfloat16: 8): greedy texts stay the float32 cache's (measured over 20
-    # prompts x 64 tokens: all identical; a bfloat16 cache changed 2 of them)
-    half = LLM(model={"dtype": "float32"}, kv_cache={"memory": "256MiB", "dtype": "float16"}, bind_threads=False)
+    # prompts x 64 tokens: all identical; a bfloat16 cache changed 2 of them). It is what "auto" takes under float32.
+    half = LLM(model={"dtype": "float32"}, kv_cache={"memory": "256MiB"}, bind_threads=False)
     assert half.core.executor.runner.kv_cache[0][0].dtype == torch.float16
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

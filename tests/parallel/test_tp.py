@@ -52,8 +52,8 @@ def test_heads_are_split_by_whole_kv_groups_for_any_tp():
 
 
 def _replica(tp: int, dtype: str = "float32", model: ModelLaunch | None = None, blocks: int | None = None) -> list:
-    base = prepare(None, ["model.dtype=float32", "kv_cache.memory=512MiB", "cores.reserve_frontend=0",
-                          "scheduler.step_time_budget=0"]).launches()[0]
+    base = prepare(None, ["model.dtype=float32", "kv_cache.memory=512MiB", "kv_cache.dtype=float32",
+                          "cores.reserve_frontend=0", "scheduler.step_time_budget=0"]).launches()[0]
     # The spec refuses bfloat16 on a CPU without native BF16 (test_plan); the kernels run it on every ISA (AVX2:
     # widened to float32 FMAs), so the launch asks for it directly and the TP path is tested on any CPU.
     base = dataclasses.replace(base, model=dataclasses.replace(base.model, dtype=dtype))
@@ -77,8 +77,8 @@ def _generate(core, prompts: list[list[int]], params: SamplingParams) -> list[li
 
 @pytest.fixture(scope="module")
 def reference():
-    """Prompt ids, tp=1 float32 greedy tokens, and 32 greedy tokens each for the bfloat16 comparison."""
-    with LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB"}, bind_threads=False) as llm:
+    """Prompt ids, tp=1 float32 greedy tokens (float32 cache), and 32 greedy tokens each for the bfloat16 comparison."""
+    with LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB", "dtype": "float32"}, bind_threads=False) as llm:
         ids = [llm.tokenizer(p).input_ids for p in PROMPTS]
         longer = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         return (ids, [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY)],
@@ -87,7 +87,7 @@ def reference():
 
 def test_offline_llm_at_tp2_gives_tp1s_greedy_tokens(reference):
     ids, expected, _ = reference
-    with LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB"}, parallel={"tp": 2},
+    with LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB", "dtype": "float32"}, parallel={"tp": 2},
              bind_threads=False) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY)] == expected
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("appliance-tp-")]

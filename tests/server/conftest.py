@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import REPO
 
-# float32 and a small cache: exact, and quick to start
+# float32 activations (the cache's "auto" is then float16, as the offline references here take it) and a small
+# cache: quick to start
 BASE_SPEC = """
 model:
   dtype: float32
