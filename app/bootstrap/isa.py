@@ -11,8 +11,8 @@ from pathlib import Path
 from app.spec.errors import Described, Problem, SpecError
 from app.topology.machine import Topology
 
-# /proc/cpuinfo's flag -> its name; the x86 kernels are built with -mavx2 -mfma -mf16c (F16C widens float16 weights
-# and caches), the arm64 ones for NEON
+# /proc/cpuinfo's flag -> its name; the x86 kernels are built with -mavx2 -mfma -mf16c (F16C widens the float16 scales
+# of quantized blocks, float16 weights and float16 caches), the arm64 ones for NEON
 MINIMUM_ISA = {"x86_64": {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C"}, "aarch64": {"asimd": "NEON (asimd)"}}
 NATIVE_BF16 = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
 
@@ -20,13 +20,13 @@ NATIVE_BF16 = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
 def check_isa(topo: Topology) -> None:
     """Raise unless the CPU is a supported architecture with the minimum vector ISA."""
     if topo.arch not in MINIMUM_ISA:
-        raise SpecError([Problem("(cpu)", "an x86-64 CPU with AVX2 or an arm64 CPU with NEON",
+        raise SpecError([Problem("(cpu)", "an x86-64 CPU with AVX2, FMA and F16C or an arm64 CPU with NEON",
                                  Described(f"architecture {topo.arch!r} ({topo.cpu_model})"))])
     needed = MINIMUM_ISA[topo.arch]
     missing = [flag for flag in needed if not topo.has(flag)]
     if missing:
         flags = ", ".join(f"'{flag}'" for flag in missing)
-        raise SpecError([Problem("(cpu)", f"a {topo.arch} CPU with {_and(needed.values())}; the kernels need it",
+        raise SpecError([Problem("(cpu)", f"an {topo.arch} CPU with {_and(needed.values())}; the kernels need it",
                                  Described(f"{topo.cpu_model} without {_and(needed[f] for f in missing)} "
                                            f"(no {flags} in /proc/cpuinfo)"))])
 

@@ -20,7 +20,8 @@ const char* const kCompiled[] = {"avx512bf16", "avx512", "avx2", "portable", nul
 
 bool cpu_supports(const char* isa) {
   __builtin_cpu_init();
-  // every x86 tier but portable is built with -mavx2 -mfma -mf16c (F16C: float16 weights and caches)
+  // every x86 tier but portable is built with -mavx2 -mfma -mf16c (F16C: quantized blocks' float16 scales, float16
+  // weights and caches)
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
