@@ -171,8 +171,11 @@ async def models(request: Request) -> Response:
 
 
 async def model(request: Request) -> Response:
-    """One model by its id (the openai client's `models.retrieve`); ids may hold slashes ("org/name")."""
+    """One model by its id (the openai client's `models.retrieve`); ids may hold slashes ("org/name"). No id at all
+    ("/v1/models/") is the list."""
     ctx = request.app.state.ctx
+    if not request.path_params["model"]:
+        return await models(request)
     ctx.check_model(request.path_params["model"])
     return JSONResponse(_model_card(ctx))
 

@@ -118,6 +118,7 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
         with pytest.raises(openai.NotFoundError) as missing:
             client.models.retrieve(other)
         assert missing.value.code == "model_not_found" and f"`{other}` does not exist" in missing.value.message
+    assert httpx.get(appliance.url + "/v1/models/").json() == httpx.get(appliance.url + "/v1/models").json()  # the list
     tok = httpx.post(appliance.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) == 2 and tok["max_model_len"] == 8192
     text = httpx.post(appliance.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
