@@ -9,6 +9,9 @@ prefill), and many sequences with one query each (decode). Prints one line per c
 their caches outgrow the last-level cache, so the kernel streams them from memory as it does in the
 model (one layer of 32 sequences x 300 tokens, 7 MB in bfloat16, stays in a 32 MB L3).
 `--kv-dtype` gives the cache another dtype than q (the default spec: float32 q, bfloat16 cache).
+`--against DTYPE` times every case over a cache of that dtype too, the two alternated round by round (the order
+flipped each round) and reported as both medians and the median of their per-round ratios: on a noisy machine the
+paired ratio, not either time, is the measure.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -44,11 +48,10 @@ def _case(dtype: torch.dtype, context_lens: list[int], q_lens: list[int], heads:
     return q, caches, tables, torch.tensor(context_lens, dtype=torch.int32), starts
 
 
-def time_attention(dtype: torch.dtype, context_lens: list[int], q_lens: list[int], repeats: int,
-                   heads: tuple[int, int, int] = (9, 3, 64), block: int = 16, kv_dtype: torch.dtype | None = None,
-                   layers: int = 1) -> float:
-    """Median seconds of `layers` paged_attention calls (one a cache) over these sequences."""
-    q, caches, tables, lens, starts = _case(dtype, context_lens, q_lens, heads, block, kv_dtype or dtype, layers)
+def _stepper(dtype: torch.dtype, context_lens: list[int], q_lens: list[int], heads: tuple[int, int, int], block: int,
+             kv_dtype: torch.dtype, layers: int):
+    """A function that runs `layers` paged_attention calls (one a cache) over these sequences; warmed up."""
+    q, caches, tables, lens, starts = _case(dtype, context_lens, q_lens, heads, block, kv_dtype, layers)
     out = torch.empty_like(q)
     scale = heads[2] ** -0.5
 
@@ -56,13 +59,52 @@ def time_attention(dtype: torch.dtype, context_lens: list[int], q_lens: list[int
         for kc, vc in caches:
             kernels.paged_attention(q, kc, vc, tables, lens, starts, scale, out=out)
 
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    step()
+    return step
+
+
+def _seconds(step, calls: int = 1) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return (time.perf_counter() - start) / calls
+
+
+def time_attention(dtype: torch.dtype, context_lens: list[int], q_lens: list[int], repeats: int,
+                   heads: tuple[int, int, int] = (9, 3, 64), block: int = 16, kv_dtype: torch.dtype | None = None,
+                   layers: int = 1) -> float:
+    """Median seconds of `layers` paged_attention calls (one a cache) over these sequences."""
+    step = _stepper(dtype, context_lens, q_lens, heads, block, kv_dtype or dtype, layers)
+    return statistics.median(_seconds(step) for _ in range(repeats))
+
+
+@dataclass
+class Paired:
+    first: float  # median seconds over the first cache dtype
+    second: float  # ... and over the second
+    ratio: float  # median of the rounds' second / first
+    low: float  # the rounds' smallest and largest ratio
+    high: float
+
+
+def paired_stats(first: list[float], second: list[float]) -> Paired:
+    """What `pair_attention` reports of its rounds' times (one of each cache a round)."""
+    ratios = [b / a for a, b in zip(first, second, strict=True)]
+    return Paired(statistics.median(first), statistics.median(second), statistics.median(ratios), min(ratios),
+                  max(ratios))
+
+
+def pair_attention(dtype: torch.dtype, context_lens: list[int], q_lens: list[int], rounds: int,
+                   kv_dtypes: tuple[torch.dtype, torch.dtype], heads: tuple[int, int, int] = (9, 3, 64),
+                   block: int = 16, layers: int = 1, calls: int = 3) -> Paired:
+    """The same case over two cache dtypes, alternated: each round times `calls` steps of each, the order flipped
+    from round to round, so that a machine's drift lands on both alike."""
+    steps = [_stepper(dtype, context_lens, q_lens, heads, block, kv, layers) for kv in kv_dtypes]
+    times: tuple[list[float], list[float]] = ([], [])
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            times[i].append(_seconds(steps[i], calls))
+    return paired_stats(*times)
 
 
 def main() -> None:
@@ -77,6 +119,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1,
                         help="calls a case, each on a cache of its own (default: 1); N times the memory")
     parser.add_argument("--no-prefill", action="store_true", help="time decode only (--context then does nothing)")
+    parser.add_argument("--against", choices=[*DTYPES, "float16"],
+                        help="also time every case over a cache of this dtype, alternated, and report the ratio")
     parser.add_argument("--bf16-dot", choices=["auto", "on", "off"], default="auto",
                         help="against a bfloat16 cache: vdpbf16ps (on) or float32 FMAs (off); auto: the engine's choice")
     args = parser.parse_args()
@@ -86,19 +130,29 @@ def main() -> None:
     kv = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     cache = f" ({args.kv_dtype} cache)" if args.kv_dtype else ""
     layers = f" x {args.layers} layers" if args.layers > 1 else ""
+
+    def report(what: str, name: str, lens: list[int], q_lens: list[int], repeats: int, digits: int) -> None:
+        if args.against is None:
+            seconds = time_attention(DTYPES[name], lens, q_lens, repeats, kv_dtype=kv, layers=args.layers)
+            print(f"{what}{layers}{cache}  {seconds * 1000:9.{digits}f} ms", flush=True)
+            return
+        first = args.kv_dtype or name
+        pair = pair_attention(DTYPES[name], lens, q_lens, repeats, (kv or DTYPES[name], getattr(torch, args.against)),
+                              layers=args.layers)
+        print(f"{what}{layers}: {first} cache {pair.first * 1000:.{digits}f} ms, {args.against} cache "
+              f"{pair.second * 1000:.{digits}f} ms, {args.against}/{first} {pair.ratio:.2f} ({pair.low:.2f}-"
+              f"{pair.high:.2f}, {repeats} rounds)", flush=True)
+
     with kernels.use_bf16_dot(args.bf16_dot):
         print(kernels.bind_threads(cpus).splitlines()[0], f"(CPUs {cpus}); kernels: {kernels.describe()}", flush=True)
         for name in args.dtype or list(DTYPES):
             for ctx in [] if args.no_prefill else args.context or [2048, 4096, 8192]:
-                seconds = time_attention(DTYPES[name], [ctx], [args.chunk], args.repeats, kv_dtype=kv, layers=args.layers)
-                print(f"prefill  {name:9} {args.chunk} new queries at context {ctx:5}{layers}{cache}  "
-                      f"{seconds * 1000:9.1f} ms", flush=True)
+                report(f"prefill  {name:9} {args.chunk} new queries at context {ctx:5}", name, [ctx], [args.chunk],
+                       args.repeats, 1)
             for ctx in args.decode_context or [512, 2048]:
                 batch = args.decode_batch
-                seconds = time_attention(DTYPES[name], [ctx] * batch, [1] * batch, args.repeats * 4, kv_dtype=kv,
-                                         layers=args.layers)
-                print(f"decode   {name:9} {batch} sequences x 1 query at context {ctx:5}{layers}{cache}  "
-                      f"{seconds * 1000:9.3f} ms", flush=True)
+                report(f"decode   {name:9} {batch} sequences x 1 query at context {ctx:5}", name, [ctx] * batch,
+                       [1] * batch, args.repeats * 4, 3)
 
 
 if __name__ == "__main__":
