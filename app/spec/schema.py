@@ -116,8 +116,8 @@ class KvCacheSpec(Section):
     """KV-cache dtype; "auto" is bfloat16 under bfloat16 compute and float16 under float32 compute. "float16" and
     "bfloat16" under float32 compute halve the KV memory (and the bytes attention reads) against "float32", the exact
     cache, at the cost of rounding K and V as they are written: float16 keeps 3 more bits of each (llama.cpp's
-    default cache; the float32 cache's greedy texts in 20 of 20 test prompts), and values from +-65,520 on become
-    infinite; bfloat16 keeps float32's range."""
+    default cache; the float32 cache's greedy texts in 20 of 20 test prompts), and values beyond +-65,504, its
+    largest, are stored as +-65,504 (saturated, not infinite); bfloat16 keeps float32's range."""
 
 
 class SchedulerSpec(Section):

@@ -13,6 +13,19 @@
 namespace appliance::APPLIANCE_ISA {
 namespace {
 
+// A float16 cache saturates: a key or value beyond the largest half, +-65,504 (infinities too), is stored as that,
+// where rounding would make it infinite and every score or output it meets NaN. NaN stays NaN (the comparisons
+// and x86's min/max with the value second pass it through).
+constexpr float kHalfMax = 65504.0f;
+inline float saturate_half(float x) { return x > kHalfMax ? kHalfMax : x < -kHalfMax ? -kHalfMax : x; }
+inline VecF saturate_half(VecF x) { return VecF::min(VecF::set1(kHalfMax), VecF::max(VecF::set1(-kHalfMax), x)); }
+
+template <typename C>
+inline C to_cache(float x) {
+  if constexpr (std::is_same_v<C, f16>) x = saturate_half(x);
+  return from_float<C>(x);
+}
+
 // one head's row of D values into the cache, converted when the cache's dtype differs
 template <typename T, typename C>
 inline void put(C* dst, const T* src, int64_t D) {
@@ -20,8 +33,12 @@ inline void put(C* dst, const T* src, int64_t D) {
     std::memcpy(dst, src, D * sizeof(T));
   } else {
     int64_t d = 0;
-    for (; d + VecF::N <= D; d += VecF::N) VecF::load(src + d).store(dst + d);
-    for (; d < D; ++d) dst[d] = from_float<C>(to_float(src[d]));
+    for (; d + VecF::N <= D; d += VecF::N) {
+      VecF x = VecF::load(src + d);
+      if constexpr (std::is_same_v<C, f16>) x = saturate_half(x);
+      x.store(dst + d);
+    }
+    for (; d < D; ++d) dst[d] = to_cache<C>(to_float(src[d]));
   }
 }
 
@@ -42,7 +59,7 @@ void write_impl(const CacheWriteArgs& a) {
       const T* v = value + t * a.value_stride + h * a.head_dim;
       if constexpr (!std::is_same_v<C, bf16>) {  // float32, float16
         put(vc + base + offset * a.head_dim, v, a.head_dim);
-        for (int64_t d = 0; d < a.head_dim; ++d) kc[base + d * a.block_size + offset] = from_float<C>(to_float(k[d]));
+        for (int64_t d = 0; d < a.head_dim; ++d) kc[base + d * a.block_size + offset] = to_cache<C>(to_float(k[d]));
       } else {  // feature d of key `offset`: pair d / 2, lane `offset`, half d % 2; of the value: pair offset / 2
         C* kp = kc + base + 2 * offset;
         for (int64_t d = 0; d < a.head_dim; ++d) kp[(d / 2) * 2 * a.block_size + d % 2] = from_float<C>(to_float(k[d]));

@@ -56,6 +56,7 @@ int main() {
   check("paged_attention f16 cache", maxdiff(h1, h2), 1e-4);
   int64_t slots[4] = {5, 40, 77, 127};
   auto nk = rnd(4 * Hk * D), nv = rnd(4 * Hk * D);
+  nk[5] = 7e4f, nk[D + 2] = -1e9f, nv[3] = 65520.f, nv[D + 9] = -INFINITY;  // saturated to +-65,504 (vector and scalar)
   CacheWriteArgs wargs{DType::f32, nk.data(), nv.data(), kh.data(), vh.data(), slots, 4, Hk, D, B, NB, Hk * D, Hk * D, DType::f16};
   kh2 = kh, vh2 = vh;
   neon::write_kv_cache(wargs); wargs.key_cache = kh2.data(), wargs.value_cache = vh2.data(); portable::write_kv_cache(wargs);
