@@ -78,7 +78,7 @@ def time_attention(dtype: torch.dtype, context_lens: list[int], q_lens: list[int
     return statistics.median(_seconds(step) for _ in range(repeats))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Paired:
     first: float  # median seconds over the first cache dtype
     second: float  # ... and over the second
@@ -120,7 +120,8 @@ def main() -> None:
                         help="calls a case, each on a cache of its own (default: 1); N times the memory")
     parser.add_argument("--no-prefill", action="store_true", help="time decode only (--context then does nothing)")
     parser.add_argument("--against", choices=[*DTYPES, "float16"],
-                        help="also time every case over a cache of this dtype, alternated, and report the ratio")
+                        help="also time every case over a cache of this dtype, alternated, and report the ratio "
+                             "(3 calls of each a round: 6x the steps, and both caches in memory)")
     parser.add_argument("--bf16-dot", choices=["auto", "on", "off"], default="auto",
                         help="against a bfloat16 cache: vdpbf16ps (on) or float32 FMAs (off); auto: the engine's choice")
     args = parser.parse_args()

@@ -120,7 +120,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor) -> None:
     # key, value: [T, Hk, D]; key_cache: [blocks, Hk, D, block_size], value_cache: [blocks, Hk, block_size, D],
     # each in the order kv_cache_from_blocks gives; slot_mapping: [T] int64 (-1: skip).
-    # The caches may be bfloat16 or float16 for float32 keys and values (rounded to nearest even as they are written).
+    # The caches may be bfloat16 or float16 for float32 keys and values (rounded to nearest even as they are written;
+    # float16 saturates at +-65,504, where rounding would give infinity).
     _same_dtype(key, value=value)
     _same_dtype(key_cache, value_cache=value_cache)
     _native.write_kv_cache(_ref(key, "key", dims=3), _ref(value, "value", dims=3),

@@ -14,8 +14,9 @@ namespace appliance::APPLIANCE_ISA {
 namespace {
 
 // A float16 cache saturates: a key or value beyond the largest half, +-65,504 (infinities too), is stored as that,
-// where rounding would make it infinite and every score or output it meets NaN. NaN stays NaN (the comparisons
-// and x86's min/max with the value second pass it through).
+// where rounding would make it infinite and every score or output it meets NaN. NaN stays NaN: the scalar
+// comparisons are false for it, x86's min/max return their second operand (the value) and NEON's return NaN; all
+// of which holds only without -ffast-math / -ffinite-math-only (native/CMakeLists.txt has neither).
 constexpr float kHalfMax = 65504.0f;
 inline float saturate_half(float x) { return x > kHalfMax ? kHalfMax : x < -kHalfMax ? -kHalfMax : x; }
 inline VecF saturate_half(VecF x) { return VecF::min(VecF::set1(kHalfMax), VecF::max(VecF::set1(-kHalfMax), x)); }
