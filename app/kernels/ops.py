@@ -303,7 +303,21 @@ def describe() -> str:
         return name
     ratio = _native.bf16_dot_ratio()
     how = "vdpbf16ps" if _native.bf16_dot() else "float32 FMAs"
-    return f"{name} (bfloat16 pairs on {how}; vdpbf16ps issues at {ratio:.2f}x an FMA's rate here)"
+    return (f"{name} (bfloat16 pairs on {how}; vdpbf16ps issues at {ratio:.2f}x an FMA's rate here; "
+            f"AMX-INT8 tiles for int16 row chunks: {amx_status()})")
+
+
+def amx_status() -> str:
+    """Whether int16 row chunks of 16 rows and more of Q4_0, Q4_1, Q8_0 run on AMX-INT8's tile multiplies: "in use",
+    "off", "emulated in software (tests)", or (under "auto") why not, e.g. "the CPU has no AMX-TILE and AMX-INT8".
+    The first call under "auto" on an AMX CPU checks the CPU's multiplies against the emulated ones."""
+    return _native.amx_status()
+
+
+def use_amx_tiles(mode: str) -> AbstractContextManager[None]:
+    """Inside the block, "off" keeps int16 row chunks on the vector tiles, "emulated" runs the AMX tiles' algorithm
+    with multiplies in software on any x86 CPU (tests compare it with the vector tiles), "auto" uses the CPU's."""
+    return _switched(_native.amx_tiles_mode, _native.set_amx_tiles, mode)
 
 
 Parts = list[tuple[torch.Tensor, int, int]]  # a packed linear's parts: (uint8 data, type id, rows)

@@ -363,6 +363,9 @@ APPLIANCE_DECLARE_KERNELS(avx512)
 APPLIANCE_DECLARE_KERNELS(avx2)
 APPLIANCE_DECLARE_KERNELS(neon)
 APPLIANCE_DECLARE_KERNELS(portable)
+namespace avx512bf16 {
+const char* amx_check();  // amx.cpp (x86-64): null where this process may use AMX-INT8 tile multiplies, else why not
+}
 
 // The implementation in use; dispatch.cpp picks it from the CPU at load time.
 struct KernelTable {
@@ -411,5 +414,17 @@ void set_int_tiles(IntTiles mode);
 IntTiles int_tiles_mode();
 bool wide_int_tiles();       // the choice in force (measured on first use under `automatic`)
 double int_mul_ratio();      // vpmaddubsw's ymm issue rate over vfmadd231ps' (measured; 0 without AVX2 kernels)
+
+// Whether int16 row chunks of 16 rows and more of Q4_0, Q4_1, Q8_0 (and our Q4_M32, Q8_M32) run on AMX-INT8's tile
+// multiplies (amx_tile.h: 16 rows x 16 weight rows x 32 products an instruction, the same integer sums and float32
+// steps as the vector tiles, so the same bits). `auto` (the default) uses them in the avx512bf16 kernels where
+// amx_check passes (checked once per process, on first use); `emulated` runs the same tiles through multiplies in
+// software, in any x86 kernels, so that tests check the tile algorithm on CPUs without AMX.
+enum class AmxTiles : int { automatic = 0, off = 1, emulated = 2 };
+void set_amx_tiles(AmxTiles mode);
+AmxTiles amx_tiles_mode();
+enum class AmxRows : int { none = 0, hardware = 1, emulated = 2 };
+AmxRows amx_in_force();      // what int16 row chunks take now
+const char* amx_status();    // the same, and under `auto` why not, for logs
 
 }  // namespace appliance

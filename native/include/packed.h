@@ -357,5 +357,9 @@ void bf16_tile(const Tiles& t, int64_t r0, int64_t p0);
 // Rows [r_begin, r_end) of panels [p0, p0 + 2) as words (words.cpp), int16 x only: Q2_K, Q3_K and Q6_K, and where
 // expands_words, the types with one scale a block.
 void word_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre);
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+// Rows [r_begin, r_end) of panels [p0, p0 + 2) on the CPU's AMX tiles (amx.cpp; amx_tile.h's types only).
+void amx_hardware_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0);
+#endif
 
 }  // namespace appliance::APPLIANCE_ISA

@@ -118,6 +118,38 @@ bool wide_int_tiles() {
   return g_int_tiles.chosen(static_cast<int>(IntTiles::wide), "avx2", kIntMulProbe, kWideIntTiles);
 }
 
+namespace {
+std::atomic<int> g_amx_mode{0};  // AmxTiles
+std::once_flag g_amx_once;
+const char* g_amx_why = "not an x86-64 build";  // null: this process may use the CPU's tile multiplies
+
+bool amx_usable() {
+#if defined(__x86_64__)
+  std::call_once(g_amx_once, [] {
+    g_amx_why = cpu_supports("avx512bf16") ? avx512bf16::amx_check() : "the CPU has no AVX512-BF16 and VNNI";
+  });
+#endif
+  return g_amx_why == nullptr;
+}
+}  // namespace
+
+void set_amx_tiles(AmxTiles mode) { g_amx_mode.store(static_cast<int>(mode)); }
+AmxTiles amx_tiles_mode() { return static_cast<AmxTiles>(g_amx_mode.load()); }
+AmxRows amx_in_force() {
+  switch (amx_tiles_mode()) {
+    case AmxTiles::off: return AmxRows::none;
+    case AmxTiles::emulated: return AmxRows::emulated;
+    default: return amx_usable() ? AmxRows::hardware : AmxRows::none;
+  }
+}
+const char* amx_status() {
+  switch (amx_tiles_mode()) {
+    case AmxTiles::off: return "off";
+    case AmxTiles::emulated: return "emulated in software (tests)";
+    default: return amx_usable() ? "in use" : g_amx_why;
+  }
+}
+
 const KernelTable& kernels() {
   if (g_current == nullptr) g_current = find(best_isa());
   return *g_current;

@@ -343,6 +343,13 @@ void use_int_tiles(const std::string& mode) {
   require(false, "int_tiles mode '" + mode + "' is not one of auto, narrow, wide");
 }
 
+const char* const kAmxTilesModes[] = {"auto", "off", "emulated"};  // AmxTiles' order
+
+void use_amx_tiles(const std::string& mode) {
+  for (int i = 0; i < 3; ++i)
+    if (mode == kAmxTilesModes[i]) return set_amx_tiles(static_cast<AmxTiles>(i));
+  require(false, "amx_tiles mode '" + mode + "' is not one of auto, off, emulated");
+}
 
 // ---- DecoderStack: the whole layer stack in one call (native/include/decoder.h) ----
 
@@ -514,6 +521,9 @@ PYBIND11_MODULE(_native, m) {
   m.def("int_mul_ratio", [] { return int_mul_ratio(); }, py::call_guard<py::gil_scoped_release>());
   m.def("int_tiles_mode", [] { return std::string(kIntTilesModes[static_cast<int>(int_tiles_mode())]); });
   m.def("set_int_tiles", &use_int_tiles);
+  m.def("amx_status", [] { return std::string(amx_status()); }, py::call_guard<py::gil_scoped_release>());
+  m.def("amx_tiles_mode", [] { return std::string(kAmxTilesModes[static_cast<int>(amx_tiles_mode())]); });
+  m.def("set_amx_tiles", &use_amx_tiles);
   m.def("max_threads", [] { return omp_get_max_threads(); });
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),

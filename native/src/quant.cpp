@@ -25,6 +25,7 @@
 
 #include <omp.h>
 
+#include "amx_tile.h"
 #include "packed.h"
 #include "work.h"
 
@@ -398,9 +399,24 @@ void rows_in_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, i
   }
 }
 
+// The x86 SIMD kernels' int16 row chunks of a full AMX tile and more (amx_tile.h, kernels.h amx_in_force): on the
+// CPU's tile multiplies (avx512bf16 kernels), or emulated (tests).
+constexpr bool kAmxTiers = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512 ||
+                           APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2;
+
 template <int NP, int BITS, int PLANES>
 void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64_t pre) {
   constexpr int kMR = tile_rows(PLANES);
+  if constexpr (kAmxTiers && PLANES == 2 && (BITS == 4 || BITS == 8)) {
+    static_assert(NP == 2, "AMX rows run panel pairs");
+    if (r_end - r_begin >= kAmxRows && amx_type(t.layout)) {
+      const AmxRows amx = amx_in_force();
+      if (amx == AmxRows::emulated) return amx_rows<EmulatedTmul, BITS>(t, r_begin, r_end, p0);
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
+      if (amx == AmxRows::hardware) return amx_hardware_rows(t, r_begin, r_end, p0);
+#endif
+    }
+  }
   // Q2_K, Q3_K, Q6_K; where expands_words, the types with one scale a block
   if constexpr (PLANES == 2 && BITS != 16) {
     static_assert(NP == 2, "row tiles run panel pairs, as word_rows does");

@@ -1,0 +1,155 @@
+// int16 rows of the types with one fp16 or f32 scale a block and 4 or 8 bits a weight (Q4_0, Q4_1, Q8_0, Q4_M32,
+// Q8_M32) on AMX-INT8's tile multiplies: 16 rows x 16 weight rows x 32 products an instruction, where AVX512-VNNI's
+// vpdpbusd makes 16 x 4. Included by quant.cpp (every ISA: the emulated multiplies below, which tests force) and
+// by amx.cpp (the avx512bf16 kernels with -mamx-tile -mamx-int8: the CPU's).
+//
+// The packed layout (kernels.h) is already the B operand's: a tile row of B is 64 bytes, 4 consecutive weights of
+// each of 16 weight rows, which is how a packed block's vectors hold them (Q8_0: vector g, weights 4g..4g+3; 4-bit
+// types: vector t's low nibbles are weights 4t..4t+3, its high ones 16+4t..19+4t, so a block expands into 8 such
+// rows once a row chunk). A, 16 rows of x, is a block's h or l plane (Activations.q) at a stride of a row's blocks.
+// Per block and panel: C_h = A_h B, C_l = A_l B (TDPBSUD: signed x bytes, unsigned u), then int_tile's own steps
+// per row, total = 256 C_h + C_l - zero sum(x), acc += float(total) d scale (+ m sum(x)): the same integers and
+// the same float32 operations in the same order, so a row gets int_tile's bits whichever ran it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "packed.h"
+
+namespace appliance::APPLIANCE_ISA {
+
+constexpr int64_t kAmxRows = 16;  // rows a tile multiply takes (fewer: a partial tile, configured so)
+
+// Which types the AMX rows run (quant.cpp asks before handing them a row chunk).
+inline bool amx_type(const PackedLayout& L) {
+  return (L.bits == 4 || L.bits == 8) && !L.lut && !L.high_bits && !L.halves && L.super_head == 0 &&
+         (L.scale_bytes == 2 || (L.scale_bytes == 4 && L.has_min));
+}
+
+// The tile multiplies in software, with AMX's semantics (Intel SDM, TDPBSUD): for tests on any CPU, and the
+// reference the CPU's are checked against before they are used (amx.cpp).
+struct EmulatedTmul {
+  struct Tile {
+    int rows = 0, bytes = 0;  // as configured: rows and bytes a row
+    alignas(64) uint8_t data[16][64] = {};
+  };
+  static Tile* tiles() {
+    thread_local Tile t[8];
+    return t;
+  }
+  // Tiles 0-1: A (rows x 32 bytes), 2-3: B (8 x 64), 4-7: C (rows x 16 int32)
+  static void configure(int rows) {
+    Tile* t = tiles();
+    for (int i = 0; i < 8; ++i) t[i].rows = i == 2 || i == 3 ? 8 : rows, t[i].bytes = i < 2 ? 32 : 64;
+  }
+  template <int T>
+  static void load(const void* from, int64_t stride) {
+    Tile& t = tiles()[T];
+    std::memset(t.data, 0, sizeof t.data);
+    for (int r = 0; r < t.rows; ++r) std::memcpy(t.data[r], static_cast<const uint8_t*>(from) + r * stride, t.bytes);
+  }
+  template <int T>
+  static void store(void* to, int64_t stride) {
+    const Tile& t = tiles()[T];
+    for (int r = 0; r < t.rows; ++r) std::memcpy(static_cast<uint8_t*>(to) + r * stride, t.data[r], t.bytes);
+  }
+  template <int T>
+  static void zero() { std::memset(tiles()[T].data, 0, sizeof tiles()[T].data); }
+  // C[m][n] += sum over k of int8 A[m][k] * uint8 B[k / 4][4n + k % 4]
+  template <int C, int A, int B>
+  static void dot() {
+    Tile *c = &tiles()[C], *a = &tiles()[A], *b = &tiles()[B];
+    for (int m = 0; m < c->rows; ++m)
+      for (int n = 0; n < c->bytes / 4; ++n) {
+        int32_t sum;
+        std::memcpy(&sum, c->data[m] + 4 * n, 4);
+        for (int k = 0; k < a->bytes; ++k)
+          sum += static_cast<int32_t>(static_cast<int8_t>(a->data[m][k])) * static_cast<int32_t>(b->data[k / 4][4 * n + k % 4]);
+        std::memcpy(c->data[m] + 4 * n, &sum, 4);
+      }
+  }
+  static void release() {}
+};
+
+// Block b of a panel as B's 8 rows of 64 bytes: 8-bit types as packed; 4-bit ones expanded into `to`.
+template <int BITS>
+inline const uint8_t* amx_weights(const uint8_t* blk, uint8_t* to) {
+  if constexpr (BITS == 8) return blk;
+  for (int t = 0; t < 4; ++t) {
+    const I32x16 v = I32x16::load(blk + 64 * t);
+    v.low_nibbles().store(to + 64 * t);
+    v.high_nibbles().store(to + 64 * (4 + t));
+  }
+  return to;
+}
+
+// Rows [r_begin, r_end) of panels [p0, p0 + 2) of x's int16 planes (a row chunk, as row_tiles takes it).
+template <typename Tmul, int BITS, int SCALES, bool kMin>
+void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
+  constexpr int NP = 2, kBlockBytes = 8 * 64;
+  thread_local std::vector<uint8_t> expanded;  // 4-bit types: [NP][blocks] blocks of B rows
+  const Activations& x = *t.x;
+  const int64_t blocks = t.blocks, x_stride = blocks * 2 * kQuantBlock;
+  const int32_t zero = kMin ? 0 : t.layout.zero;
+  const uint8_t* weights[NP];
+  if constexpr (BITS == 4) {
+    expanded.resize(static_cast<size_t>(NP * blocks * kBlockBytes + 64));
+    uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(expanded.data()) + 63) & ~uintptr_t{63});
+    for (int j = 0; j < NP; ++j) {
+      weights[j] = base + j * blocks * kBlockBytes;
+      for (int64_t b = 0; b < blocks; ++b) amx_weights<4>(panel_block(t, p0 + j, b), base + (j * blocks + b) * kBlockBytes);
+    }
+  }
+  alignas(64) int32_t sums[4][kAmxRows][kPanelRows];  // C_h and C_l of panel 0, then of panel 1
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kAmxRows) {
+    const int rows = static_cast<int>(std::min(kAmxRows, r_end - r0));
+    Tmul::configure(rows);
+    F32x16 acc[kAmxRows][NP];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = F32x16::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* xb = x.q.data() + (r0 * blocks + b) * 2 * kQuantBlock;  // h, then l 32 bytes on
+      const uint8_t* blk[NP];
+      panel_blocks<NP, false>(t, p0, b, blk);
+      Tmul::template load<0>(xb, x_stride);
+      Tmul::template load<1>(xb + kQuantBlock, x_stride);
+      Tmul::template load<2>(BITS == 8 ? blk[0] : weights[0] + b * kBlockBytes, 64);
+      Tmul::template load<3>(BITS == 8 ? blk[1] : weights[1] + b * kBlockBytes, 64);
+      Tmul::template zero<4>(), Tmul::template zero<5>(), Tmul::template zero<6>(), Tmul::template zero<7>();
+      Tmul::template dot<4, 0, 2>(), Tmul::template dot<5, 1, 2>();
+      Tmul::template dot<6, 0, 3>(), Tmul::template dot<7, 1, 3>();
+      Tmul::template store<4>(sums[0], 64), Tmul::template store<5>(sums[1], 64);
+      Tmul::template store<6>(sums[2], 64), Tmul::template store<7>(sums[3], 64);
+      F32x16 d[NP], m[NP];
+      for (int j = 0; j < NP; ++j) block_scales<SCALES>(t.layout, blk[j], b, d[j], m[j]);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t cell = (r0 + r) * blocks + b;
+        const F32x16 scale = F32x16::set1(x.scale[cell]);
+        for (int j = 0; j < NP; ++j) {
+          I32x16 total = I32x16::load(reinterpret_cast<const uint8_t*>(sums[2 * j][r])).shl8() +
+                         I32x16::load(reinterpret_cast<const uint8_t*>(sums[2 * j + 1][r]));
+          if constexpr (!kMin) total = total - I32x16::set1(zero * x.isum[cell]);
+          acc[r][j] = F32x16::fmadd(total.to_float(), d[j] * scale, acc[r][j]);
+          if constexpr (kMin) acc[r][j] = F32x16::fmadd(m[j], F32x16::set1(x.fsum[cell]), acc[r][j]);
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const F32x16 row[1][NP] = {{acc[r][0], acc[r][1]}};
+      store_tile<1, NP>(t, r0 + r, p0, row);
+    }
+  }
+  Tmul::release();
+}
+
+// The AMX rows of a layout amx_type takes.
+template <typename Tmul, int BITS>
+void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
+  const PackedLayout& L = t.layout;
+  if (L.scale_bytes == 4) return amx_rows<Tmul, BITS, kF32, true>(t, r_begin, r_end, p0);  // Q4_M32, Q8_M32
+  if (L.has_min) return amx_rows<Tmul, BITS, kFp16, true>(t, r_begin, r_end, p0);          // Q4_1
+  amx_rows<Tmul, BITS, kFp16, false>(t, r_begin, r_end, p0);                               // Q4_0, Q8_0
+}
+
+}  // namespace appliance::APPLIANCE_ISA
