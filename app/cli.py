@@ -129,6 +129,9 @@ def _bench_parsers(commands) -> None:
     model.add_argument("--bf16-dot", choices=["auto", "on", "off"], default="auto",
                        help="bfloat16 pairs on vdpbf16ps (on) or float32 FMAs (off); auto: what this CPU measures "
                             "faster (the engine's choice)")
+    model.add_argument("--amx-tiles", choices=["auto", "off"], default="auto",
+                       help="int16 row chunks of 16 rows and more on AMX-INT8 tiles where the CPU has them (auto, the "
+                            "engine's choice) or on the vector tiles (off)")
     model.set_defaults(run=_bench_model)
 
 
@@ -203,7 +206,7 @@ def _bench_model(args: argparse.Namespace) -> int:
     from app.benchmark.model import run
 
     doc = read_spec(args.config, [])
-    with kernels.use_bf16_dot(args.bf16_dot):
+    with kernels.use_bf16_dot(args.bf16_dot), kernels.use_amx_tiles(args.amx_tiles):
         run(resolve_source(doc.spec.model), args.dtype or ["float32", "bfloat16"], args.batch or [1, 16], args.context,
             args.prompt, args.steps, args.chunk, args.quantized or [doc.spec.model.quantized],
             args.activations or [doc.spec.model.quantized_activations], args.kv_dtype or doc.spec.kv_cache.dtype,

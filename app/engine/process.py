@@ -138,7 +138,8 @@ def calibration_key(launches: list[RankLaunch]) -> dict | None:
     return {"version": 1, "model": [model_files, model.dtype, model.quantized, model.quantized_activations],
             # the ISA, not kernels.describe(): that has bf16_dot_ratio, measured at each start
             "kernels": [_native.isa(), _native.widens_prompts(), _native.bf16_dot(),
-                        _native.widens_prompts() and _native.wide_int_tiles(), library, release],
+                        _native.widens_prompts() and _native.wide_int_tiles(), _native.amx_status() == "in use",
+                        library, release],
             "code": entry_name(sources), "cpu": _cpu_identity(), "preload": os.environ.get("LD_PRELOAD", ""),
             "kv": [launches[0].kv.dtype, launches[0].kv.block_size],
             "ranks": [[len(r.placement.cpus), len(r.placement.memory_nodes), r.placement.interleave,

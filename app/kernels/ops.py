@@ -308,9 +308,10 @@ def describe() -> str:
 
 
 def amx_status() -> str:
-    """Whether int16 row chunks of 16 rows and more of Q4_0, Q4_1, Q8_0 run on AMX-INT8's tile multiplies: "in use",
-    "off", "emulated in software (tests)", or (under "auto") why not, e.g. "the CPU has no AMX-TILE and AMX-INT8".
-    The first call under "auto" on an AMX CPU checks the CPU's multiplies against the emulated ones."""
+    """Whether int16 row chunks of 16 rows and more (of the types with one scale a block: Q4_0, Q4_1, Q8_0, Q4_K, the
+    Q5 types) run on AMX-INT8's tile multiplies: "in use", "off", "emulated in software (tests)", or (under "auto")
+    why not, e.g. "the CPU has no AMX-TILE and AMX-INT8". The first call under "auto" on an AMX CPU checks the CPU's
+    multiplies against the emulated ones."""
     return _native.amx_status()
 
 

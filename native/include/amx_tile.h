@@ -1,7 +1,7 @@
-// int16 rows of the types with one fp16 or f32 scale a block and 4 or 8 bits a weight (Q4_0, Q4_1, Q8_0, Q4_M32,
-// Q8_M32) on AMX-INT8's tile multiplies: 16 rows x 16 weight rows x 32 products an instruction, where AVX512-VNNI's
-// vpdpbusd makes 16 x 4. Included by quant.cpp (every ISA: the emulated multiplies below, which tests force) and
-// by amx.cpp (the avx512bf16 kernels with -mamx-tile -mamx-int8: the CPU's).
+// int16 rows of the types with one scale a block and 4 or 8 bits a weight (amx_type: Q4_0, Q4_1, Q8_0, Q4_K, and
+// as bytes Q5_0, Q5_1, Q5_K; ours Q4_M32, Q8_M32) on AMX-INT8's tile multiplies: 16 rows x 16 weight rows x 32
+// products an instruction, where AVX512-VNNI's vpdpbusd makes 16 x 4. Included by quant.cpp (every ISA: the
+// emulated multiplies below, which tests force) and by amx.cpp (avx512bf16 with -mamx-tile -mamx-int8: the CPU's).
 //
 // The packed layout (kernels.h) is already the B operand's: a tile row of B is 64 bytes, 4 consecutive weights of
 // each of 16 weight rows, which is how a packed block's vectors hold them (Q8_0: vector g, weights 4g..4g+3; 4-bit
@@ -22,10 +22,12 @@ namespace appliance::APPLIANCE_ISA {
 
 constexpr int64_t kAmxRows = 16;  // rows a tile multiply takes (fewer: a partial tile, configured so)
 
-// Which types the AMX rows run (quant.cpp asks before handing them a row chunk).
+// Which types the AMX rows run (quant.cpp asks before handing them a row chunk): one scale a block, fp16 (Q4_0,
+// Q4_1, Q8_0), f32 with a min (Q4_M32, Q8_M32), or Q4_K's codes. The Q5 types reach them as bytes, once row_tiles
+// has added their fifth bits (expand_quants); Q2_K, Q3_K, Q6_K (a scale per 16) and the IQ4 codebooks do not.
 inline bool amx_type(const PackedLayout& L) {
-  return (L.bits == 4 || L.bits == 8) && !L.lut && !L.high_bits && !L.halves && L.super_head == 0 &&
-         (L.scale_bytes == 2 || (L.scale_bytes == 4 && L.has_min));
+  if ((L.bits != 4 && L.bits != 8) || L.lut || L.high_bits || L.halves) return false;
+  return L.scale_bytes == 2 ? L.super_head == 0 : L.has_min && (L.scale_bytes == 4 || L.super_head != 0);
 }
 
 // The tile multiplies in software, with AMX's semantics (Intel SDM, TDPBSUD): for tests on any CPU, and the
@@ -65,8 +67,10 @@ struct EmulatedTmul {
       for (int n = 0; n < c->bytes / 4; ++n) {
         int32_t sum;
         std::memcpy(&sum, c->data[m] + 4 * n, 4);
-        for (int k = 0; k < a->bytes; ++k)
-          sum += static_cast<int32_t>(static_cast<int8_t>(a->data[m][k])) * static_cast<int32_t>(b->data[k / 4][4 * n + k % 4]);
+        for (int k = 0; k < a->bytes; ++k) {
+          const int32_t signed_x = static_cast<int8_t>(a->data[m][k]), unsigned_w = b->data[k / 4][4 * n + k % 4];
+          sum += signed_x * unsigned_w;
+        }
         std::memcpy(c->data[m] + 4 * n, &sum, 4);
       }
   }
@@ -89,6 +93,7 @@ inline const uint8_t* amx_weights(const uint8_t* blk, uint8_t* to) {
 template <typename Tmul, int BITS, int SCALES, bool kMin>
 void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
   constexpr int NP = 2, kBlockBytes = 8 * 64;
+  constexpr bool kSuper = SCALES == kCodes;  // (Q4_K, and Q5_K as bytes: superblock heads between blocks)
   thread_local std::vector<uint8_t> expanded;  // 4-bit types: [NP][blocks] blocks of B rows
   const Activations& x = *t.x;
   const int64_t blocks = t.blocks, x_stride = blocks * 2 * kQuantBlock;
@@ -97,9 +102,13 @@ void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
   if constexpr (BITS == 4) {
     expanded.resize(static_cast<size_t>(NP * blocks * kBlockBytes + 64));
     uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(expanded.data()) + 63) & ~uintptr_t{63});
-    for (int j = 0; j < NP; ++j) {
-      weights[j] = base + j * blocks * kBlockBytes;
-      for (int64_t b = 0; b < blocks; ++b) amx_weights<4>(panel_block(t, p0 + j, b), base + (j * blocks + b) * kBlockBytes);
+    const int64_t ahead = blocks_ahead(t, r_begin);  // (the panels' first reading, from DRAM: packed.h)
+    for (int j = 0; j < NP; ++j) weights[j] = base + j * blocks * kBlockBytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk[NP];
+      panel_blocks<NP, kSuper>(t, p0, b, blk);
+      prefetch_blocks(t, blk, b, ahead);
+      for (int j = 0; j < NP; ++j) amx_weights<4>(blk[j], base + (j * blocks + b) * kBlockBytes);
     }
   }
   alignas(64) int32_t sums[4][kAmxRows][kPanelRows];  // C_h and C_l of panel 0, then of panel 1
@@ -108,10 +117,12 @@ void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
     Tmul::configure(rows);
     F32x16 acc[kAmxRows][NP];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = F32x16::zero();
+    const int64_t ahead = BITS == 8 ? blocks_ahead(t, r0) : 0;  // (8-bit panels are read here first)
     for (int64_t b = 0; b < blocks; ++b) {
       const int8_t* xb = x.q.data() + (r0 * blocks + b) * 2 * kQuantBlock;  // h, then l 32 bytes on
       const uint8_t* blk[NP];
-      panel_blocks<NP, false>(t, p0, b, blk);
+      panel_blocks<NP, kSuper>(t, p0, b, blk);
+      prefetch_blocks(t, blk, b, ahead);
       Tmul::template load<0>(xb, x_stride);
       Tmul::template load<1>(xb + kQuantBlock, x_stride);
       Tmul::template load<2>(BITS == 8 ? blk[0] : weights[0] + b * kBlockBytes, 64);
@@ -148,7 +159,8 @@ template <typename Tmul, int BITS>
 void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
   const PackedLayout& L = t.layout;
   if (L.scale_bytes == 4) return amx_rows<Tmul, BITS, kF32, true>(t, r_begin, r_end, p0);  // Q4_M32, Q8_M32
-  if (L.has_min) return amx_rows<Tmul, BITS, kFp16, true>(t, r_begin, r_end, p0);          // Q4_1
+  if (L.scale_bytes == 1) return amx_rows<Tmul, BITS, kCodes, true>(t, r_begin, r_end, p0);  // Q4_K, Q5_K as bytes
+  if (L.has_min) return amx_rows<Tmul, BITS, kFp16, true>(t, r_begin, r_end, p0);          // Q4_1, Q5_1 as bytes
   amx_rows<Tmul, BITS, kFp16, false>(t, r_begin, r_end, p0);                               // Q4_0, Q8_0
 }
 

@@ -415,8 +415,8 @@ IntTiles int_tiles_mode();
 bool wide_int_tiles();       // the choice in force (measured on first use under `automatic`)
 double int_mul_ratio();      // vpmaddubsw's ymm issue rate over vfmadd231ps' (measured; 0 without AVX2 kernels)
 
-// Whether int16 row chunks of 16 rows and more of Q4_0, Q4_1, Q8_0 (and our Q4_M32, Q8_M32) run on AMX-INT8's tile
-// multiplies (amx_tile.h: 16 rows x 16 weight rows x 32 products an instruction, the same integer sums and float32
+// Whether int16 row chunks of 16 rows and more of the types with one scale a block (amx_tile.h, amx_type) run on
+// AMX-INT8's tile multiplies (amx_tile.h: 16 rows x 16 weight rows x 32 products an instruction, the same integer sums and float32
 // steps as the vector tiles, so the same bits). `auto` (the default) uses them in the avx512bf16 kernels where
 // amx_check passes (checked once per process, on first use); `emulated` runs the same tiles through multiplies in
 // software, in any x86 kernels, so that tests check the tile algorithm on CPUs without AMX.

@@ -1,5 +1,6 @@
-"""The AMX-INT8 row tiles (native/include/amx_tile.h): int16 row chunks of 16 rows and more of Q4_0, Q4_1, Q8_0
-and our Q4_M32 / Q8_M32 on tile multiplies, 16 rows x 16 weight rows x 32 products an instruction.
+"""The AMX-INT8 row tiles (native/include/amx_tile.h): int16 row chunks of 16 rows and more of the types with one
+scale a block (Q4_0, Q4_1, Q8_0, Q4_K, ours; the Q5 types as bytes) on tile multiplies, 16 rows x 16 weight rows x 32
+products an instruction.
 
 No CPU these tests have run on has AMX, so the tiles' algorithm (the weights as B tiles, x's planes as A tiles at a
 row stride, partial tiles, both panels, the float32 steps) runs here with its multiplies emulated in software
@@ -23,7 +24,8 @@ from tests.kernels.test_quant import CUTS, quantized
 GT = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AMX is x86-64's")
 
-AMX_TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, "Q4_M32", "Q8_M32"]
+# one scale a block: as packed (Q4_0, Q4_1, Q8_0, Q4_K, ours), or as bytes once their fifth bits are added (Q5_*)
+AMX_TYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q5_0, GT.Q5_1, GT.Q5_K, "Q4_M32", "Q8_M32"]
 
 
 @pytest.fixture(params=[v for v in variants(tiles=True) if not v.startswith("portable")])
@@ -40,7 +42,7 @@ def weights(qtype, rows: int = 72):
         q, w = q.columns(range(288, 576)), w[:, 288:576]
         assert q.type_name == qtype
     else:
-        q, w = quantized(rows, 224, qtype)
+        q, w = quantized(rows, 512 if qtype in (GT.Q4_K, GT.Q5_K) else 224, qtype)
     return q.pack("int16"), w
 
 
