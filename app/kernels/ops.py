@@ -315,6 +315,11 @@ def amx_status() -> str:
     return _native.amx_status()
 
 
+def amx_row_chunks() -> int:
+    """How many row chunks of a panel pair the AMX rows (the CPU's or emulated) took in this process (tests)."""
+    return _native.amx_row_chunks()
+
+
 def use_amx_tiles(mode: str) -> AbstractContextManager[None]:
     """Inside the block, "off" keeps int16 row chunks on the vector tiles, "emulated" runs the AMX tiles' algorithm
     with multiplies in software on any x86 CPU (tests compare it with the vector tiles), "auto" uses the CPU's."""

@@ -1,7 +1,8 @@
 // int16 rows of the types with one scale a block and 4 or 8 bits a weight (amx_type: Q4_0, Q4_1, Q8_0, Q4_K, and
 // as bytes Q5_0, Q5_1, Q5_K; ours Q4_M32, Q8_M32) on AMX-INT8's tile multiplies: 16 rows x 16 weight rows x 32
-// products an instruction, where AVX512-VNNI's vpdpbusd makes 16 x 4. Included by quant.cpp (every ISA: the
-// emulated multiplies below, which tests force) and by amx.cpp (avx512bf16 with -mamx-tile -mamx-int8: the CPU's).
+// products an instruction (K = 32: one block), where AVX512-VNNI's vpdpbusd makes 16 x 4. Used by quant.cpp's avx2,
+// avx512 and avx512bf16 kernels (the emulated multiplies below, which tests force) and by amx.cpp (avx512bf16 with
+// -mamx-tile -mamx-int8: the CPU's).
 //
 // The packed layout (kernels.h) is already the B operand's: a tile row of B is 64 bytes, 4 consecutive weights of
 // each of 16 weight rows, which is how a packed block's vectors hold them (Q8_0: vector g, weights 4g..4g+3; 4-bit
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "packed.h"
@@ -65,11 +67,11 @@ struct EmulatedTmul {
     Tile *c = &tiles()[C], *a = &tiles()[A], *b = &tiles()[B];
     for (int m = 0; m < c->rows; ++m)
       for (int n = 0; n < c->bytes / 4; ++n) {
-        int32_t sum;
+        uint32_t sum;  // (the instruction's dword wraps: unsigned arithmetic does, int32's may not)
         std::memcpy(&sum, c->data[m] + 4 * n, 4);
         for (int k = 0; k < a->bytes; ++k) {
           const int32_t signed_x = static_cast<int8_t>(a->data[m][k]), unsigned_w = b->data[k / 4][4 * n + k % 4];
-          sum += signed_x * unsigned_w;
+          sum += static_cast<uint32_t>(signed_x * unsigned_w);
         }
         std::memcpy(c->data[m] + 4 * n, &sum, 4);
       }
@@ -162,6 +164,96 @@ void amx_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {
   if (L.scale_bytes == 1) return amx_rows<Tmul, BITS, kCodes, true>(t, r_begin, r_end, p0);  // Q4_K, Q5_K as bytes
   if (L.has_min) return amx_rows<Tmul, BITS, kFp16, true>(t, r_begin, r_end, p0);          // Q4_1, Q5_1 as bytes
   amx_rows<Tmul, BITS, kFp16, false>(t, r_begin, r_end, p0);                               // Q4_0, Q8_0
+}
+
+// The self-check of a Tmul against the emulated one (amx.cpp runs it with the CPU's multiplies before using them;
+// tests run it emulated against emulated, so that the check itself is known to run). First one multiply: random A
+// and B, C tiles started from random sums, rows 16 and 5.
+template <typename Tmul>
+void amx_multiply(int rows, const int8_t* a, const uint8_t* b, const int32_t* c, int32_t* out) {
+  Tmul::configure(rows);
+  Tmul::template load<0>(a, 32);
+  Tmul::template load<3>(b, 64);
+  Tmul::template load<5>(c, 64);
+  Tmul::template dot<5, 0, 3>();
+  Tmul::template store<5>(out, 64);
+  Tmul::release();
+}
+
+// null where the sums agree, else what differed
+template <typename Cpu>
+const char* amx_same_sums() {
+  std::mt19937 rng(7);
+  alignas(64) int8_t a[16 * 32];
+  alignas(64) uint8_t b[8 * 64];
+  alignas(64) int32_t c[16 * 16], cpu[16 * 16], emulated[16 * 16];
+  for (int round = 0; round < 4; ++round) {
+    for (auto& v : a) v = static_cast<int8_t>(rng());
+    for (auto& v : b) v = static_cast<uint8_t>(rng());
+    for (auto& v : c) v = static_cast<int32_t>(rng() % 2000001) - 1000000;
+    const int rows = round % 2 == 0 ? 16 : 5;
+    amx_multiply<Cpu>(rows, a, b, c, cpu);
+    amx_multiply<EmulatedTmul>(rows, a, b, c, emulated);
+    if (std::memcmp(cpu, emulated, sizeof(int32_t) * 16 * rows) != 0)
+      return rows == 16 ? "the CPU's tile multiplies differ from the emulated ones (16 rows)"
+                        : "the CPU's tile multiplies differ from the emulated ones (5 rows)";
+  }
+  return nullptr;
+}
+
+// Then the AMX rows on the CPU's multiplies against the emulated ones, bit for bit: a Q4_1 weight (nibbles expanded
+// into B rows, fp16 d and m) and a Q8_0 one (B as packed, a zero point), 21 rows of random int16 x (a full tile and
+// a partial one), 20 weight rows (a panel pair, the second partial), 3 blocks (A at a stride of a row's blocks).
+template <typename Cpu>
+const char* amx_same_rows() {
+  std::mt19937 rng(11);
+  constexpr int64_t kRows = 21, kOut = 20, kBlocks = 3;
+  Activations x;
+  x.planes = 2, x.rows = kRows, x.blocks = kBlocks;
+  x.q.resize(kRows * kBlocks * 2 * kQuantBlock), x.scale.resize(kRows * kBlocks), x.isum.resize(kRows * kBlocks);
+  x.fsum.resize(kRows * kBlocks);
+  for (int64_t cell = 0; cell < kRows * kBlocks; ++cell) {
+    int8_t* q = x.q.data() + cell * 2 * kQuantBlock;
+    int32_t sum = 0;
+    for (int i = 0; i < kQuantBlock; ++i) {
+      q[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      q[kQuantBlock + i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      sum += 256 * q[i] + q[kQuantBlock + i];
+    }
+    x.scale[cell] = 1e-5f * static_cast<float>(1 + rng() % 100), x.isum[cell] = sum;
+    x.fsum[cell] = x.scale[cell] * static_cast<float>(sum);
+  }
+  for (const QType type : {QType::q4_1, QType::q8_0}) {
+    const PackedLayout L = packed_layout(type);
+    std::vector<uint8_t> weights(static_cast<size_t>(2 * packed_panel_bytes(L, kBlocks)));
+    for (int64_t b = 0; b < 2 * kBlocks; ++b) {  // (2 panels x kBlocks blocks, one after another)
+      uint8_t* block = weights.data() + b * L.block_bytes;
+      for (int64_t i = 0; i < L.quant_bytes; ++i) block[i] = static_cast<uint8_t>(rng());
+      uint16_t* scales = reinterpret_cast<uint16_t*>(block + L.quant_bytes);
+      for (int i = 0; i < kPanelRows; ++i)
+        scales[i] = from_float<f16>(1e-3f * static_cast<float>(1 + rng() % 50)).bits;
+      for (int i = 0; L.has_min && i < kPanelRows; ++i)
+        scales[kPanelRows + i] = from_float<f16>(-1e-2f * static_cast<float>(rng() % 8)).bits;
+    }
+    float cpu[kRows * kOut], emulated[kRows * kOut];
+    Tiles t{weights.data(), L, kBlocks, packed_panel_bytes(L, kBlocks), kOut, &x, cpu, DType::f32, kOut,
+            nullptr, DType::f32, 0};
+    if (L.bits == 4) amx_rows<Cpu, 4>(t, 0, kRows, 0);
+    else amx_rows<Cpu, 8>(t, 0, kRows, 0);
+    t.out = emulated;
+    if (L.bits == 4) amx_rows<EmulatedTmul, 4>(t, 0, kRows, 0);
+    else amx_rows<EmulatedTmul, 8>(t, 0, kRows, 0);
+    if (std::memcmp(cpu, emulated, sizeof cpu) != 0)
+      return type == QType::q4_1 ? "the AMX rows on the CPU's multiplies differ from the emulated ones (Q4_1)"
+                                 : "the AMX rows on the CPU's multiplies differ from the emulated ones (Q8_0)";
+  }
+  return nullptr;
+}
+
+template <typename Cpu>
+const char* amx_self_check() {
+  const char* why = amx_same_sums<Cpu>();
+  return why != nullptr ? why : amx_same_rows<Cpu>();
 }
 
 }  // namespace appliance::APPLIANCE_ISA

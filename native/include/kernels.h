@@ -419,12 +419,15 @@ double int_mul_ratio();      // vpmaddubsw's ymm issue rate over vfmadd231ps' (m
 // AMX-INT8's tile multiplies (amx_tile.h: 16 rows x 16 weight rows x 32 products an instruction, the same integer sums and float32
 // steps as the vector tiles, so the same bits). `auto` (the default) uses them in the avx512bf16 kernels where
 // amx_check passes (checked once per process, on first use); `emulated` runs the same tiles through multiplies in
-// software, in any x86 kernels, so that tests check the tile algorithm on CPUs without AMX.
+// software, in the avx2, avx512 and avx512bf16 kernels, so that tests check the tile algorithm without AMX.
 enum class AmxTiles : int { automatic = 0, off = 1, emulated = 2 };
 void set_amx_tiles(AmxTiles mode);
 AmxTiles amx_tiles_mode();
 enum class AmxRows : int { none = 0, hardware = 1, emulated = 2 };
 AmxRows amx_in_force();      // what int16 row chunks take now
 const char* amx_status();    // the same, and under `auto` why not, for logs
+void count_amx_row_chunk();  // (quant.cpp, each row chunk of a panel pair the AMX rows take)
+int64_t amx_row_chunks();    // how many so far in this process (tests: that the AMX rows ran)
+const char* amx_emulated_self_check();  // amx_check's comparisons, emulated on both sides (x86-64; tests)
 
 }  // namespace appliance

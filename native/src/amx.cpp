@@ -1,16 +1,19 @@
 // AMX-INT8 tile multiplies for the avx512bf16 kernels' int16 row chunks (amx_tile.h), built with -mamx-tile
 // -mamx-int8 on x86-64 only, and used only where amx_check passed: the CPU has AMX-TILE and AMX-INT8, the kernel
-// lets this process use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM), and the CPU's multiplies give the
-// emulated ones' sums on random tiles, full and partial. No AMX machine was available when this was written: the
-// tile algorithm is tested through the emulated multiplies on every CPU (tests/kernels/test_amx.py), and this check
-// is what stands between the CPU's own instructions and a wrong answer.
+// lets this process use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM), the CPU's multiplies give the emulated
+// ones' sums on random tiles, full and partial, and the AMX rows on the CPU's multiplies give the emulated rows' bits
+// on a small Q4_1 and a small Q8_0 weight (a full and a partial tile, a partial panel, three blocks). No AMX machine
+// was available when this was written: the tile algorithm is tested through the emulated multiplies on every x86 CPU
+// the tests run on (tests/kernels/test_amx.py), and this check is what stands between the CPU's own instructions
+// (and this file) and a wrong answer.
 #include <immintrin.h>
 
+#include <cerrno>
 #include <cpuid.h>
+#include <cstdio>
+#include <cstring>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <random>
 
 #include "amx_tile.h"
 
@@ -31,20 +34,24 @@ struct HardwareTmul {
       c.rows[i] = static_cast<uint8_t>(i == 2 || i == 3 ? 8 : rows);
       c.bytes[i] = static_cast<uint16_t>(i < 2 ? 32 : 64);
     }
-    _tile_loadconfig(&c);
+    // Not GCC 12's _tile_loadconfig, which tells the compiler that ldtilecfg reads 8 bytes of the 64: out of line,
+    // GCC dropped the stores of the rows and widths. Here the whole struct is the instruction's input.
+    asm volatile("ldtilecfg %0" ::"m"(c));
   }
   // (GCC's tile intrinsics paste their tile numbers into the instruction's text: literals, not template parameters)
 #define APPLIANCE_TILE(T, op) \
   if constexpr (T == 0) op(0); else if constexpr (T == 1) op(1); else if constexpr (T == 2) op(2); \
   else if constexpr (T == 3) op(3); else if constexpr (T == 4) op(4); else if constexpr (T == 5) op(5); \
   else if constexpr (T == 6) op(6); else op(7);
+  // _tile_loadd does not tell the compiler that it reads memory: the barrier makes every store before it land first
   template <int T>
   static void load(const void* from, int64_t stride) {
+    asm volatile("" ::: "memory");
 #define APPLIANCE_LOAD(n) _tile_loadd(n, from, stride)
     APPLIANCE_TILE(T, APPLIANCE_LOAD)
   }
   template <int T>
-  static void store(void* to, int64_t stride) {
+  static void store(void* to, int64_t stride) {  // (_tile_stored clobbers memory)
 #define APPLIANCE_STORE(n) _tile_stored(n, to, stride)
     APPLIANCE_TILE(T, APPLIANCE_STORE)
   }
@@ -58,40 +65,13 @@ struct HardwareTmul {
 #define APPLIANCE_DOTS(c) APPLIANCE_DOT(c, 0, 2) APPLIANCE_DOT(c, 1, 2) APPLIANCE_DOT(c, 0, 3) APPLIANCE_DOT(c, 1, 3)
     APPLIANCE_DOTS(4) APPLIANCE_DOTS(5) APPLIANCE_DOTS(6) APPLIANCE_DOTS(7)
   }
+#undef APPLIANCE_DOTS
+#undef APPLIANCE_DOT
+#undef APPLIANCE_STORE
+#undef APPLIANCE_LOAD
+#undef APPLIANCE_TILE
   static void release() { _tile_release(); }
 };
-
-// The CPU's multiplies against the emulated ones: random A and B, C tiles started from random sums, rows 16 and 5.
-template <typename Tmul>
-void multiply(int rows, const int8_t* a, const uint8_t* b, const int32_t* c, int32_t* out) {
-  Tmul::configure(rows);
-  Tmul::template load<0>(a, 32);
-  Tmul::template load<3>(b, 64);
-  Tmul::template load<5>(c, 64);
-  Tmul::template dot<5, 0, 3>();
-  Tmul::template store<5>(out, 64);
-  Tmul::release();
-}
-
-// null where the sums agree, else what differed
-const char* same_sums() {
-  std::mt19937 rng(7);
-  alignas(64) int8_t a[16 * 32];
-  alignas(64) uint8_t b[8 * 64];
-  alignas(64) int32_t c[16 * 16], cpu[16 * 16], emulated[16 * 16];
-  for (int round = 0; round < 4; ++round) {
-    for (auto& v : a) v = static_cast<int8_t>(rng());
-    for (auto& v : b) v = static_cast<uint8_t>(rng());
-    for (auto& v : c) v = static_cast<int32_t>(rng() % 2000001) - 1000000;
-    const int rows = round % 2 == 0 ? 16 : 5;
-    multiply<HardwareTmul>(rows, a, b, c, cpu);
-    multiply<EmulatedTmul>(rows, a, b, c, emulated);
-    if (std::memcmp(cpu, emulated, sizeof(int32_t) * 16 * rows) != 0)
-      return rows == 16 ? "the CPU's tile multiplies differ from the emulated ones (16 rows)"
-                        : "the CPU's tile multiplies differ from the emulated ones (5 rows)";
-  }
-  return nullptr;
-}
 
 }  // namespace
 
@@ -100,9 +80,13 @@ const char* amx_check() {
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25)))
     return "the CPU has no AMX-TILE and AMX-INT8";
   constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // Linux's arch_prctl request, the tile data state
-  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0)
-    return "the kernel did not let this process use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+)";
-  return same_sums();
+  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) {
+    static char why[192];  // (amx_check runs once a process: dispatch.cpp's call_once)
+    std::snprintf(why, sizeof why, "the kernel did not let this process use the tile registers (arch_prctl "
+                  "ARCH_REQ_XCOMP_PERM: %s; Linux 5.16+ grants it)", std::strerror(errno));
+    return why;
+  }
+  return amx_self_check<HardwareTmul>();
 }
 
 void amx_hardware_rows(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0) {

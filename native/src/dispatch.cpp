@@ -139,16 +139,25 @@ AmxRows amx_in_force() {
   switch (amx_tiles_mode()) {
     case AmxTiles::off: return AmxRows::none;
     case AmxTiles::emulated: return AmxRows::emulated;
-    default: return amx_usable() ? AmxRows::hardware : AmxRows::none;
+    default: return amx_usable() && !std::strcmp(kernels().isa, "avx512bf16") ? AmxRows::hardware : AmxRows::none;
   }
 }
 const char* amx_status() {
   switch (amx_tiles_mode()) {
     case AmxTiles::off: return "off";
     case AmxTiles::emulated: return "emulated in software (tests)";
-    default: return amx_usable() ? "in use" : g_amx_why;
+    default:
+      if (!amx_usable()) return g_amx_why;
+      if (std::strcmp(kernels().isa, "avx512bf16") != 0) return "usable, but the kernels in force are not avx512bf16";
+      return "in use";
   }
 }
+
+namespace {
+std::atomic<int64_t> g_amx_row_chunks{0};
+}
+void count_amx_row_chunk() { g_amx_row_chunks.fetch_add(1, std::memory_order_relaxed); }
+int64_t amx_row_chunks() { return g_amx_row_chunks.load(std::memory_order_relaxed); }
 
 const KernelTable& kernels() {
   if (g_current == nullptr) g_current = find(best_isa());

@@ -524,6 +524,13 @@ PYBIND11_MODULE(_native, m) {
   m.def("amx_status", [] { return std::string(amx_status()); }, py::call_guard<py::gil_scoped_release>());
   m.def("amx_tiles_mode", [] { return std::string(kAmxTilesModes[static_cast<int>(amx_tiles_mode())]); });
   m.def("set_amx_tiles", &use_amx_tiles);
+  m.def("amx_row_chunks", [] { return amx_row_chunks(); });
+#if defined(__x86_64__)
+  m.def("amx_emulated_self_check", [] {  // None where it passes
+    const char* why = amx_emulated_self_check();
+    return why ? std::optional<std::string>(why) : std::nullopt;
+  }, py::call_guard<py::gil_scoped_release>());
+#endif
   m.def("max_threads", [] { return omp_get_max_threads(); });
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),

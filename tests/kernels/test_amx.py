@@ -17,7 +17,7 @@ import gguf
 import pytest
 import torch
 
-from app import kernels
+from app import _native, kernels
 from tests.kernels.isas import running, variants
 from tests.kernels.test_quant import CUTS, quantized
 
@@ -50,22 +50,29 @@ def weights(qtype, rows: int = 72):
 def test_emulated_amx_rows_give_the_vector_tiles_bits(isa, qtype):
     """16 rows (one full tile), 17 (and a partial tile of 1), 31 (of 15), 37, 64 (a row chunk of four tiles), 70
     (a chunk, then 6 rows the vector tiles take) and 130; float32 and bfloat16 rows, float32 and bfloat16 out;
-    prompt rows too. Bit for bit the vector tiles' result, and close to the float64 reference."""
+    prompt rows too. Bit for bit the vector tiles' result, close to the float64 reference, and the AMX rows did run
+    wherever a row chunk of 16 or more reaches them (not the Q5 types under avx2's wide tiles, which take 16-bit
+    words before their fifth bits could be added; nor prompt rows where AVX2 widens them to float32)."""
     packed, w = weights(qtype)
     k = w.shape[1]
+    words_first = isa == "avx2-wide" and qtype in (GT.Q5_0, GT.Q5_1, GT.Q5_K)
     torch.manual_seed(1)
     for x in (torch.randn(130, k), torch.randn(130, k).to(torch.bfloat16)):
         for rows in (16, 17, 31, 37, 64, 70, 130):
             for out_dtype, prompt in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+                widened = prompt and kernels.widens_prompts(packed.qtype)
                 with kernels.use_amx_tiles("off"):
                     vector = packed.linear(x[:rows], out_dtype, prompt=prompt)
+                before = kernels.amx_row_chunks()
                 with kernels.use_amx_tiles("emulated"):
                     amx = packed.linear(x[:rows], out_dtype, prompt=prompt)
-                if prompt and kernels.widens_prompts(packed.qtype):
+                assert (kernels.amx_row_chunks() > before) == (not widened and not words_first), (rows, prompt)
+                if widened:
                     continue  # (AVX2 where multiplies are slow: these prompt rows never reach the integer tiles)
                 assert torch.equal(vector, amx), (x.dtype, rows, out_dtype, prompt)
-            reference = (x[:rows].double() @ w.double().T).float()
-            torch.testing.assert_close(amx.float(), reference, atol=3e-3 * reference.abs().max().item(), rtol=0)
+                if out_dtype == torch.float32 and not prompt:
+                    reference = (x[:rows].double() @ w.double().T).float()
+                    torch.testing.assert_close(amx, reference, atol=3e-3 * reference.abs().max().item(), rtol=0)
 
 
 def test_emulated_amx_rows_keep_a_bad_row_to_itself(isa):
@@ -94,8 +101,8 @@ def test_amx_status_says_what_runs_and_why():
         assert status == "the CPU has no AVX512-BF16 and VNNI"
     elif not {"amx_tile", "amx_int8"} <= flags:
         assert status == "the CPU has no AMX-TILE and AMX-INT8"
-    else:
-        assert status == "in use" or "tile" in status, status
+    else:  # an AMX CPU: in use (or the check's or the kernel's refusal, which names the tiles)
+        assert status in ("in use", "usable, but the kernels in force are not avx512bf16") or "tile" in status, status
     with kernels.use_amx_tiles("off"):
         assert kernels.amx_status() == "off"
         with kernels.use_amx_tiles("emulated"):
@@ -105,3 +112,11 @@ def test_amx_status_says_what_runs_and_why():
     with pytest.raises(ValueError, match="not one of auto, off, emulated"):
         with kernels.use_amx_tiles("on"):
             pass
+
+
+@pytest.mark.skipif("avx2" not in kernels.supported_isas(), reason="the emulated self-check is in the avx2 kernels")
+def test_the_start_check_runs_to_its_end():
+    """amx_check's comparisons (one multiply on random tiles of 16 and 5 rows; the AMX rows of a small Q4_1 and Q8_0
+    weight), with the emulated multiplies standing in for the CPU's: they run and find nothing to differ. On an AMX
+    CPU the same code runs with the CPU's multiplies before the kernels use them."""
+    assert _native.amx_emulated_self_check() is None
