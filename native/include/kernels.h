@@ -365,6 +365,13 @@ APPLIANCE_DECLARE_KERNELS(neon)
 APPLIANCE_DECLARE_KERNELS(portable)
 namespace avx512bf16 {
 const char* amx_check();  // amx.cpp (x86-64): null where this process may use AMX-INT8 tile multiplies, else why not
+const char* amx_emulated_self_check();  // quant.cpp: amx_check's comparisons, emulated on both sides (tests)
+}
+namespace avx512 {
+const char* amx_emulated_self_check();
+}
+namespace avx2 {
+const char* amx_emulated_self_check();
 }
 
 // The implementation in use; dispatch.cpp picks it from the CPU at load time.
@@ -426,8 +433,7 @@ AmxTiles amx_tiles_mode();
 enum class AmxRows : int { none = 0, hardware = 1, emulated = 2 };
 AmxRows amx_in_force();      // what int16 row chunks take now
 const char* amx_status();    // the same, and under `auto` why not, for logs
-void count_amx_row_chunk();  // (quant.cpp, each row chunk of a panel pair the AMX rows take)
+void count_amx_row_chunk();  // (quant.cpp, each row chunk of a panel pair the emulated AMX rows take)
 int64_t amx_row_chunks();    // how many so far in this process (tests: that the AMX rows ran)
-const char* amx_emulated_self_check();  // amx_check's comparisons, emulated on both sides (x86-64; tests)
 
 }  // namespace appliance

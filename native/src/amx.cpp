@@ -43,12 +43,14 @@ struct HardwareTmul {
   if constexpr (T == 0) op(0); else if constexpr (T == 1) op(1); else if constexpr (T == 2) op(2); \
   else if constexpr (T == 3) op(3); else if constexpr (T == 4) op(4); else if constexpr (T == 5) op(5); \
   else if constexpr (T == 6) op(6); else op(7);
-  // _tile_loadd does not tell the compiler that it reads memory: the barrier makes every store before it land first
+  // _tile_loadd does not tell the compiler that it reads memory: the barriers keep every store before it before it,
+  // and every store after it after it
   template <int T>
   static void load(const void* from, int64_t stride) {
     asm volatile("" ::: "memory");
 #define APPLIANCE_LOAD(n) _tile_loadd(n, from, stride)
     APPLIANCE_TILE(T, APPLIANCE_LOAD)
+    asm volatile("" ::: "memory");
   }
   template <int T>
   static void store(void* to, int64_t stride) {  // (_tile_stored clobbers memory)

@@ -525,12 +525,16 @@ PYBIND11_MODULE(_native, m) {
   m.def("amx_tiles_mode", [] { return std::string(kAmxTilesModes[static_cast<int>(amx_tiles_mode())]); });
   m.def("set_amx_tiles", &use_amx_tiles);
   m.def("amx_row_chunks", [] { return amx_row_chunks(); });
+  m.def("amx_emulated_self_check", [] {  // in the kernels in force; None where it passes
+    const char* why = "no AMX rows in these kernels";
 #if defined(__x86_64__)
-  m.def("amx_emulated_self_check", [] {  // None where it passes
-    const char* why = amx_emulated_self_check();
+    const std::string isa = kernels().isa;
+    if (isa == "avx512bf16") why = avx512bf16::amx_emulated_self_check();
+    else if (isa == "avx512") why = avx512::amx_emulated_self_check();
+    else if (isa == "avx2") why = avx2::amx_emulated_self_check();
+#endif
     return why ? std::optional<std::string>(why) : std::nullopt;
   }, py::call_guard<py::gil_scoped_release>());
-#endif
   m.def("max_threads", [] { return omp_get_max_threads(); });
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),

@@ -413,7 +413,7 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
       const AmxRows amx = amx_in_force();
       if (amx == AmxRows::emulated) return count_amx_row_chunk(), amx_rows<EmulatedTmul, BITS>(t, r_begin, r_end, p0);
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
-      if (amx == AmxRows::hardware) return count_amx_row_chunk(), amx_hardware_rows(t, r_begin, r_end, p0);
+      if (amx == AmxRows::hardware) return amx_hardware_rows(t, r_begin, r_end, p0);
 #endif
     }
   }
@@ -559,10 +559,10 @@ void packed_linear(const PackedLinearArgs& a) {
 
 }  // namespace appliance::APPLIANCE_ISA
 
-#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
-namespace appliance {
-// amx.cpp's self-check with the emulated multiplies on both sides, in the avx2 kernels: tests run it, so that the
-// check an AMX CPU runs before using its tiles is known to run to its end and pass where nothing differs.
-const char* amx_emulated_self_check() { return avx2::amx_self_check<avx2::EmulatedTmul>(); }
-}  // namespace appliance
+#if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512 || \
+    APPLIANCE_ISA_ID == APPLIANCE_ISA_avx2
+// amx.cpp's start check with the emulated multiplies on both sides, in these kernels: tests run it, so that the check
+// an AMX CPU runs before using its tiles is known to run to its end (in the avx512bf16 kernels' build too, where CI
+// has AVX-512) and pass where nothing differs.
+const char* appliance::APPLIANCE_ISA::amx_emulated_self_check() { return amx_self_check<EmulatedTmul>(); }
 #endif
