@@ -22,6 +22,39 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 _CACHE = tempfile.TemporaryDirectory(prefix="appliance-test-cache-")
 os.environ["APPLIANCE_CACHE_DIR"] = _CACHE.name
 
+
+def _parse_each_gguf_once() -> None:
+    """Each GGUF file's metadata is parsed once a test run, and gguf's tensor-name map built once an architecture.
+
+    transformers (the model tests' independent reference) parses a file twice a load (its config, then its
+    weights) and builds the name map again for each tensor; tests/gguf_files.py parses SmolLM2's 49,152-token
+    vocabulary for every small model that borrows its tokenizer. `gguf.GGUFReader` spends seconds a parse in numpy's
+    memmap indexing: about half of the ~30 s transformers took to load SmolLM2 was these repeats. Both are pure
+    functions of their arguments (a file that changed is parsed again, a writable reader is never shared), so no
+    result changes; only `gguf.GGUFReader` as called through the package is memoised, not the class itself.
+    """
+    import functools
+
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    @functools.lru_cache(maxsize=8)
+    def parsed(path: str, mtime_ns: int, size: int):
+        return reader_class(path, "r")
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return reader_class(path, mode)
+        stat = os.stat(path)
+        return parsed(os.path.abspath(os.fspath(path)), stat.st_mtime_ns, stat.st_size)
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+
+
+_parse_each_gguf_once()
+
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = Path(__file__).resolve().parent / "topologies"
 CONFIG = REPO / "config"
