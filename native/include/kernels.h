@@ -390,6 +390,7 @@ struct KernelTable {
   void (*dequantize)(const DequantArgs&);
   bool (*widens_prompts)(QType);  // whether int16 prompt rows of a type run as float32 FMAs on widened weights
                                   // (widened.cpp; not the types that expand to words, packed.h expands_words)
+  bool amx_tiles;  // whether this tier's int16 row chunks may take the CPU's AMX tiles (avx512bf16: amx.cpp's flags)
 };
 
 const KernelTable& kernels();

@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <string_view>
 
 #include "kernels.h"
 
@@ -11,7 +12,8 @@ namespace {
 #define APPLIANCE_TABLE(isa) \
   KernelTable { #isa, isa::rms_norm, isa::add_rms_norm, isa::rotary_embedding, isa::silu_and_mul, \
                 isa::write_kv_cache, isa::paged_attention, isa::linear_f32_out, isa::pack_quant, \
-                isa::packed_linear, isa::packed_rows, isa::dequantize, isa::widens_prompts }
+                isa::packed_linear, isa::packed_rows, isa::dequantize, isa::widens_prompts, \
+                std::string_view(#isa) == "avx512bf16" }
 
 #if defined(__x86_64__)
 const KernelTable kTables[] = {APPLIANCE_TABLE(avx512bf16), APPLIANCE_TABLE(avx512), APPLIANCE_TABLE(avx2),
@@ -49,7 +51,7 @@ const KernelTable* find(const char* name) {
   return nullptr;
 }
 
-const KernelTable* g_current = nullptr;
+std::atomic<const KernelTable*> g_current{nullptr};  // set before the kernels run; read from OpenMP workers too
 
 }  // namespace
 
@@ -64,7 +66,7 @@ const char* const* compiled_isas() { return kCompiled; }
 bool select_isa(const char* name) {
   const KernelTable* table = find(name);
   if (table == nullptr || !cpu_supports(name)) return false;
-  g_current = table;
+  g_current.store(table, std::memory_order_relaxed);
   return true;
 }
 
@@ -139,17 +141,16 @@ AmxRows amx_in_force() {
   switch (amx_tiles_mode()) {
     case AmxTiles::off: return AmxRows::none;
     case AmxTiles::emulated: return AmxRows::emulated;
-    default: return amx_usable() && !std::strcmp(kernels().isa, "avx512bf16") ? AmxRows::hardware : AmxRows::none;
+    default: return amx_usable() && kernels().amx_tiles ? AmxRows::hardware : AmxRows::none;
   }
 }
 const char* amx_status() {
-  switch (amx_tiles_mode()) {
-    case AmxTiles::off: return "off";
-    case AmxTiles::emulated: return "emulated in software (tests)";
+  switch (amx_in_force()) {
+    case AmxRows::hardware: return "in use";
+    case AmxRows::emulated: return "emulated in software (tests)";
     default:
-      if (!amx_usable()) return g_amx_why;
-      if (std::strcmp(kernels().isa, "avx512bf16") != 0) return "usable, but the kernels in force are not avx512bf16";
-      return "in use";
+      if (amx_tiles_mode() == AmxTiles::off) return "off";
+      return amx_usable() ? "usable, but the kernels in force are not avx512bf16" : g_amx_why;
   }
 }
 
@@ -160,8 +161,12 @@ void count_amx_row_chunk() { g_amx_row_chunks.fetch_add(1, std::memory_order_rel
 int64_t amx_row_chunks() { return g_amx_row_chunks.load(std::memory_order_relaxed); }
 
 const KernelTable& kernels() {
-  if (g_current == nullptr) g_current = find(best_isa());
-  return *g_current;
+  const KernelTable* current = g_current.load(std::memory_order_relaxed);
+  if (current == nullptr) {
+    current = find(best_isa());
+    g_current.store(current, std::memory_order_relaxed);
+  }
+  return *current;
 }
 
 }  // namespace appliance
