@@ -91,7 +91,8 @@ class EngineCore:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
         vocab = self.executor.vocab_size
-        outside = [t for t in (*prompt_ids, *params.stop_token_ids) if not 0 <= t < vocab]
+        biased = (t for t, _ in params.logit_bias)
+        outside = [t for t in (*prompt_ids, *params.stop_token_ids, *biased) if not 0 <= t < vocab]
         if outside:
             raise RequestRejected(f"token id {outside[0]} is outside the vocabulary (0-{vocab - 1})")
         sched = self.scheduler.cfg

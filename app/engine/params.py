@@ -40,9 +40,14 @@ class SamplingParams:
     """Return the log-probability of each sampled token and of this many most likely tokens."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, each bias from -100 to 100 added to that token's logit before penalties and sampling
+    (OpenAI's logit_bias; -100 all but bans a token, 100 all but forces it). A dict {token id: bias} is taken too."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(token), float(value)) for token, value in bias))
         checks = [
             (self.n >= 1, "n must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -57,6 +62,9 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias must map token ids (>= 0) to biases from -100 to 100"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
         ]
         for ok, message in checks:
             if not ok:

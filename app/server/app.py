@@ -69,6 +69,9 @@ class Context:
     def check_stop_ids(self, ids: list[int] | None) -> None:
         self._check_ids(ids or [0], "stop_token_ids")
 
+    def check_bias_ids(self, ids: list[int]) -> None:
+        self._check_ids(ids or [0], "logit_bias")
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(400, "the prompt is empty", param, "empty_prompt")

@@ -122,6 +122,7 @@ async def chat_completions(request: Request) -> Response:
 
 def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
     ctx.check_stop_ids(body.stop_token_ids)
+    ctx.check_bias_ids([token for token, _ in body.bias()])
     try:
         params = _sampling_params(body, logprobs)
     except ValueError as exc:
@@ -137,7 +138,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None) -> SamplingPara
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-        max_tokens=None)
+        logit_bias=body.bias(), max_tokens=None)
 
 
 def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:

@@ -35,7 +35,9 @@ class SamplingFields(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token ids (as JSON object keys: strings of digits) to biases from -100 to 100; bounded (OpenAI takes
+    # 300) as stop_token_ids are: the engine keeps them with each running sequence and adds them every step
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)] | None = None
     # vLLM's extras
     top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -54,16 +56,26 @@ class SamplingFields(_Body):
             raise ValueError("stop must be up to 16 non-empty strings")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys must be token ids (decimal digits), not {key[:40]!r}")
+        return value
+
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs."""
+        return tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
 
 
 class CompletionRequest(SamplingFields):

@@ -140,6 +140,8 @@ def test_prompt_too_long_is_rejected(loaded):
         core.add_request("y", [], GREEDY, 0)
     with pytest.raises(RequestRejected, match="token id 50000 is outside the vocabulary"):
         core.add_request("z", [5, 6], SamplingParams(stop_token_ids=(50000,), min_tokens=1), 0)
+    with pytest.raises(RequestRejected, match="token id 49152 is outside the vocabulary"):
+        core.add_request("b", [5, 6], SamplingParams(logit_bias={3: 1.0, 49152: -100}), 0)
     assert not core.has_work()
     torch.testing.assert_close(torch.tensor(core.kv.usage()), torch.tensor(0.0))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -410,3 +412,56 @@ def test_rejects_wrong_shapes():
         sampler(torch.zeros(1, 9), [new_state(SamplingParams(), [], None)])
     with pytest.raises(ValueError, match="2 sampling states"):
         sampler(torch.zeros(1, 8), [new_state(SamplingParams(), [], None)] * 2)
+
+
+def test_logit_bias_adds_each_rows_own_biases_before_the_penalties():
+    """Every row's logit_bias added to its own logits, the other rows and tokens untouched, the raw logits left as
+    they were (log-probabilities come from them); then the penalties, on the biased logits (vLLM's order)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    before = logits.clone()
+    biases = [{7: -100.0, 250: 2.5}, {}, {0: 100.0, 299: -0.25, 7: 1.0}, {42: 3.0}]
+    states = [new_state(SamplingParams(logit_bias=b, repetition_penalty=1.5 if r == 3 else 1.0), [42], None)
+              for r, b in enumerate(biases)]
+    expected = logits.clone()
+    for r, bias in enumerate(biases):
+        for token, value in bias.items():
+            expected[r, token] += value
+    assert torch.equal(sampler_module.apply_logit_bias(logits, states), expected)
+    assert torch.equal(logits, before)
+    # row 3: token 42 is in the prompt: its biased logit is then divided (positive) or multiplied by the penalty
+    shaped = apply_penalties(sampler_module.apply_logit_bias(logits, states), states)
+    value = expected[3, 42]
+    assert shaped[3, 42] == (value / 1.5 if value > 0 else value * 1.5)
+    assert sampler_module.apply_logit_bias(logits, [new_state(SamplingParams(), [], None)] * 4) is logits
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_but_not_the_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    greedy = dict(temperature=0, logprobs=1)
+    out = Sampler(4)(logits, [new_state(SamplingParams(logit_bias={1: -100}, **greedy), [], None)])
+    assert out.tokens.tolist() == [2]  # the runner-up, once the argmax is all but banned
+    assert torch.allclose(out.logprobs, torch.log_softmax(logits, dim=-1)[0, 2:3])  # the model's, not the bias's
+    assert out.top_ids[0, 0] == 1  # the model's own most likely token
+    assert Sampler(4)(logits, [new_state(SamplingParams(logit_bias={0: 100}, temperature=0), [], None)]).tokens == 0
+    # sampled: +100 on the least likely token makes it (all but) certain; -100 on all but one leaves that one
+    forced = [new_state(SamplingParams(logit_bias={0: 100}), [], None) for _ in range(2000)]
+    assert set(Sampler(4, seed=3)(logits.expand(2000, 4), forced).tokens.tolist()) == {0}
+    banned = [new_state(SamplingParams(logit_bias={0: -100, 1: -100, 2: -100}), [], None) for _ in range(2000)]
+    assert set(Sampler(4, seed=3)(logits.expand(2000, 4), banned).tokens.tolist()) == {3}
+    # a small bias moves the odds by exp(bias): token 3's probability, its logit raised by ln 2, is twice the rest's
+    doubled = [new_state(SamplingParams(logit_bias={3: math.log(2.0)}), [], None) for _ in range(DRAWS)]
+    p = torch.softmax(logits[0] + torch.tensor([0.0, 0.0, 0.0, math.log(2.0)]), dim=-1)
+    counts = np.bincount(Sampler(4, seed=4)(logits.expand(DRAWS, 4), doubled).tokens.numpy(), minlength=4) / DRAWS
+    assert tvd(counts, p.numpy()) < TVD_LIMIT
+
+
+def test_logit_bias_is_checked_and_takes_a_dict_or_pairs():
+    assert SamplingParams(logit_bias={5: 1, 9: -100}).logit_bias == ((5, 1.0), (9, -100.0))
+    assert SamplingParams(logit_bias=[(5, 1)]) == SamplingParams(logit_bias={5: 1.0})
+    for bad in ({5: 100.5}, {5: float("nan")}, {-1: 0}):
+        with pytest.raises(ValueError, match="from -100 to 100"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="twice"):
+        SamplingParams(logit_bias=((5, 1), (5, 2)))

@@ -41,7 +41,12 @@ CASES = [
     ("logprobs-too-many", "POST", C, {"prompt": "x", "logprobs": 30}, 400, "invalid_value", "logprobs"),
     ("top-logprobs-alone", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "invalid_value",
      "top_logprobs needs logprobs"),
-    ("logit-bias", "POST", C, {"prompt": "x", "logit_bias": {"50256": -100}}, 400, "invalid_value", "logit_bias"),
+    ("logit-bias-past-100", "POST", C, {"prompt": "x", "logit_bias": {"42": 150}}, 400, "invalid_value", "logit_bias"),
+    ("logit-bias-not-an-id", "POST", C, {"prompt": "x", "logit_bias": {"hi": 1}}, 400, "invalid_value", "token ids"),
+    ("logit-bias-outside-vocab", "POST", C, {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "invalid_value",
+     "outside the vocabulary"),
+    ("logit-bias-id-twice", "POST", CHAT, {"messages": MSG, "logit_bias": {"42": 1, "042": 2}}, 400, "invalid_value",
+     "twice"),
     ("tools", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_value", "tools"),
     ("json-mode", "POST", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
      "invalid_value", "response_format"),
@@ -94,6 +99,8 @@ CASES = [
     # found by the second attack: 490,000 stop ids in one body slowed every other request 25-fold
     ("stop-token-ids-too-many", "POST", C, {"prompt": "x", "stop_token_ids": list(range(1025))}, 400, "invalid_value",
      "stop_token_ids"),
+    ("logit-bias-too-many", "POST", C, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, 400,
+     "invalid_value", "logit_bias"),
     ("stream-options-without-stream", "POST", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "invalid_value", "stream_options is only allowed with stream: true"),
 ]

@@ -95,6 +95,33 @@ def test_logprobs_in_both_shapes(client):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)
 
 
+def _token_id(appliance, text: str) -> int:
+    ids = httpx.post(appliance.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    assert len(ids) == 1, (text, ids)  # one token, whose text is `text` again
+    assert httpx.post(appliance.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    return ids[0]
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_the_logprobs_the_models(appliance, client):
+    """OpenAI's logit_bias: -100 on the greedy token gives the model's runner-up (from the unbiased answer's own top
+    logprobs) with the model's log-probability; +100 on a token makes every output token that one, on both
+    endpoints."""
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=2)
+    top = client.completions.create(**kwargs).choices[0].logprobs.top_logprobs[0]
+    first, second = sorted(top, key=top.get, reverse=True)[:2]
+    banned = client.completions.create(logit_bias={str(_token_id(appliance, first)): -100}, **kwargs).choices[0]
+    assert banned.text == second
+    assert banned.logprobs.token_logprobs[0] == pytest.approx(top[second], abs=1e-4)
+    assert banned.logprobs.top_logprobs[0][first] == pytest.approx(top[first], abs=1e-4)  # still the model's best
+    forced_id = _token_id(appliance, " banana")
+    forced = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0.7,
+                                       seed=1, logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == " banana" * 4 and forced.usage.completion_tokens == 4
+    chat = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, logit_bias={str(forced_id): 100},
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert chat.choices[0].message.content == " banana" * 3
+
+
 def test_stop_sequences_and_echo(client):
     free = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0).choices[0].text
     stop = free.split(",")[1].strip()
