@@ -142,13 +142,14 @@ class EngineCore:
         return deltas
 
     def _abort_unusable(self, request_ids: list[str]) -> list[TokenDelta]:
-        """Requests whose logits were NaN or infinite (sampler.NO_TOKEN): the model is at fault, not the request,
-        and the others go on. Aborted before the step's update, and out of the prefix cache, so that no later
-        request reuses the keys and values they computed."""
+        """Requests that got no token (sampler.NO_TOKEN): their logits were NaN or infinite (the model is at fault,
+        not the request), or their structured output's grammar failed; the others go on. Aborted before the step's
+        update, and out of the prefix cache, so that no later request reuses the keys and values they computed."""
         if not request_ids:
             return []
-        log.error("the model's logits were not finite numbers (NaN or infinite) for request(s) %s; aborting them: "
-                  "check the model file", ", ".join(request_ids))
+        log.error("no token could be sampled for request(s) %s (the model's logits were not finite numbers, NaN or "
+                  "infinite: check the model file; or a structured output's grammar failed); aborting them",
+                  ", ".join(request_ids))
         for request_id in request_ids:
             if (request := self.scheduler.requests.get(request_id)) is not None:
                 self.kv.forget(request)

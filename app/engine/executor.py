@@ -97,10 +97,11 @@ class TPExecutor:
         self.group.close()
 
 
-def local_engine(model, kv: KVCacheConfig, scheduler_cfg, model_id: str):
-    """An EngineCore running `model` in this process (the offline LLM, tests, a tp=1 engine process)."""
+def local_engine(model, kv: KVCacheConfig, scheduler_cfg, model_id: str, tokenizer_json=None):
+    """An EngineCore running `model` in this process (tests); `tokenizer_json` as ModelRunner's."""
     from app.engine.core import EngineCore
     from app.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(model, kv, scheduler_cfg.max_num_batched_tokens, scheduler_cfg.max_num_seqs)
+    runner = ModelRunner(model, kv, scheduler_cfg.max_num_batched_tokens, scheduler_cfg.max_num_seqs,
+                         tokenizer_json=tokenizer_json)
     return EngineCore(LocalExecutor(runner), scheduler_cfg, kv, model_id)

@@ -7,6 +7,7 @@ it. Input staging buffers are allocated once at the largest step size and reused
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -17,6 +18,7 @@ from app.engine.kv_cache import KVCacheConfig
 from app.engine.output import TokenLogprobs
 from app.engine.sampler import Sampler, SamplingState, new_state
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
+from app.engine.structured import Grammars
 from app.model.batch import ForwardBatch
 from app.model.llama import LlamaForCausalLM
 
@@ -29,8 +31,10 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVCacheConfig, max_num_tokens: int, max_num_seqs: int,
-                 seed: int = 0):
+                 seed: int = 0, tokenizer_json: Callable[[], str] | None = None):
+        """`tokenizer_json`: the model's tokenizer.json text, asked for on the first request with a grammar."""
         self.model, self.block_size = model, kv.block_size
+        self.grammars = Grammars(tokenizer_json, model.cfg.vocab_size)
         self.kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size, getattr(torch, kv.dtype) if kv.dtype else None)
         self.sampler = Sampler(model.cfg.vocab_size, seed)
         self.states: dict[str, SamplingState] = {}
@@ -54,7 +58,9 @@ class ModelRunner:
         for request_id in output.finished_ids:  # first: a finished id may come back as a new request
             self.states.pop(request_id, None)
         for new in output.new_requests:
-            self.states[new.request_id] = new_state(new.params, list(new.prompt_ids), new.eos_token_id)
+            matcher = None if new.params.grammar is None else self.grammars.matcher(new.params.grammar,
+                                                                                     new.eos_token_id)
+            self.states[new.request_id] = new_state(new.params, list(new.prompt_ids), new.eos_token_id, matcher)
         batch, hidden = self.forward(output)
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
@@ -130,6 +136,8 @@ class ModelRunner:
             if tokens[row] < 0:  # NO_TOKEN: the engine aborts the request
                 continue
             state.output_ids.append(tokens[row])
+            if state.matcher is not None:
+                state.matcher.consume_token(tokens[row])  # (a token the mask allowed; else the next step fails it)
             k = state.params.logprobs
             if k is not None:
                 top = tuple(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else ()

@@ -43,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, each bias from -100 to 100 added to that token's logit before penalties and sampling
     (OpenAI's logit_bias; -100 all but bans a token, 100 all but forces it). A dict {token id: bias} is taken too."""
+    grammar: str | None = None
+    """An llguidance grammar the output must follow (app/engine/structured.py `grammar_for` makes one from a JSON
+    schema, a regular expression, a list of choices or a Lark grammar); it ends where the grammar is complete."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

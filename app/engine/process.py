@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
         from app.engine.model_runner import ModelRunner
         from app.model.loader import load_model
         from app.model.source import ModelSource
+        from app.model.tokenizer import tokenizer_json
 
         if bind:
             placement = launch.placement
@@ -89,11 +91,11 @@ def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = 
         if before_load is not None:
             before_load()
         m = launch.model
-        loaded = load_model(ModelSource(Path(m.path), m.format, m.served_name), m.dtype, tokenizer=tokenizer,
-                            quantized=m.quantized, group=group, rank=0, size=launch.tp,
-                            activations=m.quantized_activations)
+        source = ModelSource(Path(m.path), m.format, m.served_name)
+        loaded = load_model(source, m.dtype, tokenizer=tokenizer, quantized=m.quantized, group=group, rank=0,
+                            size=launch.tp, activations=m.quantized_activations)
         runner = ModelRunner(loaded.model, launch.kv, launch.scheduler.max_num_batched_tokens,
-                             launch.scheduler.max_num_seqs)
+                             launch.scheduler.max_num_seqs, tokenizer_json=partial(tokenizer_json, source))
         if group is None:
             executor = LocalExecutor(runner)
         else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,9 +42,10 @@ class SamplingState:
     counted: int = 0
     prompt_tokens: torch.Tensor | None = None  # [n] int64: the prompt's distinct tokens, once asked for
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as ([n] int64 ids, [n] float32 biases)
+    matcher: Any = None  # the grammar's llguidance matcher (params.grammar), advanced by each token sampled
 
 
-def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int | None) -> SamplingState:
+def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int | None, matcher: Any = None) -> SamplingState:
     generator = None
     if params.seed is not None:
         # A torch seed is a uint64; folding any int into that range keeps every API seed valid.
@@ -56,7 +58,7 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
     if params.logit_bias:
         ids, values = zip(*params.logit_bias)
         bias = (torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
-    return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias)
+    return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias, matcher=matcher)
 
 
 # What a row gets whose logits hold no usable distribution (NaN or infinite, or all -inf): not a token id.
@@ -83,11 +85,17 @@ class Sampler:
         if all(_plain_greedy(state) for state in states):
             return _greedy_output(raw)
         shaped = mask_stop_tokens(apply_penalties(apply_logit_bias(raw, states), states), states)
+        if shaped is raw and any(state.matcher is not None for state in states):
+            shaped = raw.clone()  # the grammars mask in place; the raw logits give the log-probabilities
+        failed = apply_grammars(shaped, states, raw)
         tokens = self._choose(shaped, states)
         undrawn = tokens < 0  # no finite, positive mass to draw from: the argmax decides (a penalty that made a
         if undrawn.any():     # logit infinite makes that token certain; NaN or +inf comes first, as in torch)
             tokens[undrawn] = greedy_tokens(shaped[undrawn])
-        return _with_logprobs(raw, _usable(raw, tokens), states)
+        tokens = _usable(raw, tokens)
+        if failed:
+            tokens[failed] = NO_TOKEN
+        return _with_logprobs(raw, tokens, states)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
@@ -153,8 +161,8 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _plain_greedy(state: SamplingState) -> bool:
     """Greedy, without logit_bias, penalties, logprobs or a stop token still masked: the argmax of the raw logits."""
     params = state.params
-    return params.greedy and params.logprobs is None and not params.logit_bias and not _has_penalty(params) and not (
-        len(state.output_ids) < params.min_tokens and state.early_stops is not None)
+    return params.greedy and params.logprobs is None and not params.logit_bias and state.matcher is None and not (
+        _has_penalty(params)) and not (len(state.output_ids) < params.min_tokens and state.early_stops is not None)
 
 
 def _greedy_output(raw: torch.Tensor) -> SampleOutput:
@@ -180,6 +188,33 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     numpy's argmax, not torch's: over SmolLM2's 49,152 logits, torch's CPU argmax took 120-220 us for 8 rows
     and 0.5-1 ms for 32 (its argmax reduction is not vectorised), numpy's 18 and 70 us (Zen 5, 1-2 threads)."""
     return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1).astype("int64", copy=False))
+
+
+def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: torch.Tensor) -> list[int]:
+    """In place: -inf on every token a row's grammar does not allow next (structured outputs; the last of the masks,
+    so a grammar's choice is never undone). Where the masks before it left none of those tokens (min_tokens holding
+    back the EOS that a complete grammar allows alone), the grammar wins: the row is the raw logits, masked by the
+    grammar only. Returns the rows whose grammar failed (it allows no token): they get no token, and the engine
+    aborts their requests.
+
+    shaped: [S, V] float32, already a copy of the raw logits wherever a row has a grammar (see __call__)."""
+    from app.engine.structured import allowed_tokens
+
+    failed = []
+    for s, state in enumerate(states):
+        if state.matcher is None:
+            continue
+        allowed = allowed_tokens(state.matcher, shaped.shape[1])
+        if allowed is None or not allowed.any():
+            failed.append(s)
+            continue
+        refused = torch.from_numpy(~allowed)
+        row = shaped[s]
+        row[refused] = float("-inf")
+        if bool((row == float("-inf")).all()):
+            row.copy_(raw[s])
+            row[refused] = float("-inf")
+    return failed
 
 
 def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 import types
 from importlib.metadata import version
@@ -124,6 +125,14 @@ def export_tokenizer(source: ModelSource, directory: Path, use_cache: bool = Tru
             shutil.rmtree(cached, ignore_errors=True)
         _store(Path(directory), cached)
     return False
+
+
+def tokenizer_json(source: ModelSource) -> str:
+    """The model's tokenizer as tokenizer.json text (structured outputs build their token masks from it): the
+    cached export where there is one (the bootstrap makes it before the engine starts), else converted now."""
+    with tempfile.TemporaryDirectory(prefix="appliance-tokenizer-") as directory:
+        export_tokenizer(source, Path(directory))
+        return (Path(directory) / "tokenizer.json").read_text(encoding="utf-8")
 
 
 def cache_entry(source: ModelSource) -> Path | None:

@@ -79,7 +79,7 @@ async def completions(request: Request) -> Response:
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
                        "invalid_value")
-    gen = _generation(ctx, body, body.logprobs, "cmpl")
+    gen = await _generation(ctx, body, body.logprobs, "cmpl")
     for ids in prompts:
         _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens", "prompt"))
     echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
@@ -103,7 +103,7 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(body.model)
     ids = await ctx.chat_ids(body.messages, body.add_generation_prompt)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    gen = _generation(ctx, body, top, "chatcmpl")
+    gen = await _generation(ctx, body, top, "chatcmpl")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
@@ -120,17 +120,19 @@ async def chat_completions(request: Request) -> Response:
 # --- building a generation ---
 
 
-def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
+async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
     ctx.check_stop_ids(body.stop_token_ids)
     ctx.check_bias_ids([token for token, _ in body.bias()])
+    constraint = body.constraint()
+    grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
-        params = _sampling_params(body, logprobs)
+        params = _sampling_params(body, logprobs, grammar)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
 
 
-def _sampling_params(body: SamplingFields, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: SamplingFields, logprobs: int | None, grammar: str | None) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
@@ -138,7 +140,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None) -> SamplingPara
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-        logit_bias=body.bias(), max_tokens=None)
+        logit_bias=body.bias(), grammar=grammar, max_tokens=None)
 
 
 def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:

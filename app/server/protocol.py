@@ -21,6 +21,53 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format needs json_schema exactly when its type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_value: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = self._given()
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        return self
+
+    def value(self, name: str):
+        return self.json_value if name == "json" else getattr(self, name)
+
+    def _given(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                if self.value(name) not in (None, False)]
+
+    def constraint(self) -> tuple[str, Any]:
+        name = self._given()[0]
+        return name, self.value(name)
+
+
 class SamplingFields(_Body):
     """Fields shared by both generation endpoints."""
 
@@ -47,6 +94,9 @@ class SamplingFields(_Body):
     # bounded: the engine checks each sampled token against them, and masks them all until min_tokens
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1024)] | None = None
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format (both endpoints, as vLLM) or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -66,12 +116,26 @@ class SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _unsupported(self):
+        if self.structured_outputs is not None and self.response_format is not None and \
+                self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def constraint(self) -> tuple[str, Any, str] | None:
+        """The structured output asked for, as (kind, value, the field that asked): see app/engine/structured.py."""
+        if self.structured_outputs is not None:
+            return (*self.structured_outputs.constraint(), "structured_outputs")
+        form = self.response_format
+        if form is None or form.type == "text":
+            return None
+        if form.type == "json_object":
+            return "json_object", True, "response_format"
+        return "json", form.json_schema.json_schema, "response_format"
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs."""
@@ -114,17 +178,12 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
@@ -132,8 +191,6 @@ class ChatCompletionRequest(SamplingFields):
     def _chat_checks(self):
         if self.tools:
             raise ValueError("tools (function calling) are not supported by this server")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported; only 'text'")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

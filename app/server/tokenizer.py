@@ -24,6 +24,7 @@ class AsyncTokenizer:
         longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
         self.max_text_chars = max(longest, 1) * max_model_len
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made for the first structured output
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -39,6 +40,27 @@ class AsyncTokenizer:
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(lambda: self.tokenizer.decode(ids))
+
+    async def grammar(self, kind: str, value, param: str) -> str:
+        """The llguidance grammar of a structured output (app/engine/structured.py), checked against this model's
+        tokenizer here, so that a schema, regex or grammar it cannot use is a 400 naming `param`."""
+        return await self._run(lambda: self._grammar(kind, value, param))
+
+    def _grammar(self, kind: str, value, param: str) -> str:
+        from app.engine.structured import check_grammar, grammar_for, tokenizer_from_json
+
+        try:
+            grammar = grammar_for(kind, value)
+            if self._grammar_tokenizer is None:  # ~0.4 s for SmolLM2, once a worker
+                self._grammar_tokenizer = tokenizer_from_json(self.tokenizer.backend_tokenizer.to_str(),
+                                                              self.vocab_size, self.eos_token_id)
+            error = check_grammar(grammar, self._grammar_tokenizer)
+        except Exception as exc:  # noqa: BLE001 (whatever the library says of this input is the client's 400)
+            error = str(exc) or type(exc).__name__
+        if error is not None:
+            what = {"json": "JSON schema", "json_object": "JSON object"}.get(kind, kind)
+            raise APIError(400, f"{param}: this {what} cannot constrain the output: {error}", param, "invalid_value")
+        return grammar
 
     def check_length(self, chars: int, param: str) -> None:
         if chars > self.max_text_chars:

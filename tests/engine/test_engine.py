@@ -165,10 +165,55 @@ def test_a_model_that_gives_nan_logits_aborts_its_requests_and_the_engine_goes_o
     finally:
         norm.copy_(whole)
     assert [(d.request_id, d.token_id, d.finish_reason) for d in deltas] == [("broken", None, FinishReason.ABORT)]
-    assert "not finite numbers (NaN or infinite) for request(s) broken" in caplog.text
+    assert "no token could be sampled for request(s) broken (the model's logits were not finite" in caplog.text
     assert cached > 0 and not core.kv.pool.by_hash  # its chunks were findable, then forgotten
     assert core.kv.usage() == 0.0 and all(c == 0 for c in core.kv.pool.ref_count)
     assert run_engine_on(core, loaded, [prompts[5]]) == [alone[5]]
+
+
+def test_structured_outputs_keep_their_grammar_through_batching_and_preemption(loaded, prompts):
+    """Greedy requests held to a regex (structured outputs): in a batch whose KV cache is too small for all of them
+    (preemptions, recomputed prompts) each gives the tokens it gives alone, every text matches the regex in full
+    and ends with EOS (the grammar complete); a request whose grammar cannot be set up (an engine given no
+    tokenizer) is aborted alone, and the others finish."""
+    import re
+
+    from app.engine.structured import grammar_for
+    from app.model.tokenizer import tokenizer_json
+
+    regex = r" ?[A-Za-z]+( [A-Za-z]+){2,5}\."
+    params = SamplingParams(temperature=0, max_tokens=40, grammar=grammar_for("regex", regex))
+    source = resolve_source(ModelSpec())
+
+    def run(core, batch):
+        for i, ids in enumerate(batch):
+            core.add_request(str(i), ids, params, loaded.tokenizer.eos_token_id)
+        out = {str(i): [] for i in range(len(batch))}
+        reasons = {}
+        while core.has_work():
+            for delta in core.step():
+                if delta.token_id is not None:
+                    out[delta.request_id].append(delta.token_id)
+                if delta.finish_reason is not None:
+                    reasons[delta.request_id] = delta.finish_reason
+        return [out[str(i)] for i in range(len(batch))], [reasons[str(i)] for i in range(len(batch))], core
+
+    def engine(blocks, tokenizer=True):
+        return local_engine(loaded.model, KVCacheConfig(blocks, BLOCK), SchedulerConfig(8, 64, 4096, True), "m",
+                            tokenizer_json=(lambda: tokenizer_json(source)) if tokenizer else None)
+
+    chosen = [prompts[i] for i in (0, 1, 3, 5, 7, 15)]
+    alone = [run(engine(256), [ids])[0][0] for ids in chosen]
+    together, reasons, core = run(engine(12), chosen)  # 12 blocks of 16 do not hold them all at once
+    assert core.scheduler.num_preemptions > 0
+    assert together == alone
+    eos = loaded.tokenizer.eos_token_id
+    for tokens, reason in zip(together, reasons, strict=True):
+        assert reason == FinishReason.STOP and tokens[-1] == eos
+        assert re.fullmatch(regex, loaded.tokenizer.decode(tokens[:-1])), loaded.tokenizer.decode(tokens)
+    broken, reasons, core = run(engine(256, tokenizer=False), chosen[:2])
+    assert reasons == [FinishReason.ABORT] * 2 and broken == [[], []]
+    assert core.kv.usage() == 0.0
 
 
 def test_runner_stages_a_step_as_make_batch_does(loaded):

@@ -1,0 +1,116 @@
+"""Structured outputs: a request's output held to a JSON schema, a regular expression, a list of choices or a Lark
+grammar, with llguidance (the library vLLM and llama.cpp use for the same): its matcher gives the tokens the grammar
+allows next, a bitmask over the vocabulary that the sampler applies to a row's logits before it chooses.
+
+The frontend turns the API's fields into one llguidance grammar (`grammar_for`) and checks it against the model's
+tokenizer (so a bad schema is a 400, never an engine error); the request carries the grammar
+(`SamplingParams.grammar`); the engine keeps a matcher per sequence (`Grammars`), advanced by every token sampled.
+Once the grammar is complete, only the end-of-sequence token is allowed, so the output ends there (`finish_reason`
+"stop").
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# JSON without optional whitespace: a small model left free to add spaces and newlines between tokens can pad
+# forever; the values a schema allows are unchanged.
+JSON_OPTIONS = {"whitespace_flexible": False}
+_REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
+
+
+def grammar_for(kind: str, value: Any) -> str:
+    """The llguidance grammar of one constraint: kind "json" (a schema, as a dict or its JSON text), "json_object"
+    (any JSON object), "regex", "choice" (a list of strings: exactly one of them), or "grammar" (Lark syntax).
+    Raises ValueError where the value is not of that kind's shape (a schema that is not JSON, say)."""
+    from llguidance import LLMatcher
+
+    if kind == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be a JSON object")
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(f"({_escape(choice)})" for choice in value))
+    if kind == "grammar":
+        return LLMatcher.grammar_from_lark(value)
+    raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def _escape(text: str) -> str:
+    """`text` as a regular expression that matches exactly it (Rust's regex syntax, which llguidance uses)."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def tokenizer_from_json(tokenizer_json: str, vocab_size: int, eos_token_id: int | None):
+    """llguidance's view of a Hugging Face fast tokenizer (its tokenizer.json text); ~0.4 s for SmolLM2's 49,152
+    tokens. Tokens past the tokenizer's own vocabulary (a padded embedding) are never allowed."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+def check_grammar(grammar: str, tokenizer) -> str | None:
+    """None where `grammar` compiles against `tokenizer` (an LLTokenizer), else llguidance's error message."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    return messages[0] if is_error else None
+
+
+class Grammars:
+    """The engine's side: the model's LLTokenizer (built on the first request that has a grammar, from
+    `tokenizer_json()`), and a new matcher for each sequence."""
+
+    def __init__(self, tokenizer_json: Callable[[], str] | None, vocab_size: int):
+        self._tokenizer_json, self._vocab_size = tokenizer_json, vocab_size
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def matcher(self, grammar: str, eos_token_id: int | None):
+        """A matcher at the start of `grammar`; where it cannot be built, one in llguidance's error state (the
+        sampler then gives its sequence no token, and the engine aborts that request alone)."""
+        from llguidance import LLMatcher
+
+        try:
+            with self._lock:
+                if self._tokenizer is None:
+                    if self._tokenizer_json is None:
+                        raise ValueError("this engine was given no tokenizer for structured outputs")
+                    self._tokenizer = tokenizer_from_json(self._tokenizer_json(), self._vocab_size, eos_token_id)
+        except Exception as exc:  # noqa: BLE001 (the request fails, not the engine)
+            return FailedMatcher(f"no tokenizer for the grammar: {exc}")
+        return LLMatcher(self._tokenizer, grammar, log_level=0)
+
+
+class FailedMatcher:
+    """What a sequence gets whose grammar could not even be set up: a matcher in the error state."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def is_error(self) -> bool:
+        return True
+
+    def get_error(self) -> str:
+        return self.error
+
+    def consume_token(self, token: int) -> bool:
+        return False
+
+
+def allowed_tokens(matcher, vocab_size: int) -> np.ndarray | None:
+    """The tokens `matcher` allows next, as a bool array [vocab_size]; None where it is in an error state."""
+    if matcher.is_error():
+        return None
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
