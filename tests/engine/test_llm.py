@@ -105,3 +105,26 @@ def test_a_rejected_prompt_leaves_the_engine_usable(llm):
         llm.generate(["Hello", [5] * 9000], SamplingParams(max_tokens=2))
     assert not llm.core.has_work()
     assert llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_offline_structured_outputs_and_logit_bias(llm):
+    """The offline API takes the same grammar the server builds (app.engine.structured.grammar_for) and the same
+    logit_bias: n sampled choices each one of the choices given; a bias of 100 on a token makes every output token
+    that one."""
+    import json
+
+    from app.engine.structured import grammar_for
+
+    choices = ["red", "green", "blue"]
+    params = SamplingParams(n=4, temperature=1.2, seed=5, max_tokens=8, grammar=grammar_for("choice", choices))
+    out = llm.generate("My favourite colour is", params)[0]
+    assert len(out.outputs) == 4 and all(o.text in choices and o.finish_reason == "stop" for o in out.outputs)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = llm.chat([{"role": "user", "content": "Is water wet?"}],
+                      SamplingParams(temperature=0, max_tokens=20, grammar=grammar_for("json", schema)))[0]
+    assert isinstance(json.loads(answer.outputs[0].text)["ok"], bool)
+    banana = llm.tokenizer(" banana", add_special_tokens=False).input_ids
+    assert len(banana) == 1
+    forced = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logit_bias={banana[0]: 100}))[0]
+    assert forced.outputs[0].text == " banana" * 3
