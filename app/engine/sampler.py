@@ -13,6 +13,7 @@ else shares its batch.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 from app.engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 _DRAW_BLOCK = 256  # tokens a block of `draw`'s two-level running sum
 _NUCLEUS = 1024  # most likely tokens top-p sorts before it sorts a whole row
@@ -200,21 +203,20 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
     shaped: [S, V] float32, already a copy of the raw logits wherever a row has a grammar (see __call__)."""
     from app.engine.structured import allowed_tokens
 
-    failed = []
-    for s, state in enumerate(states):
-        if state.matcher is None:
-            continue
-        allowed = allowed_tokens(state.matcher, shaped.shape[1])
-        if allowed is None or not allowed.any():
-            failed.append(s)
-            continue
-        refused = torch.from_numpy(~allowed)
-        row = shaped[s]
-        row[refused] = float("-inf")
-        if bool((row == float("-inf")).all()):
-            row.copy_(raw[s])
-            row[refused] = float("-inf")
-    return failed
+    rows = [s for s, state in enumerate(states) if state.matcher is not None]
+    if not rows:
+        return []
+    allowed, failed_at = allowed_tokens([states[s].matcher for s in rows], shaped.shape[1])
+    for i in failed_at:
+        log.warning("structured output of a sequence failed (%s); its request is aborted",
+                    states[rows[i]].matcher.get_error())
+    refused = torch.from_numpy(~allowed)
+    masked = shaped[rows].masked_fill_(refused, float("-inf"))
+    blocked = torch.nonzero((masked == float("-inf")).all(dim=1)).flatten().tolist()
+    for i in blocked:  # the grammar wins over the masks before it
+        masked[i] = raw[rows[i]].masked_fill(refused[i], float("-inf"))
+    shaped[rows] = masked
+    return [rows[i] for i in failed_at]
 
 
 def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +35,9 @@ def grammar_for(kind: str, value: Any) -> str:
         schema = json.loads(value) if isinstance(value, str) else value
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be a JSON object")
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -69,11 +70,16 @@ def check_grammar(grammar: str, tokenizer) -> str | None:
 
 class Grammars:
     """The engine's side: the model's LLTokenizer (built on the first request that has a grammar, from
-    `tokenizer_json()`), and a new matcher for each sequence."""
+    `tokenizer_json()`), and a matcher for each sequence: a copy of one compiled once per grammar (the n choices of
+    a request, and requests that send the same schema again, compile it once; a copy costs microseconds)."""
+
+    COMPILED = 32  # grammars kept compiled, most recently used
 
     def __init__(self, tokenizer_json: Callable[[], str] | None, vocab_size: int):
         self._tokenizer_json, self._vocab_size = tokenizer_json, vocab_size
         self._tokenizer = None
+        self._failed: str | None = None  # why the tokenizer could not be built (not tried again)
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def matcher(self, grammar: str, eos_token_id: int | None):
@@ -81,15 +87,23 @@ class Grammars:
         sampler then gives its sequence no token, and the engine aborts that request alone)."""
         from llguidance import LLMatcher
 
-        try:
-            with self._lock:
-                if self._tokenizer is None:
+        with self._lock:
+            if self._tokenizer is None and self._failed is None:
+                try:
                     if self._tokenizer_json is None:
                         raise ValueError("this engine was given no tokenizer for structured outputs")
                     self._tokenizer = tokenizer_from_json(self._tokenizer_json(), self._vocab_size, eos_token_id)
-        except Exception as exc:  # noqa: BLE001 (the request fails, not the engine)
-            return FailedMatcher(f"no tokenizer for the grammar: {exc}")
-        return LLMatcher(self._tokenizer, grammar, log_level=0)
+                except Exception as exc:  # noqa: BLE001 (the requests fail, not the engine)
+                    self._failed = f"no tokenizer for structured outputs: {exc}"
+            if self._failed is not None:
+                return FailedMatcher(self._failed)
+            compiled = self._compiled.get(grammar)
+            if compiled is None:
+                compiled = self._compiled[grammar] = LLMatcher(self._tokenizer, grammar, log_level=0)
+                while len(self._compiled) > self.COMPILED:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(grammar)
+            return compiled.deep_copy()
 
 
 class FailedMatcher:
@@ -107,10 +121,24 @@ class FailedMatcher:
     def consume_token(self, token: int) -> bool:
         return False
 
+    def compute_bitmask(self) -> bytes:
+        raise RuntimeError(self.error)
 
-def allowed_tokens(matcher, vocab_size: int) -> np.ndarray | None:
-    """The tokens `matcher` allows next, as a bool array [vocab_size]; None where it is in an error state."""
-    if matcher.is_error():
-        return None
-    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    return np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+
+def allowed_tokens(matchers: list, vocab_size: int) -> tuple[np.ndarray, list[int]]:
+    """The tokens each matcher allows next, as a bool array [len(matchers), vocab_size], and the indices of the
+    matchers in an error state, before or after computing their mask (llguidance fails inside the computation
+    where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete)."""
+    masks, failed = [], []
+    for i, matcher in enumerate(matchers):
+        bits = b"" if matcher.is_error() else matcher.compute_bitmask()
+        if matcher.is_error():
+            failed.append(i)
+            bits = b""
+        masks.append(bits)
+    width = max(-(-vocab_size // 8), *(len(bits) for bits in masks))  # bytes; a failed row allows nothing
+    stacked = np.frombuffer(b"".join(bits.ljust(width, b"\0") for bits in masks), dtype=np.uint8)
+    allowed = np.unpackbits(stacked.reshape(len(masks), width), axis=1, bitorder="little")[:, :vocab_size]
+    allowed = allowed.astype(bool)
+    failed += [i for i in np.flatnonzero(~allowed.any(axis=1)).tolist() if i not in failed]
+    return allowed, failed

@@ -6,6 +6,7 @@ and features this server does not implement are refused with a 400 that names th
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,11 +22,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Structured outputs' grammars are compiled (frontend and engine) and walked every step: bounded, as OpenAI bounds
+# its schemas, so that one request cannot hold up the others (a 200 KB grammar once slowed a stream 25-fold).
+MAX_GRAMMAR_CHARS = 65_536
+
+
+def _bounded_schema(schema):
+    if schema is not None and len(json.dumps(schema) if not isinstance(schema, str) else schema) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"a JSON schema may be up to {MAX_GRAMMAR_CHARS} characters")
+    return schema
+
+
 class JsonSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _bounded_schema(value)
 
 
 class ResponseFormat(BaseModel):
@@ -43,10 +60,22 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of these."""
 
     json_value: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: Annotated[str, Field(min_length=1)] | None = None
+    regex: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
     choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
-    grammar: Annotated[str, Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
     json_object: bool | None = None
+
+    @field_validator("json_value")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        return _bounded_schema(value)
+
+    @field_validator("choice")
+    @classmethod
+    def _choices_bounded(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and sum(len(c) for c in value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the choices may hold up to {MAX_GRAMMAR_CHARS} characters in all")
+        return value
 
     @model_validator(mode="after")
     def _exactly_one(self):
@@ -116,6 +145,10 @@ class SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _unsupported(self):
+        old = sorted(k for k in self.model_extra or {} if k.startswith("guided_"))
+        if old:  # vLLM's earlier names: ignoring them would answer unconstrained
+            raise ValueError(f"{old[0]} is not supported; use structured_outputs (vLLM's current name) or "
+                             "response_format")
         if self.structured_outputs is not None and self.response_format is not None and \
                 self.response_format.type != "text":
             raise ValueError("give response_format or structured_outputs, not both")

@@ -1,0 +1,76 @@
+"""Structured outputs' engine side (app/engine/structured.py and the sampler's grammar masks) with llguidance and
+the default model's real tokenizer: masks, failures, the compile cache, choices with regex characters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.params import SamplingParams
+from app.engine.sampler import NO_TOKEN, Sampler, new_state
+from app.engine.structured import Grammars, allowed_tokens, grammar_for
+from app.model.source import resolve_source
+from app.model.tokenizer import load_exported, tokenizer_json
+from app.spec.schema import ModelSpec
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def text():
+    return tokenizer_json(resolve_source(ModelSpec()))
+
+
+@pytest.fixture(scope="module")
+def hf(text, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    (folder / "tokenizer.json").write_text(text)
+    return load_exported(folder)
+
+
+@pytest.fixture(scope="module")
+def grammars(text, hf):
+    return Grammars(lambda: text, VOCAB)
+
+
+def test_masks_keep_each_row_to_its_grammar_and_a_failed_grammar_gets_no_token(grammars, hf):
+    """Three rows: free, held to a regex, held to a regex nothing can match (llguidance fails inside its mask
+    computation and would allow EOS alone: the row must get no token, not end as if complete)."""
+    eos = hf.eos_token_id
+    digits = grammars.matcher(grammar_for("regex", r"[0-9]{2}"), eos)
+    never = grammars.matcher(grammar_for("regex", r"[^\s\S]"), eos)
+    states = [new_state(SamplingParams(temperature=0, logprobs=0), [], eos),
+              new_state(SamplingParams(temperature=0, logprobs=0), [], eos, digits),
+              new_state(SamplingParams(temperature=0, logprobs=0), [], eos, never)]
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    raw = logits.clone()
+    allowed, failed = allowed_tokens([grammars.matcher(grammar_for("regex", r"[0-9]{2}"), eos)], VOCAB)
+    assert failed == [] and 0 < allowed[0].sum() < 200
+    assert all(hf.decode([t]).isdigit() for t in allowed[0].nonzero()[0].tolist())
+    out = Sampler(VOCAB)(logits, states)
+    assert torch.equal(logits, raw)  # the masks never touch the model's logits
+    expected = logits[1].masked_fill(~torch.from_numpy(allowed[0]), float("-inf")).argmax()
+    assert out.tokens.tolist() == [int(raw[0].argmax()), int(expected), NO_TOKEN]
+    assert torch.allclose(out.logprobs[:2], torch.log_softmax(raw, -1)[[0, 1], out.tokens[:2]])
+
+
+def test_each_sequence_gets_its_own_matcher_of_a_grammar_compiled_once(grammars, hf):
+    grammar = grammar_for("choice", ["a+b (c)?", "[x]|y", "plain"])
+    first, second = grammars.matcher(grammar, hf.eos_token_id), grammars.matcher(grammar, hf.eos_token_id)
+    assert first is not second and list(grammars._compiled).count(grammar) == 1
+    for choice in ("a+b (c)?", "[x]|y", "plain"):  # regex characters stand for themselves
+        matcher = grammars.matcher(grammar, hf.eos_token_id)
+        assert matcher.consume_tokens(hf(choice, add_special_tokens=False).input_ids) and matcher.is_accepting()
+    assert first.consume_tokens(hf("plain", add_special_tokens=False).input_ids) and first.is_accepting()
+    assert not second.is_accepting()  # untouched by its sibling
+    assert not grammars.matcher(grammar, hf.eos_token_id).consume_tokens(hf("a+b (c)", add_special_tokens=False)
+                                                                          .input_ids[:1] + [hf("z").input_ids[0]])
+
+
+def test_an_engine_without_a_tokenizer_fails_the_request_once_and_says_why():
+    calls = []
+    broken = Grammars(lambda: calls.append(1) or "not a tokenizer", VOCAB)
+    for _ in range(3):
+        matcher = broken.matcher(grammar_for("regex", "a"), 0)
+        assert matcher.is_error() and "no tokenizer for structured outputs" in matcher.get_error()
+    assert calls == [1]  # not tried again on every request
