@@ -48,7 +48,8 @@ class SamplingState:
     matcher: Any = None  # the grammar's llguidance matcher (params.grammar), advanced by each token sampled
 
 
-def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int | None, matcher: Any = None) -> SamplingState:
+def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int | None,
+              matcher: Any = None) -> SamplingState:
     generator = None
     if params.seed is not None:
         # A torch seed is a uint64; folding any int into that range keeps every API seed valid.
