@@ -212,11 +212,17 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
         log.warning("structured output of a sequence failed (%s); its request is aborted",
                     states[rows[i]].matcher.get_error())
     refused = torch.from_numpy(~allowed)
-    masked = shaped[rows].masked_fill_(refused, float("-inf"))
-    blocked = torch.nonzero((masked == float("-inf")).all(dim=1)).flatten().tolist()
-    for i in blocked:  # the grammar wins over the masks before it
-        masked[i] = raw[rows[i]].masked_fill(refused[i], float("-inf"))
-    shaped[rows] = masked
+    whole = len(rows) == shaped.shape[0]  # every row has a grammar: masked in place, no gather and scatter
+    masked = shaped if whole else shaped[rows]
+    masked.masked_fill_(refused, float("-inf"))
+    # Only min_tokens' mask can have taken every token the grammar allows (a complete grammar's EOS): the model's
+    # logits are finite (a row that is not gets no token anyway), and penalties and logit_bias keep them so.
+    held = [i for i, s in enumerate(rows) if len(states[s].output_ids) < states[s].params.min_tokens]
+    for i in held:
+        if bool((masked[i] == float("-inf")).all()):  # the grammar wins over the masks before it
+            masked[i] = raw[rows[i]].masked_fill(refused[i], float("-inf"))
+    if not whole:
+        shaped[rows] = masked
     return [rows[i] for i in failed_at]
 
 
