@@ -121,9 +121,6 @@ class FailedMatcher:
     def consume_token(self, token: int) -> bool:
         return False
 
-    def compute_bitmask(self) -> bytes:
-        raise RuntimeError(self.error)
-
 
 def allowed_tokens(matchers: list, vocab_size: int) -> tuple[np.ndarray, list[int]]:
     """The tokens each matcher allows next, as a bool array [len(matchers), vocab_size], and the indices of the
@@ -131,8 +128,8 @@ def allowed_tokens(matchers: list, vocab_size: int) -> tuple[np.ndarray, list[in
     where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete)."""
     masks, failed = [], []
     for i, matcher in enumerate(matchers):
-        bits = b"" if matcher.is_error() else matcher.compute_bitmask()
-        if matcher.is_error():
+        bits = None if matcher.is_error() else matcher.compute_bitmask()
+        if bits is None or matcher.is_error():  # failed before, or in the computation
             failed.append(i)
             bits = b""
         masks.append(bits)

@@ -130,6 +130,12 @@ def export_tokenizer(source: ModelSource, directory: Path, use_cache: bool = Tru
 def tokenizer_json(source: ModelSource) -> str:
     """The model's tokenizer as tokenizer.json text (structured outputs build their token masks from it): the
     cached export where there is one (the bootstrap makes it before the engine starts), else converted now."""
+    cached = cache_entry(source)
+    if _complete(cached):
+        try:
+            return (cached / "tokenizer.json").read_text(encoding="utf-8")
+        except OSError:  # replaced meanwhile (an export with use_cache=False): convert below
+            pass
     with tempfile.TemporaryDirectory(prefix="appliance-tokenizer-") as directory:
         export_tokenizer(source, Path(directory))
         return (Path(directory) / "tokenizer.json").read_text(encoding="utf-8")

@@ -66,11 +66,9 @@ class Context:
         self._check_ids(ids, "messages")
         return ids
 
-    def check_stop_ids(self, ids: list[int] | None) -> None:
-        self._check_ids(ids or [0], "stop_token_ids")
-
-    def check_bias_ids(self, ids: list[int]) -> None:
-        self._check_ids(ids or [0], "logit_bias")
+    def check_token_ids(self, ids: list[int] | None, param: str) -> None:
+        """Token ids a request names besides its prompt (`stop_token_ids`, `logit_bias`'s keys); none is fine."""
+        self._check_ids(ids or [0], param)
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         if not ids:

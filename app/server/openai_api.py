@@ -121,18 +121,20 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
-    ctx.check_stop_ids(body.stop_token_ids)
-    ctx.check_bias_ids([token for token, _ in body.bias()])
+    bias = body.bias()
+    ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
+    ctx.check_token_ids([token for token, _ in bias], "logit_bias")
     constraint = body.constraint()
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
-        params = _sampling_params(body, logprobs, grammar)
+        params = _sampling_params(body, logprobs, bias, grammar)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
 
 
-def _sampling_params(body: SamplingFields, logprobs: int | None, grammar: str | None) -> SamplingParams:
+def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
+                     grammar: str | None) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
@@ -140,7 +142,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, grammar: str | 
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-        logit_bias=body.bias(), grammar=grammar, max_tokens=None)
+        logit_bias=bias, grammar=grammar, max_tokens=None)
 
 
 def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:

@@ -35,6 +35,8 @@ def test_a_second_export_copies_the_cached_one(tmp_path, monkeypatch):
         assert (tmp_path / "second" / name).read_bytes() == (tmp_path / "first" / name).read_bytes(), name
     fast = tokenizer.load_exported(tmp_path / "second")
     assert fast("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
+    # structured outputs' tokenizer.json text: read from the cache entry, the same bytes as the export
+    assert tokenizer.tokenizer_json(source) == (tmp_path / "first" / "tokenizer.json").read_text(encoding="utf-8")
 
 
 def test_the_bootstrap_copies_a_cached_export_itself_whole(tmp_path, monkeypatch):
