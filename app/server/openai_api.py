@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
@@ -17,6 +18,8 @@ from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from app.server.tools import ToolPlan
+from app.server.tools import plan as plan_tools
 
 log = logging.getLogger("app.server")
 MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill the waiting queue
@@ -101,30 +104,46 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    ids = await ctx.chat_ids(body.messages, body.add_generation_prompt)
+    tools = plan_tools(body)
+    ids = await ctx.chat_ids(body.messages, body.add_generation_prompt, tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    gen = await _generation(ctx, body, top, "chatcmpl")
+    forced = tools if tools is not None and tools.forced else None
+    gen = await _generation(ctx, body, top, "chatcmpl", forced.constraint if forced else None)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
     if body.stream:
-        return _sse(_chat_chunks(gen, body, ctx.served_name))
+        return _sse(_chat_chunks(gen, body, ctx.served_name, forced))
     events = await _collect(gen, request)
-    choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text.text},
-                "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None,
-                "finish_reason": _reason(s)} for s in gen.sequences]
+    choices = [{"index": s.index, **_chat_message(s, forced),
+                "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
+               for s in gen.sequences]
     return JSONResponse({"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
                          "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
+
+
+def _chat_message(seq, tools: ToolPlan | None) -> dict:
+    """A non-streamed choice's message and finish_reason; a forced tool choice's text as `tool_calls`."""
+    reason = _reason(seq)
+    if tools is None:
+        return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
+    reader = tools.reader()
+    reader.feed(seq.text.text)
+    calls = reader.calls()
+    return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": tools.finish_reason(reason, len(calls))}
 
 
 # --- building a generation ---
 
 
-async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str) -> Generation:
+async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str,
+                      constraint: tuple[str, Any, str] | None = None) -> Generation:
+    """The request's generation; `constraint` (a forced tool choice's) in place of the body's structured output."""
     bias = body.bias()
     ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
     ctx.check_token_ids([token for token, _ in bias], "logit_bias")
-    constraint = body.constraint()
+    constraint = constraint or body.constraint()
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
         params = _sampling_params(body, logprobs, bias, grammar)
@@ -264,19 +283,28 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
                "choices": [], "usage": _usage(gen)}
 
 
-async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str) -> AsyncIterator[dict]:
+async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
+                       tools: ToolPlan | None) -> AsyncIterator[dict]:
     created = int(time.time())
     base = {"id": gen.response_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for seq in gen.sequences:  # the role comes first, as OpenAI sends it
         yield {**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
+    readers = {seq.index: tools.reader() for seq in gen.sequences} if tools is not None else {}
     async for event in gen.events():
-        if not event.text and event.finish_reason is None and not (body.logprobs and event.logprobs):
+        reason = event.finish_reason
+        if tools is not None:  # the text goes out as tool-call deltas
+            calls = readers[event.index].feed(event.text)
+            delta = {"tool_calls": calls} if calls else {}
+            if reason is not None:
+                reason = tools.finish_reason(reason, len(readers[event.index].calls()))
+        else:
+            delta = {"content": event.text} if event.text else {}
+        if not delta and reason is None and not (body.logprobs and event.logprobs):
             continue
-        delta = {"content": event.text} if event.text else {}
         logprobs = _chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
         yield {**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": event.finish_reason}]}
+                                    "finish_reason": reason}]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**base, "choices": [], "usage": _usage(gen)}
 

@@ -200,15 +200,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI gives it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant made, in a request's history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -217,13 +253,22 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    # tool calling: app/server/tools.py
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_bounded(cls, value: list[Tool] | None) -> list[Tool] | None:
+        # the parameter schemas become one grammar (tool_choice "required"), bounded as structured outputs' are
+        if value and sum(len(json.dumps(t.function.parameters or {})) for t in value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the tools' parameter schemas may hold up to {MAX_GRAMMAR_CHARS} characters in all")
+        return value
 
     @model_validator(mode="after")
     def _chat_checks(self):
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -236,6 +281,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # shown to the chat template, as in chat
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -287,9 +333,16 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -25,6 +25,10 @@ class AsyncTokenizer:
         self.max_text_chars = max(longest, 1) * max_model_len
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made for the first structured output
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        templates = template.values() if isinstance(template, dict) else [template or ""]
+        # whether the template renders `tools` (app/server/tools.py writes them into a system message otherwise)
+        self.template_knows_tools = any("tools" in t for t in templates)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -33,9 +37,10 @@ class AsyncTokenizer:
         self.check_length(len(text), param)
         return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    async def encode_chat(self, conversation: list[dict], add_generation_prompt: bool, param: str) -> list[int]:
+    async def encode_chat(self, conversation: list[dict], add_generation_prompt: bool, param: str,
+                          tools: list[dict] | None = None) -> list[int]:
         self.check_length(sum(len(m["content"]) for m in conversation), param)
-        text = await self._run(lambda: self._render(conversation, add_generation_prompt))
+        text = await self._run(lambda: self._render(conversation, add_generation_prompt, tools))
         return await self.encode(text, param, add_special_tokens=False)
 
     async def decode(self, ids: list[int]) -> str:
@@ -69,9 +74,9 @@ class AsyncTokenizer:
                                 f"{self.max_model_len} tokens in any tokenization). Please reduce the text.", param,
                            "context_length_exceeded")
 
-    def _render(self, conversation: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, conversation: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+            return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       chat_template=self.chat_template)
         except Exception as exc:  # the template refused this conversation (roles, order, ...)

@@ -168,6 +168,72 @@ def test_structured_outputs_follow_the_schema_regex_choice_and_grammar(client):
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", said), said
 
 
+WEATHER_ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER_ARGS}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time in a city", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["city"],
+             "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
+
+
+def _streamed_calls(chunks) -> tuple[list[dict], str | None]:
+    """Tool calls put together from stream deltas, as OpenAI's client code does it, and the last finish_reason."""
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        assert not choice.delta.content  # a forced choice's text goes out as tool calls only
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or delta.id
+            call["name"] = call["name"] or delta.function.name
+            call["arguments"] += delta.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+def test_tool_calls_required_and_named_follow_the_functions_schemas(client):
+    """tool_choice "required" and a named function: the answer comes back as tool_calls whose arguments validate
+    against that function's schema (jsonschema), greedy and sampled, streamed deltas adding up to the same calls."""
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for temperature, seed in ((0, None), (1.0, 3), (1.0, 4)):
+        out = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required",
+                                             max_tokens=120, temperature=temperature, seed=seed)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    greedy = dict(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    whole = client.chat.completions.create(**greedy).choices[0].message.tool_calls
+    calls, reason = _streamed_calls(client.chat.completions.create(stream=True, **greedy))
+    assert reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in whole]
+    one = client.chat.completions.create(parallel_tool_calls=False, **greedy).choices[0].message.tool_calls
+    assert len(one) == 1
+    named = dict(model=MODEL, messages=ask, tools=TOOLS, max_tokens=60, temperature=0,
+                 tool_choice={"type": "function", "function": {"name": "get_time"}})
+    out = client.chat.completions.create(**named).choices[0]
+    assert out.finish_reason == "stop" and [c.function.name for c in out.message.tool_calls] == ["get_time"]
+    jsonschema.validate(json.loads(out.message.tool_calls[0].function.arguments), schemas["get_time"])
+    calls, reason = _streamed_calls(client.chat.completions.create(stream=True, **named))
+    assert reason == "stop" and [(c["name"], c["arguments"]) for c in calls] == \
+        [("get_time", out.message.tool_calls[0].function.arguments)]
+    # the call and its result as history: accepted, and the model answers in text with tool_choice "none"
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": whole[0].id, "type": "function",
+         "function": {"name": whole[0].function.name, "arguments": whole[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": whole[0].id, "content": "18 degrees and sunny"}]
+    text = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                          max_tokens=30, temperature=0).choices[0]
+    assert text.message.content and text.message.tool_calls is None
+
+
 def test_stop_sequences_and_echo(client):
     free = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0).choices[0].text
     stop = free.split(",")[1].strip()

@@ -1,0 +1,259 @@
+"""Tool (function) calling on /v1/chat/completions, in the shapes of OpenAI's API and vLLM's server.
+
+`tool_choice`:
+- "required": the answer is held (structured outputs, app/engine/structured.py) to a JSON array of one or more
+  calls, `[{"name": ..., "parameters": {...}}]` with each function's own parameter schema (vLLM's shape; one call
+  at most with `parallel_tool_calls: false`), and returned as `tool_calls`, `finish_reason: "tool_calls"`;
+- a named function (`{"type": "function", "function": {"name": ...}}`): the answer is that function's arguments,
+  one JSON object held to its schema, returned as one tool call (`finish_reason: "stop"`, as OpenAI and vLLM);
+- "none": the tools go to the chat template and the answer is text;
+- "auto" (the default when tools are given) needs a parser of the model's own tool-call format, which this server
+  does not have: a 400 naming `tool_choice`, as vLLM's without `--tool-call-parser`.
+
+A chat template that knows tools (it names `tools`: Qwen's, Llama 3.1's) gets them, and the history's assistant
+`tool_calls` and tool results, as Hugging Face's `apply_chat_template` defines them. A template that does not
+(SmolLM2's) would leave the model blind to the functions: there, a forced choice adds a system message that lists
+them and the answer's shape, and earlier calls in the history are written into the assistant's text in that shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.server.errors import APIError
+from app.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools ask of the server."""
+
+    mode: str  # "none", "required" or "named"
+    tools: list[Tool]
+    name: str | None = None  # the function a named choice forces
+    constraint: tuple[str, Any, str] | None = None  # (kind, value, param), as SamplingFields.constraint()
+
+    @property
+    def forced(self) -> bool:
+        return self.mode != "none"
+
+    def template_tools(self) -> list[dict]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def reader(self) -> ToolCallReader:
+        return ToolCallReader(self.name if self.mode == "named" else None)
+
+    def finish_reason(self, reason: str | None, calls: int) -> str | None:
+        """A required answer that ended with its calls is `"tool_calls"` (vLLM 0.11+); a named one stays "stop"."""
+        return "tool_calls" if self.mode == "required" and reason == "stop" and calls else reason
+
+    def system_prompt(self) -> str | None:
+        """The tools in words, for a template that knows no tools (None: nothing to add)."""
+        if self.mode == "named":
+            tool = next(t for t in self.tools if t.function.name == self.name)
+            return (f"Call the function {self.name}: answer with its arguments, one JSON object that its parameters' "
+                    f"schema allows, and nothing else. The function:\n{_dump(tool.function.model_dump(exclude_none=True))}")
+        if self.mode == "required":
+            return ("Answer by calling one or more of these functions: a JSON array of calls, each "
+                    '{"name": the function\'s name, "parameters": its arguments as a JSON object}, and nothing '
+                    f"else. The functions:\n{_dump([t.function.model_dump(exclude_none=True) for t in self.tools])}")
+        return None
+
+
+def plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit."""
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if body.tools else "none"
+    if not body.tools:
+        if choice != "none":
+            raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
+        return None
+    names = [tool.function.name for tool in body.tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise APIError(400, f"tools: two tools are named {twice[0]!r}", "tools", "invalid_value")
+    if choice == "auto":
+        raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
+                            'own tool-call format, which this server does not have: ask for "required" (one or more '
+                            'calls), a named function ({"type": "function", "function": {"name": ...}}) or "none"',
+                       "tool_choice", "invalid_value")
+    if choice == "none":
+        return ToolPlan("none", body.tools)
+    if body.constraint() is not None:
+        raise APIError(400, "give tool_choice \"required\" or a named function, or structured outputs "
+                            "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
+    if choice == "required":
+        schema = _calls_schema(body.tools, body.parallel_tool_calls)
+        return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
+    name = choice.function.name
+    tool = next((t for t in body.tools if t.function.name == name), None)
+    if tool is None:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools",
+                       "tool_choice", "invalid_value")
+    return ToolPlan("named", body.tools, name, ("json", _parameters(tool), "tools"))
+
+
+def _parameters(tool: Tool) -> dict:
+    """A function's parameter schema; a function without one takes any JSON object."""
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+
+
+def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
+    """The JSON schema of a "required" answer: an array of calls, each one of the functions with its own schema.
+    Each schema's definitions (`$defs`, or the older `definitions`) move to the root, where its `$ref`s point."""
+    roots: dict[str, dict] = {}
+    variants = []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        for key in ("$defs", "definitions"):
+            for name, value in (parameters.pop(key, None) or {}).items():
+                if roots.setdefault(key, {}).setdefault(name, value) != value:
+                    raise APIError(400, f"tools: two functions define {key}.{name} differently; the definitions "
+                                        "of all functions' schemas share one namespace", "tools", "invalid_value")
+        variants.append({"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                          "parameters": parameters},
+                         "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return {**schema, **roots}
+
+
+def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools: bool) -> list[dict]:
+    """The messages as the chat template takes them. Earlier tool calls: as Hugging Face's `tool_calls` (arguments
+    as objects) where the template knows tools, else written into the assistant's text in the "required" shape."""
+    out = []
+    for i, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.tool_calls:
+            calls = [(call.id, call.function.name, _arguments(call.function.arguments, i, j))
+                     for j, call in enumerate(message.tool_calls)]
+            if knows_tools:
+                entry["tool_calls"] = [{"id": id_, "type": "function", "function": {"name": name, "arguments": args}}
+                                       for id_, name, args in calls]
+            else:
+                written = _dump([{"name": name, "parameters": args} for _, name, args in calls])
+                entry["content"] = f"{entry['content']}\n{written}" if entry["content"] else written
+        if message.tool_call_id is not None and knows_tools:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    prompt = plan.system_prompt() if plan is not None and not knows_tools else None
+    if prompt is not None:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _arguments(text: str, i: int, j: int) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        param = f"messages.{i}.tool_calls.{j}.function.arguments"
+        raise APIError(400, f"{param}: not JSON ({exc.msg} at character {exc.pos})", param, "invalid_value") from None
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+# a call's head in a "required" answer, whose JSON has no whitespace and its keys in the schema's order
+_HEAD = re.compile(r'(?:\[|\},)\{"name":"((?:[^"\\]|\\.)*)","parameters":')
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class ToolCallReader:
+    """Splits a forced answer's text into tool calls as it grows: `feed` takes the next piece of text and gives the
+    `tool_calls` deltas of a stream chunk (a call's first delta has its id, type and name; the rest add to its
+    arguments); `calls()` gives the whole calls so far, as a non-streamed message holds them. `name`: the function
+    of a named choice (the whole text is its arguments), None for "required" (an array of calls)."""
+
+    name: str | None
+    _calls: list[_Call] = field(default_factory=list)
+    _text: str = ""
+    _at: int = 0  # how far the text has been read
+    _in_arguments: bool = False
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def feed(self, piece: str) -> list[dict]:
+        deltas: list[dict] = []
+        if self.name is not None:
+            if not self._calls:
+                self._calls.append(_Call(_call_id(), self.name))
+                deltas.append(self._start(0))
+            if piece:
+                self._calls[0].arguments += piece
+                deltas.append({"index": 0, "function": {"arguments": piece}})
+            return deltas
+        self._text += piece
+        while True:
+            if not self._in_arguments:
+                head = _HEAD.match(self._text, self._at)
+                if head is None:
+                    return deltas
+                self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
+                deltas.append(self._start(len(self._calls) - 1))
+                self._at, self._in_arguments, self._depth = head.end(), True, 0
+            start = self._at
+            ended = self._scan()
+            if self._at > start:
+                self._calls[-1].arguments += self._text[start:self._at]
+                deltas.append({"index": len(self._calls) - 1, "function": {"arguments": self._text[start:self._at]}})
+            if not ended:
+                return deltas
+            self._in_arguments = False
+
+    def calls(self) -> list[dict]:
+        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self._calls]
+
+    def _start(self, index: int) -> dict:
+        call = self._calls[index]
+        return {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+
+    def _scan(self) -> bool:
+        """Reads a call's `parameters` value from `_at`; True where it ended (`_at` then at the call's closing
+        brace, which the next head or the array's end reads)."""
+        text = self._text
+        for i in range(self._at, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                if self._depth == 0:  # a scalar value, ended by its call's brace
+                    self._at = i
+                    return True
+                self._depth -= 1
+                if self._depth == 0:
+                    self._at = i + 1
+                    return True
+        self._at = len(text)
+        return False
+
+
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
