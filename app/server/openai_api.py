@@ -104,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    tools = plan_tools(body)
+    tools = plan_tools(body, ctx.text.template_knows_tools)
     ids = await ctx.chat_ids(body.messages, body.add_generation_prompt, tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
@@ -128,8 +128,10 @@ def _chat_message(seq, tools: ToolPlan | None) -> dict:
     if tools is None:
         return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
     reader = tools.reader()
-    reader.feed(seq.text.text)
+    content, _ = reader.feed(seq.text.text)
     calls = reader.calls()
+    if content or (not calls and tools.mode == "auto"):  # "auto" answered in text
+        return {"message": {"role": "assistant", "content": content}, "finish_reason": reason}
     return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
             "finish_reason": tools.finish_reason(reason, len(calls))}
 
@@ -293,9 +295,9 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
     readers = {seq.index: tools.reader() for seq in gen.sequences} if tools is not None else {}
     async for event in gen.events():
         reason = event.finish_reason
-        if tools is not None:  # the text goes out as tool-call deltas
-            calls = readers[event.index].feed(event.text)
-            delta = {"tool_calls": calls} if calls else {}
+        if tools is not None:  # the text goes out as tool-call deltas (or as content: "auto" answered in text)
+            content, calls = readers[event.index].feed(event.text)
+            delta = {"tool_calls": calls} if calls else ({"content": content} if content else {})
             if reason is not None:
                 reason = tools.finish_reason(reason, len(readers[event.index].calls()))
         else:

@@ -6,14 +6,18 @@
   at most with `parallel_tool_calls: false`), and returned as `tool_calls`, `finish_reason: "tool_calls"`;
 - a named function (`{"type": "function", "function": {"name": ...}}`): the answer is that function's arguments,
   one JSON object held to its schema, returned as one tool call (`finish_reason: "stop"`, as OpenAI and vLLM);
-- "none": the tools go to the chat template and the answer is text;
-- "auto" (the default when tools are given) needs a parser of the model's own tool-call format, which this server
-  does not have: a 400 naming `tool_choice`, as vLLM's without `--tool-call-parser`.
+- "auto" (the default when tools are given): the model chooses; the answer is held to either text (not starting
+  with "[" or a space) or the "required" answer's array of calls (llguidance's own example of function calling),
+  and comes back as whichever it wrote;
+- "none": the tools go to the chat template and the answer is text.
 
 A chat template that knows tools (it names `tools`: Qwen's, Llama 3.1's) gets them, and the history's assistant
 `tool_calls` and tool results, as Hugging Face's `apply_chat_template` defines them. A template that does not
-(SmolLM2's) would leave the model blind to the functions: there, a forced choice adds a system message that lists
-them and the answer's shape, and earlier calls in the history are written into the assistant's text in that shape.
+(SmolLM2's) would leave the model blind to the functions: there, "required", "auto" and a named choice add a
+system message that lists them and the answer's shape, and earlier calls in the history are written into the
+assistant's text in that shape. "auto" with a template that knows tools would need a parser of that model's own
+tool-call format (Hermes' `<tool_call>` tags, Llama's JSON, ...), which this server does not have: a 400 naming
+`tool_choice`, as vLLM's without `--tool-call-parser`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.engine.structured import JSON_OPTIONS
 from app.server.errors import APIError
 from app.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 
@@ -32,7 +37,7 @@ from app.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 class ToolPlan:
     """What a chat request's tools ask of the server."""
 
-    mode: str  # "none", "required" or "named"
+    mode: str  # "none", "auto", "required" or "named"
     tools: list[Tool]
     name: str | None = None  # the function a named choice forces
     constraint: tuple[str, Any, str] | None = None  # (kind, value, param), as SamplingFields.constraint()
@@ -45,11 +50,12 @@ class ToolPlan:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def reader(self) -> ToolCallReader:
-        return ToolCallReader(self.name if self.mode == "named" else None)
+        return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
     def finish_reason(self, reason: str | None, calls: int) -> str | None:
-        """A required answer that ended with its calls is `"tool_calls"` (vLLM 0.11+); a named one stays "stop"."""
-        return "tool_calls" if self.mode == "required" and reason == "stop" and calls else reason
+        """An answer of calls ("required", "auto") that ended is `"tool_calls"` (vLLM 0.11+); a named one stays
+        "stop"."""
+        return "tool_calls" if self.mode in ("required", "auto") and reason == "stop" and calls else reason
 
     def system_prompt(self) -> str | None:
         """The tools in words, for a template that knows no tools (None: nothing to add)."""
@@ -57,15 +63,23 @@ class ToolPlan:
             tool = next(t for t in self.tools if t.function.name == self.name)
             return (f"Call the function {self.name}: answer with its arguments, one JSON object that its parameters' "
                     f"schema allows, and nothing else. The function:\n{_dump(tool.function.model_dump(exclude_none=True))}")
+        listing = _dump([t.function.model_dump(exclude_none=True) for t in self.tools])
         if self.mode == "required":
-            return ("Answer by calling one or more of these functions: a JSON array of calls, each "
-                    '{"name": the function\'s name, "parameters": its arguments as a JSON object}, and nothing '
-                    f"else. The functions:\n{_dump([t.function.model_dump(exclude_none=True) for t in self.tools])}")
+            return (f"Answer by calling one or more of these functions: {_CALLS_SHAPE}, and nothing else. The "
+                    f"functions:\n{listing}")
+        if self.mode == "auto":
+            return (f"You can call these functions. To call one or more of them, answer with only {_CALLS_SHAPE}; "
+                    f"otherwise answer in plain text. The functions:\n{listing}")
         return None
 
 
-def plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit."""
+_CALLS_SHAPE = 'a JSON array of calls, each {"name": the function\'s name, "parameters": its arguments as a JSON object}'
+
+
+
+def plan(body: ChatCompletionRequest, knows_tools: bool) -> ToolPlan | None:
+    """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit.
+    `knows_tools`: whether the chat template renders tools (then "auto" would need the model's own format)."""
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if body.tools else "none"
@@ -77,19 +91,23 @@ def plan(body: ChatCompletionRequest) -> ToolPlan | None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise APIError(400, f"tools: two tools are named {twice[0]!r}", "tools", "invalid_value")
-    if choice == "auto":
-        raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
-                            'own tool-call format, which this server does not have: ask for "required" (one or more '
-                            'calls), a named function ({"type": "function", "function": {"name": ...}}) or "none"',
-                       "tool_choice", "invalid_value")
+    if choice == "auto" and knows_tools:
+        raise APIError(400, 'tool_choice "auto" (the default when tools are given) with a chat template that renders '
+                            "tools needs a parser of that model's own tool-call format, which this server does not "
+                            'have yet: ask for "required" (one or more calls), a named function ({"type": '
+                            '"function", "function": {"name": ...}}) or "none"', "tool_choice", "invalid_value")
     if choice == "none":
         return ToolPlan("none", body.tools)
     if body.constraint() is not None:
-        raise APIError(400, "give tool_choice \"required\" or a named function, or structured outputs "
+        raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
     if choice == "required":
         schema = _calls_schema(body.tools, body.parallel_tool_calls)
         return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
+    if choice == "auto":
+        schema = {**_calls_schema(body.tools, body.parallel_tool_calls), "x-guidance": JSON_OPTIONS}
+        lark = f"start: calls | TEXT\ncalls: %json {json.dumps(schema)}\nTEXT: /[^\\[\\s](.|\\n)*/\n"
+        return ToolPlan("auto", body.tools, constraint=("grammar", lark, "tools"))
     name = choice.function.name
     tool = next((t for t in body.tools if t.function.name == name), None)
     if tool is None:
@@ -176,13 +194,16 @@ class _Call:
 
 @dataclass
 class ToolCallReader:
-    """Splits a forced answer's text into tool calls as it grows: `feed` takes the next piece of text and gives the
-    `tool_calls` deltas of a stream chunk (a call's first delta has its id, type and name; the rest add to its
-    arguments); `calls()` gives the whole calls so far, as a non-streamed message holds them. `name`: the function
-    of a named choice (the whole text is its arguments), None for "required" (an array of calls)."""
+    """Splits an answer's text into tool calls as it grows: `feed` takes the next piece of text and gives the
+    content and the `tool_calls` deltas of a stream chunk (a call's first delta has its id, type and name; the rest
+    add to its arguments); `calls()` gives the whole calls so far, as a non-streamed message holds them. `name`: the
+    function of a named choice (the whole text is its arguments), else None: an array of calls ("required"), or
+    with `auto`, either that (the text starts with "[") or text."""
 
     name: str | None
+    auto: bool = False
     _calls: list[_Call] = field(default_factory=list)
+    _is_text: bool | None = None  # "auto": whether the answer is text (known from its first character)
     _text: str = ""
     _at: int = 0  # how far the text has been read
     _in_arguments: bool = False
@@ -190,7 +211,14 @@ class ToolCallReader:
     _in_string: bool = False
     _escaped: bool = False
 
-    def feed(self, piece: str) -> list[dict]:
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        if self.auto and self._is_text is None and piece:
+            self._is_text = not piece.startswith("[")
+        if self._is_text:
+            return piece, []
+        return "", self._feed_calls(piece)
+
+    def _feed_calls(self, piece: str) -> list[dict]:
         deltas: list[dict] = []
         if self.name is not None:
             if not self._calls:

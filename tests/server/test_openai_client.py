@@ -234,6 +234,27 @@ def test_tool_calls_required_and_named_follow_the_functions_schemas(client):
     assert text.message.content and text.message.tool_calls is None
 
 
+def test_tool_choice_auto_answers_in_text_or_in_calls(client):
+    """"auto" (the default with tools): SmolLM2, greedy, answers this in text (content, no tool_calls, streamed as
+    content); with logit_bias making "[" its first token it must go on as calls that follow the schemas."""
+    import jsonschema
+
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}],
+               tools=TOOLS, max_tokens=40, temperature=0)
+    text = client.chat.completions.create(**ask).choices[0]
+    assert text.message.content and not text.message.tool_calls and text.finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text.message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    bracket = client.post("/../tokenize", body={"prompt": "[", "add_special_tokens": False}, cast_to=object)["tokens"]
+    forced = client.chat.completions.create(**{**ask, "max_tokens": 100},
+                                            logit_bias={str(bracket[0]): 100}).choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.content is None, forced
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in forced.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
 def test_stop_sequences_and_echo(client):
     free = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0).choices[0].text
     stop = free.split(",")[1].strip()

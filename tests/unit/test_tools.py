@@ -10,7 +10,8 @@ import pytest
 
 from app.server.errors import APIError
 from app.server.protocol import ChatCompletionRequest
-from app.server.tools import ToolCallReader, conversation, plan
+from app.server.tools import ToolCallReader, conversation
+from app.server.tools import plan as tool_plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {
@@ -20,13 +21,17 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+def plan(body: ChatCompletionRequest, knows_tools: bool = False):
+    return tool_plan(body, knows_tools)
+
+
 def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": ASK, **fields})
 
 
-def refused(param: str, words: str, **fields) -> None:
+def refused(param: str, words: str, knows_tools: bool = False, **fields) -> None:
     with pytest.raises(APIError) as caught:
-        plan(request(**fields))
+        plan(request(**fields), knows_tools)
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
 
 
@@ -48,6 +53,11 @@ def test_the_plan_of_each_tool_choice():
     assert "$defs" in SEARCH["function"]["parameters"]  # the request's own schema is left as it was
     one = plan(request(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
     assert one.constraint[1]["maxItems"] == 1
+    auto = plan(request(tools=[WEATHER, SEARCH]))  # the default with tools
+    kind, lark, param = auto.constraint
+    assert (auto.mode, kind, param) == ("auto", "grammar", "tools") and lark.startswith("start: calls | TEXT\n")
+    calls_schema = json.loads(lark.split("%json ", 1)[1].split("\n", 1)[0])
+    assert calls_schema == {**required.constraint[1], "x-guidance": {"whitespace_flexible": False}}
     bare = plan(request(tools=[{"type": "function", "function": {"name": "ping"}}],
                         tool_choice={"type": "function", "function": {"name": "ping"}}))
     assert bare.constraint[1] == {"type": "object"}  # no parameters: any JSON object
@@ -55,7 +65,7 @@ def test_the_plan_of_each_tool_choice():
 
 def test_tool_choices_that_cannot_be_served_are_400s_naming_the_field():
     refused("tool_choice", "needs tools", tool_choice="required")
-    refused("tool_choice", '"auto"', tools=[WEATHER])  # the default with tools, as vLLM without a parser
+    refused("tool_choice", '"auto"', knows_tools=True, tools=[WEATHER])  # as vLLM without a parser
     refused("tool_choice", "not among tools", tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "nope"}})
     refused("tools", "two tools are named 'get_weather'", tools=[WEATHER, WEATHER], tool_choice="required")
@@ -106,7 +116,9 @@ def test_the_reader_splits_a_required_answer_at_any_piece_boundary():
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
         reader, streamed = ToolCallReader(None), {}
         for piece in (text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])):
-            for delta in reader.feed(piece):
+            content, deltas = reader.feed(piece)
+            assert content == ""
+            for delta in deltas:
                 call = streamed.setdefault(delta["index"], {"arguments": ""})
                 if "id" in delta:
                     assert "name" not in call and delta["type"] == "function"  # the head comes once, first
@@ -122,12 +134,23 @@ def test_the_reader_splits_a_required_answer_at_any_piece_boundary():
 
 def test_the_reader_of_a_named_function_and_of_a_cut_answer():
     reader = ToolCallReader("get_weather")
-    first = reader.feed("")
+    first = reader.feed("")[1]
     assert first == [{"index": 0, "id": reader.calls()[0]["id"], "type": "function",
                       "function": {"name": "get_weather", "arguments": ""}}]
-    assert reader.feed('{"city":') == [{"index": 0, "function": {"arguments": '{"city":'}}]
+    assert reader.feed('{"city":') == ("", [{"index": 0, "function": {"arguments": '{"city":'}}])
     reader.feed('"Rome"}')
     assert [c["function"] for c in reader.calls()] == [{"name": "get_weather", "arguments": '{"city":"Rome"}'}]
     cut = ToolCallReader(None)
     cut.feed('[{"name":"search","parameters":{"q":"ab')  # max_tokens came first: the call so far
     assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q":"ab'}]
+
+
+def test_the_reader_of_auto_tells_text_from_calls_by_the_first_character():
+    text = ToolCallReader(None, auto=True)
+    assert text.feed("") == ("", []) and text.feed("Hello") == ("Hello", []) and text.feed(" [x]") == (" [x]", [])
+    assert text.calls() == []
+    calls = ToolCallReader(None, auto=True)
+    assert calls.feed("[") == ("", [])
+    content, deltas = calls.feed('{"name":"search","parameters":{"q":"x"}}]')
+    assert content == "" and [d["function"] for d in deltas] == [{"name": "search", "arguments": ""},
+                                                                  {"arguments": '{"q":"x"}'}]
