@@ -128,12 +128,12 @@ def _chat_message(seq, tools: ToolPlan | None) -> dict:
     if tools is None:
         return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
     reader = tools.reader()
-    content, _ = reader.feed(seq.text.text)
+    reader.feed(seq.text.text)
     calls = reader.calls()
-    if content or (not calls and tools.mode == "auto"):  # "auto" answered in text
-        return {"message": {"role": "assistant", "content": content}, "finish_reason": reason}
+    if not calls:  # "auto" answered in text, or the answer was cut before a call's name
+        return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
     return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
-            "finish_reason": tools.finish_reason(reason, len(calls))}
+            "finish_reason": tools.finish_reason(reason, reader)}
 
 
 # --- building a generation ---
@@ -299,7 +299,7 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
             content, calls = readers[event.index].feed(event.text)
             delta = {"tool_calls": calls} if calls else ({"content": content} if content else {})
             if reason is not None:
-                reason = tools.finish_reason(reason, len(readers[event.index].calls()))
+                reason = tools.finish_reason(reason, readers[event.index])
         else:
             delta = {"content": event.text} if event.text else {}
         if not delta and reason is None and not (body.logprobs and event.logprobs):

@@ -25,10 +25,8 @@ class AsyncTokenizer:
         self.max_text_chars = max(longest, 1) * max_model_len
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made for the first structured output
-        template = chat_template or getattr(tokenizer, "chat_template", None)
-        templates = template.values() if isinstance(template, dict) else [template or ""]
         # whether the template renders `tools` (app/server/tools.py writes them into a system message otherwise)
-        self.template_knows_tools = any("tools" in t for t in templates)
+        self.template_knows_tools = renders_tools(chat_template or getattr(tokenizer, "chat_template", None))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -84,3 +82,17 @@ class AsyncTokenizer:
 
     async def _run(self, work):
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+
+def renders_tools(template: str | dict | None) -> bool:
+    """Whether a chat template (or any of a tokenizer's named ones) reads the variable `tools`."""
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    for text in (template.values() if isinstance(template, dict) else [template or ""]):
+        try:
+            if "tools" in meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)):
+                return True
+        except TemplateSyntaxError:  # a tag only transformers' environment knows: the word will do
+            if "tools" in text:
+                return True
+    return False

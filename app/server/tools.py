@@ -52,10 +52,10 @@ class ToolPlan:
     def reader(self) -> ToolCallReader:
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
-    def finish_reason(self, reason: str | None, calls: int) -> str | None:
-        """An answer of calls ("required", "auto") that ended is `"tool_calls"` (vLLM 0.11+); a named one stays
-        "stop"."""
-        return "tool_calls" if self.mode in ("required", "auto") and reason == "stop" and calls else reason
+    def finish_reason(self, reason: str | None, reader: ToolCallReader) -> str | None:
+        """An array of calls ("required", "auto") that ended whole is `"tool_calls"` (vLLM 0.11+); a named call, or
+        an answer cut short (a stop string, `max_tokens`), keeps the engine's reason."""
+        return "tool_calls" if self.mode in ("required", "auto") and reason == "stop" and reader.closed else reason
 
     def system_prompt(self) -> str | None:
         """The tools in words, for a template that knows no tools (None: nothing to add)."""
@@ -113,33 +113,43 @@ def plan(body: ChatCompletionRequest, knows_tools: bool) -> ToolPlan | None:
     if tool is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools",
                        "tool_choice", "invalid_value")
-    return ToolPlan("named", body.tools, name, ("json", _parameters(tool), "tools"))
+    return ToolPlan("named", body.tools, name, ("json", _parameters(tool, body.tools.index(tool)), "tools"))
 
 
-def _parameters(tool: Tool) -> dict:
-    """A function's parameter schema; a function without one takes any JSON object."""
-    return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+def _parameters(tool: Tool, i: int) -> dict:
+    """A function's parameter schema, of an object as OpenAI's arguments always are: none or `{}` takes any JSON
+    object, a schema without a type gets "object", one of another type is a 400."""
+    parameters = tool.function.parameters or {}
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        param = f"tools.{i}.function.parameters"
+        raise APIError(400, f"{param}: a function's arguments are a JSON object; this schema's type is {kind!r}",
+                       param, "invalid_value")
+    return {**parameters, "type": "object"}
 
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
     """The JSON schema of a "required" answer: an array of calls, each one of the functions with its own schema.
-    Each schema's definitions (`$defs`, or the older `definitions`) move to the root, where its `$ref`s point."""
-    roots: dict[str, dict] = {}
-    variants = []
-    for tool in tools:
-        parameters = dict(_parameters(tool))
-        for key in ("$defs", "definitions"):
-            for name, value in (parameters.pop(key, None) or {}).items():
-                if roots.setdefault(key, {}).setdefault(name, value) != value:
-                    raise APIError(400, f"tools: two functions define {key}.{name} differently; the definitions "
-                                        "of all functions' schemas share one namespace", "tools", "invalid_value")
-        variants.append({"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                          "parameters": parameters},
-                         "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    Each function's schema becomes a root definition of its own (`$defs.tool_<i>`), its local `$ref`s ("#",
+    "#/$defs/...", "#/properties/...") rebased there, so that they mean what they meant in the function's schema."""
+    defs = {f"tool_{i}": _rebase(_parameters(tool, i), f"#/$defs/tool_{i}") for i, tool in enumerate(tools)}
+    variants = [{"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                  "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+                 "required": ["name", "parameters"], "additionalProperties": False} for i, tool in enumerate(tools)]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
-    return {**schema, **roots}
+    return schema
+
+
+def _rebase(node, prefix: str):
+    """`node` with every local reference ("#...") made relative to `prefix` instead of the document's root."""
+    if isinstance(node, dict):
+        return {key: prefix + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rebase(value, prefix) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_rebase(value, prefix) for value in node]
+    return node
 
 
 def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools: bool) -> list[dict]:
@@ -170,11 +180,13 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
 
 
 def _arguments(text: str, i: int, j: int) -> Any:
+    param = f"messages.{i}.tool_calls.{j}.function.arguments"
     try:
         return json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
-        param = f"messages.{i}.tool_calls.{j}.function.arguments"
         raise APIError(400, f"{param}: not JSON ({exc.msg} at character {exc.pos})", param, "invalid_value") from None
+    except RecursionError:
+        raise APIError(400, f"{param}: nested too deep", param, "invalid_value") from None
 
 
 def _dump(value) -> str:
@@ -204,6 +216,7 @@ class ToolCallReader:
     auto: bool = False
     _calls: list[_Call] = field(default_factory=list)
     _is_text: bool | None = None  # "auto": whether the answer is text (known from its first character)
+    closed: bool = False  # the calls ended whole: the array's "]" (a named call: its object's last brace) was read
     _text: str = ""
     _at: int = 0  # how far the text has been read
     _in_arguments: bool = False
@@ -219,32 +232,43 @@ class ToolCallReader:
         return "", self._feed_calls(piece)
 
     def _feed_calls(self, piece: str) -> list[dict]:
+        """The deltas of `piece`, one per call it touches (a call's head and its first arguments in one)."""
         deltas: list[dict] = []
-        if self.name is not None:
-            if not self._calls:
-                self._calls.append(_Call(_call_id(), self.name))
-                deltas.append(self._start(0))
-            if piece:
-                self._calls[0].arguments += piece
-                deltas.append({"index": 0, "function": {"arguments": piece}})
-            return deltas
+        for delta in self._read(piece):
+            if deltas and deltas[-1]["index"] == delta["index"]:
+                deltas[-1]["function"]["arguments"] += delta["function"]["arguments"]
+            else:
+                deltas.append(delta)
+        return deltas
+
+    def _read(self, piece: str):
+        if self.closed:  # what follows the calls (EOS text under min_tokens, say) is no call's
+            return
         self._text += piece
+        if self.name is not None and not self._calls:  # a named call: the whole text is its arguments' object
+            self._calls.append(_Call(_call_id(), self.name))
+            self._in_arguments = True
+            yield self._start(0)
         while True:
             if not self._in_arguments:
                 head = _HEAD.match(self._text, self._at)
                 if head is None:
-                    return deltas
+                    self.closed = self._text.startswith("}]", self._at)
+                    return
                 self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
-                deltas.append(self._start(len(self._calls) - 1))
+                yield self._start(len(self._calls) - 1)
                 self._at, self._in_arguments, self._depth = head.end(), True, 0
             start = self._at
             ended = self._scan()
             if self._at > start:
                 self._calls[-1].arguments += self._text[start:self._at]
-                deltas.append({"index": len(self._calls) - 1, "function": {"arguments": self._text[start:self._at]}})
+                yield {"index": len(self._calls) - 1, "function": {"arguments": self._text[start:self._at]}}
             if not ended:
-                return deltas
+                return
             self._in_arguments = False
+            if self.name is not None:
+                self.closed = True
+                return
 
     def calls(self) -> list[dict]:
         return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

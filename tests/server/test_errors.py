@@ -55,8 +55,14 @@ CASES = [
                                           "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
      "invalid_value", "not among tools"),
     ("tool-schema-not-a-schema", "POST", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, 400, "invalid_value",
-     "tools: this JSON schema cannot constrain the output"),
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}]},
+     400, "invalid_value", "tools: this JSON schema cannot constrain the output"),
+    ("tool-arguments-not-an-object", "POST", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "invalid_value",
+     "a function's arguments are a JSON object"),
+    ("tool-history-nested-too-deep", "POST", CHAT, {"messages": [{"role": "assistant", "tool_calls": [{
+        "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]}, 400,
+     "invalid_value", "nested too deep"),
     ("tool-name-bad", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}]},
      400, "invalid_value", "tools.0.function.name"),
     ("schema-not-a-schema", "POST", CHAT, {"messages": MSG, "response_format": {

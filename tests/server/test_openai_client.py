@@ -216,6 +216,9 @@ def test_tool_calls_required_and_named_follow_the_functions_schemas(client):
     assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in whole]
     one = client.chat.completions.create(parallel_tool_calls=False, **greedy).choices[0].message.tool_calls
     assert len(one) == 1
+    assert '"city":"Paris"' in whole[0].function.arguments
+    cut = client.chat.completions.create(stop=["Par"], **greedy).choices[0]  # not a whole call: no "tool_calls"
+    assert cut.finish_reason == "stop" and cut.message.tool_calls[0].function.arguments.endswith('"city":"')
     named = dict(model=MODEL, messages=ask, tools=TOOLS, max_tokens=60, temperature=0,
                  tool_choice={"type": "function", "function": {"name": "get_time"}})
     out = client.chat.completions.create(**named).choices[0]

@@ -46,11 +46,12 @@ def test_the_plan_of_each_tool_choice():
     required = plan(request(tools=[WEATHER, SEARCH], tool_choice="required"))
     kind, schema, param = required.constraint
     assert (kind, param) == ("json", "tools") and schema["minItems"] == 1 and "maxItems" not in schema
-    assert [v["properties"]["name"] for v in schema["items"]["anyOf"]] == [{"const": "get_weather"},
-                                                                           {"const": "search"}]
-    assert schema["$defs"] == {"query": {"type": "string"}}  # moved to the root, where "#/$defs/query" points
-    assert "$defs" not in schema["items"]["anyOf"][1]["properties"]["parameters"]
-    assert "$defs" in SEARCH["function"]["parameters"]  # the request's own schema is left as it was
+    assert [v["properties"] for v in schema["items"]["anyOf"]] == [
+        {"name": {"const": "get_weather"}, "parameters": {"$ref": "#/$defs/tool_0"}},
+        {"name": {"const": "search"}, "parameters": {"$ref": "#/$defs/tool_1"}}]
+    assert schema["$defs"]["tool_0"] == WEATHER["function"]["parameters"]
+    assert schema["$defs"]["tool_1"]["properties"]["q"] == {"$ref": "#/$defs/tool_1/$defs/query"}  # rebased
+    assert SEARCH["function"]["parameters"]["properties"]["q"] == {"$ref": "#/$defs/query"}  # the request's own
     one = plan(request(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
     assert one.constraint[1]["maxItems"] == 1
     auto = plan(request(tools=[WEATHER, SEARCH]))  # the default with tools
@@ -58,9 +59,10 @@ def test_the_plan_of_each_tool_choice():
     assert (auto.mode, kind, param) == ("auto", "grammar", "tools") and lark.startswith("start: calls | TEXT\n")
     calls_schema = json.loads(lark.split("%json ", 1)[1].split("\n", 1)[0])
     assert calls_schema == {**required.constraint[1], "x-guidance": {"whitespace_flexible": False}}
-    bare = plan(request(tools=[{"type": "function", "function": {"name": "ping"}}],
-                        tool_choice={"type": "function", "function": {"name": "ping"}}))
-    assert bare.constraint[1] == {"type": "object"}  # no parameters: any JSON object
+    for parameters in (None, {}):  # no arguments' schema: any JSON object, as OpenAI's arguments always are
+        bare = plan(request(tools=[{"type": "function", "function": {"name": "ping", "parameters": parameters}}],
+                            tool_choice={"type": "function", "function": {"name": "ping"}}))
+        assert bare.constraint[1] == {"type": "object"}
 
 
 def test_tool_choices_that_cannot_be_served_are_400s_naming_the_field():
@@ -71,10 +73,8 @@ def test_tool_choices_that_cannot_be_served_are_400s_naming_the_field():
     refused("tools", "two tools are named 'get_weather'", tools=[WEATHER, WEATHER], tool_choice="required")
     refused("tool_choice", "not both", tools=[WEATHER], tool_choice="required",
             response_format={"type": "json_object"})
-    other = json.loads(json.dumps(SEARCH))
-    other["function"]["name"] = "lookup"
-    other["function"]["parameters"]["$defs"]["query"] = {"type": "integer"}
-    refused("tools", "define $defs.query differently", tools=[SEARCH, other], tool_choice="required")
+    refused("tools.1.function.parameters", "type is 'string'", tool_choice="required",
+            tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
 
 
 def test_a_template_without_tools_gets_them_in_a_system_message_and_past_calls_in_the_text():
@@ -101,6 +101,11 @@ def test_a_template_without_tools_gets_them_in_a_system_message_and_past_calls_i
     with pytest.raises(APIError) as caught:
         conversation(bad.messages, None, knows_tools=True)
     assert caught.value.param == "messages.0.tool_calls.0.function.arguments"
+    deep = request(messages=[{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}])
+    with pytest.raises(APIError) as caught:
+        conversation(deep.messages, None, knows_tools=True)
+    assert caught.value.status == 400 and "nested too deep" in caught.value.message
 
 
 CALLS = [{"name": "get_weather", "parameters": {"city": "Paris \"Île\" {de} [France]\\", "days": [1, {"x": []}]}},
@@ -118,6 +123,7 @@ def test_the_reader_splits_a_required_answer_at_any_piece_boundary():
         for piece in (text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])):
             content, deltas = reader.feed(piece)
             assert content == ""
+            assert len({d["index"] for d in deltas}) == len(deltas)  # one delta a call a chunk, as OpenAI
             for delta in deltas:
                 call = streamed.setdefault(delta["index"], {"arguments": ""})
                 if "id" in delta:
@@ -130,19 +136,22 @@ def test_the_reader_splits_a_required_answer_at_any_piece_boundary():
         assert [streamed[i] for i in range(len(CALLS))] == [
             {"arguments": c["function"]["arguments"], "id": c["id"], "name": c["function"]["name"]} for c in whole]
         assert len({c["id"] for c in whole}) == len(CALLS) and all(c["id"].startswith("chatcmpl-tool-") for c in whole)
+        assert reader.closed
 
 
 def test_the_reader_of_a_named_function_and_of_a_cut_answer():
     reader = ToolCallReader("get_weather")
-    first = reader.feed("")[1]
+    first = reader.feed('{"ci')[1]
     assert first == [{"index": 0, "id": reader.calls()[0]["id"], "type": "function",
-                      "function": {"name": "get_weather", "arguments": ""}}]
-    assert reader.feed('{"city":') == ("", [{"index": 0, "function": {"arguments": '{"city":'}}])
-    reader.feed('"Rome"}')
+                      "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    assert reader.feed('ty":') == ("", [{"index": 0, "function": {"arguments": 'ty":'}}])
+    assert not reader.closed
+    reader.feed('"Rome"}<|im_end|>')  # EOS as text after the object (min_tokens, skip_special_tokens false)
+    assert reader.feed("<|im_end|>") == ("", []) and reader.closed
     assert [c["function"] for c in reader.calls()] == [{"name": "get_weather", "arguments": '{"city":"Rome"}'}]
     cut = ToolCallReader(None)
-    cut.feed('[{"name":"search","parameters":{"q":"ab')  # max_tokens came first: the call so far
-    assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q":"ab'}]
+    cut.feed('[{"name":"search","parameters":{"q":"ab')  # max_tokens or a stop string came first: the call so far
+    assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q":"ab'}] and not cut.closed
 
 
 def test_the_reader_of_auto_tells_text_from_calls_by_the_first_character():
@@ -152,5 +161,85 @@ def test_the_reader_of_auto_tells_text_from_calls_by_the_first_character():
     calls = ToolCallReader(None, auto=True)
     assert calls.feed("[") == ("", [])
     content, deltas = calls.feed('{"name":"search","parameters":{"q":"x"}}]')
-    assert content == "" and [d["function"] for d in deltas] == [{"name": "search", "arguments": ""},
-                                                                  {"arguments": '{"q":"x"}'}]
+    assert content == "" and [d["function"] for d in deltas] == [{"name": "search", "arguments": '{"q":"x"}'}]
+
+
+def test_refs_keep_their_meaning_in_a_required_answer():
+    """Each function's schema under its own root definition: a recursive "#", a "#/properties/..." pointer and two
+    functions' $defs of one name mean what they mean in each function's own schema (checked with llguidance's
+    matcher on texts: what each function's schema allows, and what only a wrong reading would allow)."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {
+        "$ref": "#"}}}, "required": ["v"], "additionalProperties": False}
+    pointer = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+               "additionalProperties": False}
+    one = {"type": "object", "properties": {"x": {"$ref": "#/$defs/item"}}, "$defs": {"item": {"type": "integer"}},
+           "additionalProperties": False}
+    two = {"type": "object", "properties": {"x": {"$ref": "#/$defs/item"}}, "$defs": {"item": {"type": "string"}},
+           "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("tree", tree), ("pointer", pointer), ("one", one), ("two", two))]
+    grammar = grammar_for("json", plan(request(tools=tools, tool_choice="required")).constraint[1])
+    byte_tokenizer = LLTokenizer("byte")
+
+    def allows(text: str) -> bool:
+        matcher = LLMatcher(byte_tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert allows('[{"name":"tree","parameters":{"v":1,"kids":[{"v":2,"kids":[]}]}}]')
+    assert not allows('[{"name":"tree","parameters":{"v":1,"kids":[[{"name":"tree","parameters":{"v":2}}]]}}]')
+    assert allows('[{"name":"pointer","parameters":{"a":1,"b":2}}]')
+    assert not allows('[{"name":"pointer","parameters":{"a":1,"b":"2"}}]')
+    assert allows('[{"name":"one","parameters":{"x":5}},{"name":"two","parameters":{"x":"5"}}]')
+    assert not allows('[{"name":"one","parameters":{"x":"5"}}]') and not allows('[{"name":"two","parameters":{"x":5}}]')
+
+
+def test_a_template_is_known_to_render_tools_by_its_variables():
+    from app.server.tokenizer import renders_tools
+
+    assert renders_tools("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0]['content'] }}")
+    assert renders_tools({"default": "{{ messages }}", "tool_use": "{% for t in tools %}{{ t }}{% endfor %}"})
+    assert not renders_tools("{# no tools here #}{{ messages[0]['content'] + ' tools' }}")
+    assert not renders_tools(None)
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_objects(tmp_path):
+    """Through the frontend's tokenizer (SmolLM2's, with a tool-aware template given as `model.chat_template` would
+    give it): the tools and the history's calls reach the template as Hugging Face defines them, no system message
+    is added; SmolLM2's own template is known not to render tools."""
+    import asyncio
+
+    from app.model.source import resolve_source
+    from app.model.tokenizer import export_tokenizer, load_exported, tokenizer_json
+    from app.server.tokenizer import AsyncTokenizer
+    from app.spec.schema import ModelSpec
+
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
+    hf = load_exported(tmp_path)
+    template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: "
+                "{{ m.content }}{% if m.tool_calls %}CALLS {{ m.tool_calls | tojson }}{% endif %}"
+                "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
+    body = request(tools=[WEATHER], tool_choice="required", messages=[*ASK, {
+        "role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}, {"role": "tool", "tool_call_id": "c1",
+                                                                          "content": "18 C"}])
+    tools = plan(body, knows_tools=True)
+    text = AsyncTokenizer(hf, 8192, template)
+    try:
+        assert text.template_knows_tools
+        ids = asyncio.run(text.encode_chat(conversation(body.messages, tools, True), False, "messages",
+                                           tools.template_tools()))
+        rendered = hf.decode(ids)
+    finally:
+        text.close()
+    assert rendered.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
+    assert 'CALLS [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]' \
+        in rendered
+    assert "tool: 18 C FOR c1" in rendered and "Answer by calling" not in rendered
+    export_tokenizer(resolve_source(ModelSpec()), tmp_path / "smollm2")  # with its chat template
+    own = AsyncTokenizer(load_exported(tmp_path / "smollm2"), 8192, None)
+    own.close()
+    assert own.tokenizer.chat_template and not own.template_knows_tools
