@@ -23,7 +23,7 @@ from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
-from app.server.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
 from app.server.tools import ToolPlan
 from app.server.tools import conversation as tool_conversation
 from app.server.tokenizer import AsyncTokenizer
@@ -62,12 +62,12 @@ class Context:
             out.append(ids)
         return out
 
-    async def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+    async def chat_ids(self, messages: list[ChatMessage], rendering: ChatTemplateFields,
                        tools: ToolPlan | None = None) -> list[int]:
         knows_tools = self.text.template_knows_tools
         conversation = tool_conversation(messages, tools, knows_tools)
         template_tools = tools.template_tools() if tools is not None and knows_tools else None
-        ids = await self.text.encode_chat(conversation, add_generation_prompt, "messages", template_tools)
+        ids = await self.text.encode_chat(conversation, rendering.template_options(), "messages", template_tools)
         self._check_ids(ids, "messages")
         return ids
 
@@ -199,8 +199,7 @@ async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = await openai_api.read_body(request, TokenizeRequest)
     ctx.check_model(body.model)
     if body.messages is not None:
-        ids = await ctx.chat_ids(body.messages, body.add_generation_prompt,
-                                 ToolPlan("none", body.tools) if body.tools else None)
+        ids = await ctx.chat_ids(body.messages, body, ToolPlan("none", body.tools) if body.tools else None)
     else:
         ids = await ctx.text.encode(body.prompt, "prompt", body.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})

@@ -18,7 +18,7 @@ from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from app.server.tools import ToolPlan
+from app.server.tools import ToolPlan, parameters_schema
 from app.server.tools import plan as plan_tools
 
 log = logging.getLogger("app.server")
@@ -105,10 +105,13 @@ async def chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     tools = plan_tools(body, ctx.text.template_knows_tools)
-    ids = await ctx.chat_ids(body.messages, body.add_generation_prompt, tools)
+    ids = await ctx.chat_ids(body.messages, body, tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
-    gen = await _generation(ctx, body, top, "chatcmpl", forced.constraint if forced else None)
+    try:
+        gen = await _generation(ctx, body, top, "chatcmpl", forced.constraint if forced else None)
+    except APIError as exc:
+        raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
@@ -134,6 +137,17 @@ def _chat_message(seq, tools: ToolPlan | None) -> dict:
         return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
     return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
             "finish_reason": tools.finish_reason(reason, reader)}
+
+
+async def _tool_error(ctx, tools: ToolPlan, error: APIError) -> APIError:
+    """A tool choice's grammar that llguidance refused: the first function whose own schema it refuses, named
+    (`tools.<i>.function.parameters`; up to 128 functions), else the error as it was."""
+    for i, tool in enumerate(tools.tools):
+        try:
+            await ctx.text.grammar("json", parameters_schema(tool, i), f"tools.{i}.function.parameters")
+        except APIError as exc:
+            return exc
+    return error
 
 
 # --- building a generation ---

@@ -247,7 +247,36 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingFields):
+# what chat_template_kwargs may not set: apply_chat_template's own arguments and the names it gives the template
+_TEMPLATE_OWN = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                 "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                 "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
+
+
+class ChatTemplateFields(BaseModel):
+    """How the conversation is rendered (vLLM's fields; chat completions and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open: the model continues it (a "prefill")
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (Qwen3's enable_thinking)
+
+    @model_validator(mode="after")
+    def _template_checks(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, add_generation_prompt starts a new "
+                             "one: set add_generation_prompt to false with it")
+        own = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
+        if own:
+            raise ValueError(f"chat_template_kwargs may not set {own[0]!r}: the server sets it")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments besides the conversation and tools."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
@@ -257,7 +286,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
 
     @field_validator("tools")
     @classmethod
@@ -277,13 +305,12 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Body, ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # shown to the chat template, as in chat
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self):

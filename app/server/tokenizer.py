@@ -35,10 +35,12 @@ class AsyncTokenizer:
         self.check_length(len(text), param)
         return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    async def encode_chat(self, conversation: list[dict], add_generation_prompt: bool, param: str,
+    async def encode_chat(self, conversation: list[dict], options: dict, param: str,
                           tools: list[dict] | None = None) -> list[int]:
+        """The conversation rendered by the chat template and tokenized; `options`: apply_chat_template's keyword
+        arguments (add_generation_prompt, continue_final_message, the request's chat_template_kwargs)."""
         self.check_length(sum(len(m["content"]) for m in conversation), param)
-        text = await self._run(lambda: self._render(conversation, add_generation_prompt, tools))
+        text = await self._run(lambda: self._render(conversation, options, tools))
         return await self.encode(text, param, add_special_tokens=False)
 
     async def decode(self, ids: list[int]) -> str:
@@ -72,11 +74,10 @@ class AsyncTokenizer:
                                 f"{self.max_model_len} tokens in any tokenization). Please reduce the text.", param,
                            "context_length_exceeded")
 
-    def _render(self, conversation: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+    def _render(self, conversation: list[dict], options: dict, tools: list[dict] | None) -> str:
         try:
             return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      chat_template=self.chat_template)
+                                                      chat_template=self.chat_template, **options)
         except Exception as exc:  # the template refused this conversation (roles, order, ...)
             raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from None
 

@@ -113,10 +113,10 @@ def plan(body: ChatCompletionRequest, knows_tools: bool) -> ToolPlan | None:
     if tool is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools",
                        "tool_choice", "invalid_value")
-    return ToolPlan("named", body.tools, name, ("json", _parameters(tool, body.tools.index(tool)), "tools"))
+    return ToolPlan("named", body.tools, name, ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
 
 
-def _parameters(tool: Tool, i: int) -> dict:
+def parameters_schema(tool: Tool, i: int) -> dict:
     """A function's parameter schema, of an object as OpenAI's arguments always are: none or `{}` takes any JSON
     object, a schema without a type gets "object", one of another type is a 400."""
     parameters = tool.function.parameters or {}
@@ -132,7 +132,7 @@ def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
     """The JSON schema of a "required" answer: an array of calls, each one of the functions with its own schema.
     Each function's schema becomes a root definition of its own (`$defs.tool_<i>`), its local `$ref`s ("#",
     "#/$defs/...", "#/properties/...") rebased there, so that they mean what they meant in the function's schema."""
-    defs = {f"tool_{i}": _rebase(_parameters(tool, i), f"#/$defs/tool_{i}") for i, tool in enumerate(tools)}
+    defs = {f"tool_{i}": _rebase(parameters_schema(tool, i), f"#/$defs/tool_{i}") for i, tool in enumerate(tools)}
     variants = [{"type": "object", "properties": {"name": {"const": tool.function.name},
                                                   "parameters": {"$ref": f"#/$defs/tool_{i}"}},
                  "required": ["name", "parameters"], "additionalProperties": False} for i, tool in enumerate(tools)]

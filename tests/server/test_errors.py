@@ -47,6 +47,10 @@ CASES = [
      "outside the vocabulary"),
     ("logit-bias-id-twice", "POST", CHAT, {"messages": MSG, "logit_bias": {"42": 1, "042": 2}}, 400, "invalid_value",
      "twice"),
+    ("continue-and-new-prompt", "POST", CHAT, {"messages": MSG, "continue_final_message": True}, 400,
+     "invalid_value", "set add_generation_prompt to false"),
+    ("template-kwargs-own", "POST", CHAT, {"messages": MSG, "chat_template_kwargs": {"tools": []}}, 400,
+     "invalid_value", "may not set 'tools'"),
     ("tool-without-function", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "invalid_value",
      "tools.0.function"),
     ("tool-choice-without-tools", "POST", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "invalid_value",
@@ -55,8 +59,9 @@ CASES = [
                                           "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
      "invalid_value", "not among tools"),
     ("tool-schema-not-a-schema", "POST", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}]},
-     400, "invalid_value", "tools: this JSON schema cannot constrain the output"),
+        {"type": "function", "function": {"name": "f"}},
+        {"type": "function", "function": {"name": "g", "parameters": {"properties": {"a": {"type": "nonsense"}}}}}]},
+     400, "invalid_value", "tools.1.function.parameters: this JSON schema cannot constrain the output"),
     ("tool-arguments-not-an-object", "POST", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "invalid_value",
      "a function's arguments are a JSON object"),

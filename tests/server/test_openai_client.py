@@ -258,6 +258,21 @@ def test_tool_choice_auto_answers_in_text_or_in_calls(client):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_continue_final_message_prefills_the_answer(appliance, client):
+    """vLLM's continue_final_message: the last (assistant) message is left open in the prompt and the model goes on
+    with it; checked against the prompt /tokenize renders and the answer without the prefill."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    fields = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    prompt = httpx.post(appliance.url + "/tokenize", json=fields, timeout=60).json()["tokens"]
+    plain = httpx.post(appliance.url + "/tokenize", json={"messages": messages[:1]}, timeout=60).json()["tokens"]
+    said = httpx.post(appliance.url + "/detokenize", json={"tokens": prompt}, timeout=60).json()["prompt"]
+    assert said.endswith("<|im_start|>assistant\nThe capital of France is") and prompt[:len(plain)] == plain
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                         extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert out.choices[0].message.content.startswith(" Paris") and out.usage.prompt_tokens == len(prompt)
+
+
 def test_stop_sequences_and_echo(client):
     free = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0).choices[0].text
     stop = free.split(",")[1].strip()

@@ -219,7 +219,8 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
 
     (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
     hf = load_exported(tmp_path)
-    template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: "
+    template = ("{% if greeting %}{{ greeting }}\n{% endif %}"
+                "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: "
                 "{{ m.content }}{% if m.tool_calls %}CALLS {{ m.tool_calls | tojson }}{% endif %}"
                 "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}")
     body = request(tools=[WEATHER], tool_choice="required", messages=[*ASK, {
@@ -230,15 +231,19 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
     text = AsyncTokenizer(hf, 8192, template)
     try:
         assert text.template_knows_tools
-        ids = asyncio.run(text.encode_chat(conversation(body.messages, tools, True), False, "messages",
-                                           tools.template_tools()))
+        ids = asyncio.run(text.encode_chat(conversation(body.messages, tools, True), {"add_generation_prompt": False},
+                                           "messages", tools.template_tools()))
         rendered = hf.decode(ids)
+        options = ChatCompletionRequest.model_validate({"messages": ASK, "chat_template_kwargs": {
+            "greeting": "Hello"}}).template_options()  # as the server passes a request's chat_template_kwargs
+        greeted = hf.decode(asyncio.run(text.encode_chat([{"role": "user", "content": "x"}], options, "messages")))
     finally:
         text.close()
     assert rendered.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
     assert 'CALLS [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]' \
         in rendered
     assert "tool: 18 C FOR c1" in rendered and "Answer by calling" not in rendered
+    assert greeted.rstrip() == "Hello\nuser: x"
     export_tokenizer(resolve_source(ModelSpec()), tmp_path / "smollm2")  # with its chat template
     own = AsyncTokenizer(load_exported(tmp_path / "smollm2"), 8192, None)
     own.close()
