@@ -244,6 +244,14 @@ def _usage(gen: Generation, events: list[Event] | None = None) -> dict:
 # --- streaming ---
 
 
+def _counted(chunk: dict, gen: Generation, body: SamplingFields) -> dict:
+    """A stream chunk, with the request's usage so far where vLLM's continuous_usage_stats asks for it."""
+    options = body.stream_options
+    if options is not None and options.include_usage and options.continuous_usage_stats:
+        chunk["usage"] = _usage(gen)
+    return chunk
+
+
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def encode() -> AsyncIterator[bytes]:
         try:
@@ -291,9 +299,9 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
             logprobs = _completion_logprobs_of(gen.tokenizer, event.token_ids, event.logprobs,
                                                offsets.get(event.index, 0))
             offsets[event.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": event.finish_reason}]}
+        yield _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": event.finish_reason}]}, gen, body)
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                "choices": [], "usage": _usage(gen)}
@@ -304,8 +312,8 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
     created = int(time.time())
     base = {"id": gen.response_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for seq in gen.sequences:  # the role comes first, as OpenAI sends it
-        yield {**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
+        yield _counted({**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]}, gen, body)
     readers = {seq.index: tools.reader() for seq in gen.sequences} if tools is not None else {}
     async for event in gen.events():
         reason = event.finish_reason
@@ -319,8 +327,8 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
         if not delta and reason is None and not (body.logprobs and event.logprobs):
             continue
         logprobs = _chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
-        yield {**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": reason}]}
+        yield _counted({**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": reason}]}, gen, body)
     if body.stream_options and body.stream_options.include_usage:
         yield {**base, "choices": [], "usage": _usage(gen)}
 

@@ -20,6 +20,7 @@ class _Body(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # Structured outputs' grammars are compiled (frontend and engine) and walked every step: bounded, as OpenAI bounds

@@ -50,6 +50,23 @@ def test_chat_and_its_stream_agree(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_continuous_usage_stats_count_every_chunk(client):
+    """vLLM's continuous_usage_stats: each chunk's usage counts the tokens so far; the last agrees with the request's."""
+    for stream in (client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                             stream=True, stream_options={"include_usage": True,
+                                                                          "continuous_usage_stats": True}),
+                   client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=12, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True},
+                                                  stream_options={"include_usage": True,
+                                                                  "continuous_usage_stats": True})):
+        chunks = list(stream)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None for c in chunks) and counts == sorted(counts)
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1 and counts[-1] == 12 and len(set(counts)) > 3
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_async_client_streams_both_endpoints(aclient):
     async def run():
         chat = await aclient.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, stream=True,
