@@ -11,11 +11,13 @@ it is tokenized, so a multi-MiB body costs nothing but its read.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from app.server.errors import APIError
 
 class AsyncTokenizer:
+    CHECKED = 64  # grammars remembered as checked
     def __init__(self, tokenizer, max_model_len: int, chat_template: str | None):
         self.tokenizer, self.max_model_len, self.chat_template = tokenizer, max_model_len, chat_template
         self.eos_token_id = tokenizer.eos_token_id
@@ -25,6 +27,9 @@ class AsyncTokenizer:
         self.max_text_chars = max(longest, 1) * max_model_len
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made for the first structured output
+        # grammars already checked, most recently used last: a client sends the same schema or tools every turn
+        # (128 functions' schemas take ~25 ms to check on this thread)
+        self._checked: OrderedDict[str, None] = OrderedDict()
         # whether the template renders `tools` (app/server/tools.py writes them into a system message otherwise)
         self.template_knows_tools = renders_tools(chat_template or getattr(tokenizer, "chat_template", None))
 
@@ -56,6 +61,9 @@ class AsyncTokenizer:
 
         try:
             grammar = grammar_for(kind, value)
+            if grammar in self._checked:
+                self._checked.move_to_end(grammar)
+                return grammar
             if self._grammar_tokenizer is None:  # ~0.4 s for SmolLM2, once a worker
                 self._grammar_tokenizer = tokenizer_from_json(self.tokenizer.backend_tokenizer.to_str(),
                                                               self.vocab_size, self.eos_token_id)
@@ -65,6 +73,9 @@ class AsyncTokenizer:
         if error is not None:
             what = {"json": "JSON schema", "json_object": "JSON object"}.get(kind, kind)
             raise APIError(400, f"{param}: this {what} cannot constrain the output: {error}", param, "invalid_value")
+        self._checked[grammar] = None
+        while len(self._checked) > self.CHECKED:
+            self._checked.popitem(last=False)
         return grammar
 
     def check_length(self, chars: int, param: str) -> None:

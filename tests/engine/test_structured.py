@@ -74,3 +74,27 @@ def test_an_engine_without_a_tokenizer_fails_the_request_once_and_says_why():
         matcher = broken.matcher(grammar_for("regex", "a"), 0)
         assert matcher.is_error() and "no tokenizer for structured outputs" in matcher.get_error()
     assert calls == [1]  # not tried again on every request
+
+
+def test_the_frontend_checks_each_grammar_once_and_still_refuses_bad_ones(hf, monkeypatch):
+    """AsyncTokenizer.grammar: a grammar checked once is not checked again (a client sends its schema or tools every
+    turn); a bad one is a 400 every time, never remembered as good."""
+    import asyncio
+
+    from app.engine import structured
+    from app.server.errors import APIError
+    from app.server.tokenizer import AsyncTokenizer
+
+    checks = []
+    real = structured.check_grammar
+    monkeypatch.setattr(structured, "check_grammar", lambda g, t: checks.append(g) or real(g, t))
+    text = AsyncTokenizer(hf, 8192, None)
+    try:
+        first = asyncio.run(text.grammar("regex", "[ab]+", "structured_outputs"))
+        assert asyncio.run(text.grammar("regex", "[ab]+", "structured_outputs")) == first and len(checks) == 1
+        for _ in range(2):
+            with pytest.raises(APIError):
+                asyncio.run(text.grammar("json", {"type": "nonsense"}, "response_format"))
+        assert len(checks) == 3
+    finally:
+        text.close()
