@@ -25,6 +25,7 @@ from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
 from app.server.tools import ToolPlan
+from app.server.tools import plan as plan_tools
 from app.server.tools import conversation as tool_conversation
 from app.server.tokenizer import AsyncTokenizer
 
@@ -199,7 +200,7 @@ async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = await openai_api.read_body(request, TokenizeRequest)
     ctx.check_model(body.model)
     if body.messages is not None:
-        ids = await ctx.chat_ids(body.messages, body, ToolPlan("none", body.tools) if body.tools else None)
+        ids = await ctx.chat_ids(body.messages, body, plan_tools(body, ctx.text.template_knows_tools))
     else:
         ids = await ctx.text.encode(body.prompt, "prompt", body.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})

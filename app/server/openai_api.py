@@ -104,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    tools = plan_tools(body, ctx.text.template_knows_tools)
+    tools = plan_tools(body, ctx.text.template_knows_tools, body.constraint() is not None)
     ids = await ctx.chat_ids(body.messages, body, tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None

@@ -254,6 +254,22 @@ _TEMPLATE_OWN = {"conversation", "messages", "tools", "documents", "chat_templat
                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
 
 
+MAX_NESTING = 64  # JSON levels in a tool's schema or chat_template_kwargs (walked by the server's own code)
+
+
+def nesting(value) -> int:
+    """How deep JSON containers nest in `value`, walked without recursion (so no depth exhausts the stack);
+    counting stops past MAX_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_NESTING:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 class ChatTemplateFields(BaseModel):
     """How the conversation is rendered (vLLM's fields; chat completions and /tokenize)."""
 
@@ -269,6 +285,10 @@ class ChatTemplateFields(BaseModel):
         own = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
         if own:
             raise ValueError(f"chat_template_kwargs may not set {own[0]!r}: the server sets it")
+        if self.chat_template_kwargs and (nesting(self.chat_template_kwargs) > MAX_NESTING or
+                                          len(json.dumps(self.chat_template_kwargs)) > MAX_GRAMMAR_CHARS):
+            raise ValueError(f"chat_template_kwargs may hold up to {MAX_GRAMMAR_CHARS} characters, nested up to "
+                             f"{MAX_NESTING} levels")
         return self
 
     def template_options(self) -> dict[str, Any]:
@@ -277,13 +297,9 @@ class ChatTemplateFields(BaseModel):
                 "continue_final_message": self.continue_final_message}
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # tool calling: app/server/tools.py
+class ToolFields(BaseModel):
+    """Tool calling's fields (app/server/tools.py; chat completions and /tokenize)."""
+
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -291,10 +307,21 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     @field_validator("tools")
     @classmethod
     def _tools_bounded(cls, value: list[Tool] | None) -> list[Tool] | None:
-        # the parameter schemas become one grammar (tool_choice "required"), bounded as structured outputs' are
+        # the parameter schemas become one grammar ("auto", "required"), bounded as structured outputs' are
+        for i, tool in enumerate(value or []):
+            if nesting(tool.function.parameters) > MAX_NESTING:
+                raise ValueError(f"tools.{i}.function.parameters nests deeper than {MAX_NESTING} levels")
         if value and sum(len(json.dumps(t.function.parameters or {})) for t in value) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the tools' parameter schemas may hold up to {MAX_GRAMMAR_CHARS} characters in all")
         return value
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self):
@@ -306,11 +333,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Body, ChatTemplateFields):
+class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # shown to the chat template, as in chat
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

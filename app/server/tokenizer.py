@@ -30,8 +30,10 @@ class AsyncTokenizer:
         # grammars already checked, most recently used last: a client sends the same schema or tools every turn
         # (128 functions' schemas take ~25 ms to check on this thread)
         self._checked: OrderedDict[str, None] = OrderedDict()
-        # whether the template renders `tools` (app/server/tools.py writes them into a system message otherwise)
-        self.template_knows_tools = renders_tools(chat_template or getattr(tokenizer, "chat_template", None))
+        # the variables the template reads (None: unknown), so whether it renders `tools` (app/server/tools.py
+        # writes them into a system message otherwise), and which chat_template_kwargs it can use
+        self.template_variables = template_variables(chat_template or getattr(tokenizer, "chat_template", None))
+        self.template_knows_tools = self.template_variables is None or "tools" in self.template_variables
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -86,6 +88,9 @@ class AsyncTokenizer:
                            "context_length_exceeded")
 
     def _render(self, conversation: list[dict], options: dict, tools: list[dict] | None) -> str:
+        if self.template_variables is not None:  # what the template never reads is not copied into it (as vLLM)
+            options = {key: value for key, value in options.items()
+                       if key in self.template_variables or key in ("add_generation_prompt", "continue_final_message")}
         try:
             return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       chat_template=self.chat_template, **options)
@@ -96,15 +101,15 @@ class AsyncTokenizer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
 
-def renders_tools(template: str | dict | None) -> bool:
-    """Whether a chat template (or any of a tokenizer's named ones) reads the variable `tools`."""
+def template_variables(template: str | dict | None) -> set[str] | None:
+    """The variables a chat template (or any of a tokenizer's named ones) reads; None where Jinja cannot parse it
+    here (a tag only transformers' environment knows)."""
     from jinja2 import Environment, TemplateSyntaxError, meta
 
+    found: set[str] = set()
     for text in (template.values() if isinstance(template, dict) else [template or ""]):
         try:
-            if "tools" in meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)):
-                return True
-        except TemplateSyntaxError:  # a tag only transformers' environment knows: the word will do
-            if "tools" in text:
-                return True
-    return False
+            found |= meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text))
+        except TemplateSyntaxError:
+            return None
+    return found

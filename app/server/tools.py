@@ -30,7 +30,7 @@ from typing import Any
 
 from app.engine.structured import JSON_OPTIONS
 from app.server.errors import APIError
-from app.server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,16 @@ _CALLS_SHAPE = 'a JSON array of calls, each {"name": the function\'s name, "para
 
 
 
-def plan(body: ChatCompletionRequest, knows_tools: bool) -> ToolPlan | None:
+def plan(body: ChatCompletionRequest | TokenizeRequest, knows_tools: bool, constrained: bool = False) -> ToolPlan | None:
     """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit.
-    `knows_tools`: whether the chat template renders tools (then "auto" would need the model's own format)."""
+    `knows_tools`: whether the chat template renders tools (then "auto" would need the model's own format);
+    `constrained`: whether the request asks for a structured output too."""
     choice = body.tool_choice
-    if choice is None:
-        choice = "auto" if body.tools else "none"
+    if choice is None:  # a prefilled answer (continue_final_message) is text to continue, not a choice to make
+        choice = "auto" if body.tools and not body.continue_final_message else "none"
+    if choice != "none" and body.continue_final_message:
+        raise APIError(400, 'continue_final_message continues a text answer: give tool_choice "none" (or leave it '
+                            "out) with it", "tool_choice", "invalid_value")
     if not body.tools:
         if choice != "none":
             raise APIError(400, "tool_choice needs tools", "tool_choice", "invalid_value")
@@ -98,7 +102,7 @@ def plan(body: ChatCompletionRequest, knows_tools: bool) -> ToolPlan | None:
                             '"function", "function": {"name": ...}}) or "none"', "tool_choice", "invalid_value")
     if choice == "none":
         return ToolPlan("none", body.tools)
-    if body.constraint() is not None:
+    if constrained:
         raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
     if choice == "required":
@@ -142,14 +146,27 @@ def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
     return schema
 
 
-def _rebase(node, prefix: str):
-    """`node` with every local reference ("#...") made relative to `prefix` instead of the document's root."""
-    if isinstance(node, dict):
-        return {key: prefix + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                else _rebase(value, prefix) for key, value in node.items()}
+_DATA = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas
+_NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # names -> schemas
+
+
+def _rebase(node, prefix: str, names: bool = False):
+    """`node` with every local reference ("#...") made relative to `prefix` instead of the document's root; data
+    (`const`, `enum`, ...) left as it is. `names`: `node` maps names to schemas (a `properties`). The request's
+    schemas nest at most MAX_NESTING levels (protocol.ToolFields), so the recursion is bounded."""
     if isinstance(node, list):
         return [_rebase(value, prefix) for value in node]
-    return node
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if names:
+            out[key] = _rebase(value, prefix)
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = prefix + value[1:]
+        else:
+            out[key] = value if key in _DATA else _rebase(value, prefix, key in _NAMED)
+    return out
 
 
 def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools: bool) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -65,6 +66,9 @@ CASES = [
     ("tool-arguments-not-an-object", "POST", CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, 400, "invalid_value",
      "a function's arguments are a JSON object"),
+    ("tool-schema-nested-too-deep", "POST", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": json.loads('{"type":"object","properties":{"a":' * 300 + '{}' + '}}' * 300)}}]},
+     400, "invalid_value", "nests deeper than 64 levels"),
     ("tool-history-nested-too-deep", "POST", CHAT, {"messages": [{"role": "assistant", "tool_calls": [{
         "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]}, 400,
      "invalid_value", "nested too deep"),

@@ -252,6 +252,12 @@ def test_tool_calls_required_and_named_follow_the_functions_schemas(client):
     text = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
                                           max_tokens=30, temperature=0).choices[0]
     assert text.message.content and text.message.tool_calls is None
+    for choice in ("auto", "required", "none"):  # /tokenize counts the prompt the chat request ran
+        counted = client.post("/../tokenize", cast_to=object, body={"messages": history, "tools": TOOLS,
+                                                                    "tool_choice": choice})["count"]
+        ran = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=1, temperature=0).usage.prompt_tokens
+        assert counted == ran, choice
 
 
 def test_tool_choice_auto_answers_in_text_or_in_calls(client):
@@ -288,6 +294,10 @@ def test_continue_final_message_prefills_the_answer(appliance, client):
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                          extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert out.choices[0].message.content.startswith(" Paris") and out.usage.prompt_tokens == len(prompt)
+    with_tools = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                tools=TOOLS, extra_body={"continue_final_message": True,
+                                                                         "add_generation_prompt": False})
+    assert with_tools.choices[0].message.content.startswith(" Paris")  # tool_choice "none" then: text goes on
 
 
 def test_stop_sequences_and_echo(client):

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from app.server.errors import APIError
+from app.spec.schema import ModelSpec
 from app.server.protocol import ChatCompletionRequest
 from app.server.tools import ToolCallReader, conversation
 from app.server.tools import plan as tool_plan
@@ -22,7 +23,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def plan(body: ChatCompletionRequest, knows_tools: bool = False):
-    return tool_plan(body, knows_tools)
+    return tool_plan(body, knows_tools, body.constraint() is not None)  # as the chat endpoint calls it
 
 
 def request(**fields) -> ChatCompletionRequest:
@@ -73,6 +74,9 @@ def test_tool_choices_that_cannot_be_served_are_400s_naming_the_field():
     refused("tools", "two tools are named 'get_weather'", tools=[WEATHER, WEATHER], tool_choice="required")
     refused("tool_choice", "not both", tools=[WEATHER], tool_choice="required",
             response_format={"type": "json_object"})
+    refused("tool_choice", 'give tool_choice "none"', tools=[WEATHER], tool_choice="required",
+            continue_final_message=True, add_generation_prompt=False)
+    assert plan(request(tools=[WEATHER], continue_final_message=True, add_generation_prompt=False)).mode == "none"
     refused("tools.1.function.parameters", "type is 'string'", tool_choice="required",
             tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
 
@@ -194,16 +198,25 @@ def test_refs_keep_their_meaning_in_a_required_answer():
     assert allows('[{"name":"pointer","parameters":{"a":1,"b":2}}]')
     assert not allows('[{"name":"pointer","parameters":{"a":1,"b":"2"}}]')
     assert allows('[{"name":"one","parameters":{"x":5}},{"name":"two","parameters":{"x":"5"}}]')
+    data = {"type": "object", "properties": {"default": {"$ref": "#/$defs/d"}, "k": {"const": {"$ref": "#/x"}}},
+            "$defs": {"d": {"type": "integer"}}, "additionalProperties": False}  # a property named like a keyword
+    grammar = grammar_for("json", plan(request(tools=[{"type": "function", "function": {
+        "name": "data", "parameters": data}}], tool_choice="required")).constraint[1])
+    assert allows('[{"name":"data","parameters":{"default":3,"k":{"$ref":"#/x"}}}]')  # the const is data
+    assert not allows('[{"name":"data","parameters":{"default":"3"}}]')
     assert not allows('[{"name":"one","parameters":{"x":"5"}}]') and not allows('[{"name":"two","parameters":{"x":5}}]')
 
 
-def test_a_template_is_known_to_render_tools_by_its_variables():
-    from app.server.tokenizer import renders_tools
+def test_a_template_is_known_by_its_variables():
+    from app.server.tokenizer import template_variables
 
-    assert renders_tools("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0]['content'] }}")
-    assert renders_tools({"default": "{{ messages }}", "tool_use": "{% for t in tools %}{{ t }}{% endfor %}"})
-    assert not renders_tools("{# no tools here #}{{ messages[0]['content'] + ' tools' }}")
-    assert not renders_tools(None)
+    assert template_variables("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0]['content'] }}") == {
+        "tools", "messages"}
+    assert template_variables({"default": "{{ messages }}", "tool_use": "{% for t in tools %}{{ t }}{% endfor %}"}) \
+        == {"messages", "tools"}
+    assert "tools" not in template_variables("{# no tools here #}{{ messages[0]['content'] + ' tools' }}")
+    assert template_variables(None) == set()
+    assert template_variables("{% generation %}{{ x }}{% endgeneration %}") is None  # transformers' own tag
 
 
 def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_objects(tmp_path):
@@ -215,7 +228,6 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
     from app.model.source import resolve_source
     from app.model.tokenizer import export_tokenizer, load_exported, tokenizer_json
     from app.server.tokenizer import AsyncTokenizer
-    from app.spec.schema import ModelSpec
 
     (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
     hf = load_exported(tmp_path)
@@ -248,3 +260,34 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
     own = AsyncTokenizer(load_exported(tmp_path / "smollm2"), 8192, None)
     own.close()
     assert own.tokenizer.chat_template and not own.template_knows_tools
+
+
+def test_deep_schemas_and_template_kwargs_are_refused_before_any_walk_of_them():
+    deep = {"type": "string"}
+    for _ in range(400):  # deeper than any recursion over it would survive
+        deep = {"type": "object", "properties": {"a": deep}}
+    for fields in ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": deep}}]},
+                   {"chat_template_kwargs": {"x": deep}}):
+        with pytest.raises(ValueError, match="nest"):
+            request(**fields)
+    with pytest.raises(ValueError, match="up to 65536 characters"):
+        request(chat_template_kwargs={"x": "y" * 70_000})
+
+
+def test_the_template_gets_only_the_kwargs_it_reads(tmp_path, monkeypatch):
+    from app.model.source import resolve_source
+    from app.model.tokenizer import load_exported, tokenizer_json
+    from app.server.tokenizer import AsyncTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
+    hf = load_exported(tmp_path)
+    seen = {}
+    real = hf.apply_chat_template
+    monkeypatch.setattr(hf, "apply_chat_template", lambda *a, **k: seen.update(k) or real(*a, **k))
+    text = AsyncTokenizer(hf, 8192, "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    try:
+        options = request(chat_template_kwargs={"greeting": "Hi ", "unread": [{}] * 1000}).template_options()
+        assert text._render([{"role": "user", "content": "x"}], options, None) == "Hi x"
+    finally:
+        text.close()
+    assert seen["greeting"] == "Hi " and "unread" not in seen and seen["add_generation_prompt"] is True
