@@ -34,6 +34,8 @@ def free_port() -> int:
 
 
 class Appliance:
+    started: list[Appliance] = []  # every one this test run, so that a failed test's can be stopped after it
+
     def __init__(self, tmp: Path, spec: str = BASE_SPEC, sets: tuple[str, ...] = (), env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,6 +49,7 @@ class Appliance:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        Appliance.started.append(self)
 
     def wait_ready(self, timeout: float = 120) -> Appliance:
         deadline = time.monotonic() + timeout
@@ -85,6 +88,17 @@ class Appliance:
         match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         assert match, f"{name} not in /metrics"
         return float(match.group(1))
+
+
+@pytest.fixture(autouse=True)
+def _no_appliance_outlives_its_test():
+    """A test that fails between starting an appliance and stopping it would leave it serving (and its engine
+    holding a core) for the rest of the run: stopped here. The package's shared one was started before."""
+    before = len(Appliance.started)
+    yield
+    for app in Appliance.started[before:]:
+        app.stop(timeout=30)
+    del Appliance.started[before:]
 
 
 @pytest.fixture(scope="package")
