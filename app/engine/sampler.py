@@ -165,8 +165,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _plain_greedy(state: SamplingState) -> bool:
     """Greedy, without logit_bias, penalties, logprobs or a stop token still masked: the argmax of the raw logits."""
     params = state.params
+    held = len(state.output_ids) < params.min_tokens and state.early_stops is not None
     return params.greedy and params.logprobs is None and not params.logit_bias and state.matcher is None \
-        and not _has_penalty(params) and not (len(state.output_ids) < params.min_tokens and state.early_stops is not None)
+        and not _has_penalty(params) and not held
 
 
 def _greedy_output(raw: torch.Tensor) -> SampleOutput:

@@ -7,12 +7,12 @@
 - a named function (`{"type": "function", "function": {"name": ...}}`): the answer is that function's arguments,
   one JSON object held to its schema, returned as one tool call (`finish_reason: "stop"`, as OpenAI and vLLM);
 - "auto" (the default when tools are given): the model chooses; the answer is held to either text (not starting
-  with "[" or a space) or the "required" answer's array of calls (llguidance's own example of function calling),
+  with "[" or whitespace) or the "required" answer's array of calls (llguidance's own example of function calling),
   and comes back as whichever it wrote;
 - "none": the tools go to the chat template and the answer is text.
 
-A chat template that knows tools (it names `tools`: Qwen's, Llama 3.1's) gets them, and the history's assistant
-`tool_calls` and tool results, as Hugging Face's `apply_chat_template` defines them. A template that does not
+A chat template that knows tools (it reads the variable `tools`: Qwen's, Llama 3.1's) gets them, and the history's
+assistant `tool_calls` and tool results, as Hugging Face's `apply_chat_template` defines them. A template that does not
 (SmolLM2's) would leave the model blind to the functions: there, "required", "auto" and a named choice add a
 system message that lists them and the answer's shape, and earlier calls in the history are written into the
 assistant's text in that shape. "auto" with a template that knows tools would need a parser of that model's own
@@ -61,8 +61,9 @@ class ToolPlan:
         """The tools in words, for a template that knows no tools (None: nothing to add)."""
         if self.mode == "named":
             tool = next(t for t in self.tools if t.function.name == self.name)
+            described = _dump(tool.function.model_dump(exclude_none=True))
             return (f"Call the function {self.name}: answer with its arguments, one JSON object that its parameters' "
-                    f"schema allows, and nothing else. The function:\n{_dump(tool.function.model_dump(exclude_none=True))}")
+                    f"schema allows, and nothing else. The function:\n{described}")
         listing = _dump([t.function.model_dump(exclude_none=True) for t in self.tools])
         if self.mode == "required":
             return (f"Answer by calling one or more of these functions: {_CALLS_SHAPE}, and nothing else. The "
@@ -73,11 +74,12 @@ class ToolPlan:
         return None
 
 
-_CALLS_SHAPE = 'a JSON array of calls, each {"name": the function\'s name, "parameters": its arguments as a JSON object}'
+_CALLS_SHAPE = ('a JSON array of calls, each {"name": the function\'s name, "parameters": its arguments as a JSON '
+                'object}')
 
 
-
-def plan(body: ChatCompletionRequest | TokenizeRequest, knows_tools: bool, constrained: bool = False) -> ToolPlan | None:
+def plan(body: ChatCompletionRequest | TokenizeRequest, knows_tools: bool,
+         constrained: bool = False) -> ToolPlan | None:
     """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit.
     `knows_tools`: whether the chat template renders tools (then "auto" would need the model's own format);
     `constrained`: whether the request asks for a structured output too."""

@@ -51,7 +51,7 @@ def test_chat_and_its_stream_agree(client):
 
 
 def test_continuous_usage_stats_count_every_chunk(client):
-    """vLLM's continuous_usage_stats: each chunk's usage counts the tokens so far; the last agrees with the request's."""
+    """vLLM's continuous_usage_stats: each chunk's usage counts the tokens so far, the last one all of them."""
     for stream in (client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
                                              stream=True, stream_options={"include_usage": True,
                                                                           "continuous_usage_stats": True}),
@@ -186,7 +186,8 @@ def test_structured_outputs_follow_the_schema_regex_choice_and_grammar(client):
 
 
 WEATHER_ARGS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+                "properties": {"city": {"type": "string", "maxLength": 20},
+                               "unit": {"enum": ["celsius", "fahrenheit"]}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": WEATHER_ARGS}},
          {"type": "function", "function": {"name": "get_time", "description": "Local time in a city", "parameters": {

@@ -252,8 +252,8 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
     finally:
         text.close()
     assert rendered.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
-    assert 'CALLS [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]' \
-        in rendered
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert f"CALLS {json.dumps([call])}" in rendered
     assert "tool: 18 C FOR c1" in rendered and "Answer by calling" not in rendered
     assert greeted.rstrip() == "Hello\nuser: x"
     export_tokenizer(resolve_source(ModelSpec()), tmp_path / "smollm2")  # with its chat template
