@@ -24,9 +24,7 @@ from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
-from app.server.tools import ToolPlan
-from app.server.tools import plan as plan_tools
-from app.server.tools import conversation as tool_conversation
+from app.server.tools import ToolPlan, conversation as tool_conversation, plan as plan_tools
 from app.server.tokenizer import AsyncTokenizer
 
 log = logging.getLogger("app.server")

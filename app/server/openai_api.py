@@ -128,15 +128,14 @@ async def chat_completions(request: Request) -> Response:
 def _chat_message(seq, tools: ToolPlan | None) -> dict:
     """A non-streamed choice's message and finish_reason; a forced tool choice's text as `tool_calls`."""
     reason = _reason(seq)
-    if tools is None:
-        return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
-    reader = tools.reader()
-    reader.feed(seq.text.text)
-    calls = reader.calls()
-    if not calls:  # "auto" answered in text, or the answer was cut before a call's name
-        return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
-    return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
-            "finish_reason": tools.finish_reason(reason, reader)}
+    if tools is not None:
+        reader = tools.reader()
+        reader.feed(seq.text.text)
+        calls = reader.calls()
+        if calls:  # else "auto" answered in text, or the answer was cut before a call's name
+            return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
+                    "finish_reason": tools.finish_reason(reason, reader)}
+    return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
 
 
 async def _tool_error(ctx, tools: ToolPlan, error: APIError) -> APIError:

@@ -18,6 +18,7 @@ from app.server.errors import APIError
 
 class AsyncTokenizer:
     CHECKED = 64  # grammars remembered as checked
+
     def __init__(self, tokenizer, max_model_len: int, chat_template: str | None):
         self.tokenizer, self.max_model_len, self.chat_template = tokenizer, max_model_len, chat_template
         self.eos_token_id = tokenizer.eos_token_id
@@ -33,7 +34,11 @@ class AsyncTokenizer:
         # the variables the template reads (None: unknown), so whether it renders `tools` (app/server/tools.py
         # writes them into a system message otherwise), and which chat_template_kwargs it can use
         self.template_variables = template_variables(chat_template or getattr(tokenizer, "chat_template", None))
-        self.template_knows_tools = self.template_variables is None or "tools" in self.template_variables
+
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the template renders `tools` (one Jinja cannot read here is taken to)."""
+        return self.template_variables is None or "tools" in self.template_variables
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
