@@ -198,7 +198,7 @@ async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = await openai_api.read_body(request, TokenizeRequest)
     ctx.check_model(body.model)
     if body.messages is not None:
-        ids = await ctx.chat_ids(body.messages, body, plan_tools(body, ctx.text.template_knows_tools))
+        ids = await ctx.chat_ids(body.messages, body, plan_tools(body, ctx.text.tool_format))
     else:
         ids = await ctx.text.encode(body.prompt, "prompt", body.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})

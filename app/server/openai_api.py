@@ -104,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    tools = plan_tools(body, ctx.text.template_knows_tools, body.constraint() is not None)
+    tools = plan_tools(body, ctx.text.tool_format, body.constraint() is not None)
     ids = await ctx.chat_ids(body.messages, body, tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
@@ -130,10 +130,10 @@ def _chat_message(seq, tools: ToolPlan | None) -> dict:
     reason = _reason(seq)
     if tools is not None:
         reader = tools.reader()
-        reader.feed(seq.text.text)
+        content = reader.feed(seq.text.text)[0] + reader.end()
         calls = reader.calls()
         if calls:  # else "auto" answered in text, or the answer was cut before a call's name
-            return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
+            return {"message": {"role": "assistant", "content": content or None, "tool_calls": calls},
                     "finish_reason": tools.finish_reason(reason, reader)}
     return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
 
@@ -317,10 +317,12 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
     async for event in gen.events():
         reason = event.finish_reason
         if tools is not None:  # the text goes out as tool-call deltas (or as content: "auto" answered in text)
-            content, calls = readers[event.index].feed(event.text)
-            delta = {"tool_calls": calls} if calls else ({"content": content} if content else {})
+            reader = readers[event.index]
+            content, calls = reader.feed(event.text)
             if reason is not None:
-                reason = tools.finish_reason(reason, readers[event.index])
+                content += reader.end()
+                reason = tools.finish_reason(reason, reader)
+            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
         else:
             delta = {"content": event.text} if event.text else {}
         if not delta and reason is None and not (body.logprobs and event.logprobs):

@@ -33,7 +33,9 @@ class AsyncTokenizer:
         self._checked: OrderedDict[str, None] = OrderedDict()
         # the variables the template reads (None: unknown), so whether it renders `tools` (app/server/tools.py
         # writes them into a system message otherwise), and which chat_template_kwargs it can use
-        self.template_variables = template_variables(chat_template or getattr(tokenizer, "chat_template", None))
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.template_variables = template_variables(template)
+        self.tool_format = tool_format(template, self.template_knows_tools)
 
     @property
     def template_knows_tools(self) -> bool:
@@ -104,6 +106,16 @@ class AsyncTokenizer:
 
     async def _run(self, work):
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+
+def tool_format(template: str | dict | None, knows_tools: bool) -> str | None:
+    """How a model with this chat template writes tool calls (app/server/tools.py): "array" where the template
+    renders no tools (this server's own shape), "hermes" where it asks for `<tool_call>` tags (Qwen 2.5 and 3,
+    Hermes), None for a format this server cannot read."""
+    if not knows_tools:
+        return "array"
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return "hermes" if any("<tool_call>" in text for text in texts) else None
 
 
 def template_variables(template: str | dict | None) -> set[str] | None:

@@ -15,9 +15,18 @@ A chat template that knows tools (it reads the variable `tools`: Qwen's, Llama 3
 assistant `tool_calls` and tool results, as Hugging Face's `apply_chat_template` defines them. A template that does not
 (SmolLM2's) would leave the model blind to the functions: there, "required", "auto" and a named choice add a
 system message that lists them and the answer's shape, and earlier calls in the history are written into the
-assistant's text in that shape. "auto" with a template that knows tools would need a parser of that model's own
-tool-call format (Hermes' `<tool_call>` tags, Llama's JSON, ...), which this server does not have: a 400 naming
-`tool_choice`, as vLLM's without `--tool-call-parser`.
+assistant's text in that shape.
+
+How the model writes calls (`tool_format`, from its chat template: AsyncTokenizer.tool_format):
+- "array": the template renders no tools; the shapes above, this server's own.
+- "hermes": the template asks for `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5 and 3,
+  Hermes 2 and 3): "required" and a named choice are held to calls in those tags (the model's own format, so that
+  it writes what it was trained to), and "auto" is not held at all: the model writes text, calls in tags, or
+  both, and `HermesReader` takes the calls out of it as it grows (vLLM's `--tool-call-parser hermes`); a tagged
+  block that is no call (no name, not JSON) stays text.
+- None: a template that renders tools in another format (Llama 3.1's JSON, Mistral's `[TOOL_CALLS]`, ...): "auto"
+  would need that format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
+  `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ class ToolPlan:
     tools: list[Tool]
     name: str | None = None  # the function a named choice forces
     constraint: tuple[str, Any, str] | None = None  # (kind, value, param), as SamplingFields.constraint()
+    format: str | None = "array"  # how the model writes calls ("array", "hermes", None: see the module's doc)
 
     @property
     def forced(self) -> bool:
@@ -49,12 +59,14 @@ class ToolPlan:
     def template_tools(self) -> list[dict]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
-    def reader(self) -> ToolCallReader:
+    def reader(self) -> ToolCallReader | HermesReader:
+        if self.format == "hermes":
+            return HermesReader()
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
-    def finish_reason(self, reason: str | None, reader: ToolCallReader) -> str | None:
-        """An array of calls ("required", "auto") that ended whole is `"tool_calls"` (vLLM 0.11+); a named call, or
-        an answer cut short (a stop string, `max_tokens`), keeps the engine's reason."""
+    def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader) -> str | None:
+        """Calls ("required", "auto") that ended whole are `"tool_calls"` (vLLM 0.11+); a named call, or an answer
+        cut short (a stop string, `max_tokens`), keeps the engine's reason."""
         return "tool_calls" if self.mode in ("required", "auto") and reason == "stop" and reader.closed else reason
 
     def system_prompt(self) -> str | None:
@@ -78,11 +90,11 @@ _CALLS_SHAPE = ('a JSON array of calls, each {"name": the function\'s name, "par
                 'object}')
 
 
-def plan(body: ChatCompletionRequest | TokenizeRequest, knows_tools: bool,
+def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
          constrained: bool = False) -> ToolPlan | None:
     """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit.
-    `knows_tools`: whether the chat template renders tools (then "auto" would need the model's own format);
-    `constrained`: whether the request asks for a structured output too."""
+    `tool_format`: how the model writes calls (the module's doc); `constrained`: whether the request asks for a
+    structured output too."""
     choice = body.tool_choice
     if choice is None:  # a prefilled answer (continue_final_message) is text to continue, not a choice to make
         choice = "auto" if body.tools and not body.continue_final_message else "none"
@@ -97,17 +109,27 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, knows_tools: bool,
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise APIError(400, f"tools: two tools are named {twice[0]!r}", "tools", "invalid_value")
-    if choice == "auto" and knows_tools:
-        raise APIError(400, 'tool_choice "auto" (the default when tools are given) with a chat template that renders '
-                            "tools needs a parser of that model's own tool-call format, which this server does not "
-                            'have yet: ask for "required" (one or more calls), a named function ({"type": '
-                            '"function", "function": {"name": ...}}) or "none"', "tool_choice", "invalid_value")
+    if choice == "auto" and tool_format is None:
+        raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
+                            "own tool-call format; this chat template asks for one this server cannot read (it "
+                            "reads Hermes' <tool_call> tags, as Qwen's templates ask): ask for \"required\" (one "
+                            'or more calls), a named function ({"type": "function", "function": {"name": ...}}) or '
+                            '"none"', "tool_choice", "invalid_value")
+    fmt = "hermes" if tool_format == "hermes" else "array"
     if choice == "none":
-        return ToolPlan("none", body.tools)
+        return ToolPlan("none", body.tools, format=fmt)
+    if choice == "auto" and fmt == "hermes":  # the model's own format, read as it comes (HermesReader)
+        if constrained:  # the answer is not held, so a structured output would be: it would forbid the tags
+            raise APIError(400, "give tools or structured outputs (response_format, structured_outputs), not both",
+                           "tool_choice", "invalid_value")
+        return ToolPlan("auto", body.tools, format=fmt)
     if constrained:
         raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
     if choice == "required":
+        if fmt == "hermes":
+            return ToolPlan("required", body.tools, constraint=("grammar", _hermes_grammar(
+                _call_variants(body.tools, "arguments"), body.parallel_tool_calls), "tools"), format=fmt)
         schema = _calls_schema(body.tools, body.parallel_tool_calls)
         return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
     if choice == "auto":
@@ -119,6 +141,9 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, knows_tools: bool,
     if tool is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools",
                        "tool_choice", "invalid_value")
+    if fmt == "hermes":
+        return ToolPlan("named", body.tools, name, ("grammar", _hermes_grammar(
+            _call_variants([tool], "arguments", body.tools.index(tool)), False), "tools"), format=fmt)
     return ToolPlan("named", body.tools, name, ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
 
 
@@ -135,17 +160,37 @@ def parameters_schema(tool: Tool, i: int) -> dict:
 
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
-    """The JSON schema of a "required" answer: an array of calls, each one of the functions with its own schema.
-    Each function's schema becomes a root definition of its own (`$defs.tool_<i>`), its local `$ref`s ("#",
-    "#/$defs/...", "#/properties/...") rebased there, so that they mean what they meant in the function's schema."""
-    defs = {f"tool_{i}": _rebase(parameters_schema(tool, i), f"#/$defs/tool_{i}") for i, tool in enumerate(tools)}
-    variants = [{"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                  "parameters": {"$ref": f"#/$defs/tool_{i}"}},
-                 "required": ["name", "parameters"], "additionalProperties": False} for i, tool in enumerate(tools)]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, "$defs": defs}
+    """The JSON schema of a "required" answer: an array of calls, each one of the functions with its own schema."""
+    variants = _call_variants(tools, "parameters")
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants["anyOf"]},
+                              "$defs": variants["$defs"]}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _call_variants(tools: list[Tool], arguments: str, first: int = 0) -> dict:
+    """The JSON schema of one call, `{"name": ..., <arguments>: {...}}`, of any of `tools` (the first numbered
+    `first` among the request's). Each function's schema becomes a root definition of its own (`$defs.tool_<i>`),
+    its local `$ref`s ("#", "#/$defs/...", "#/properties/...") rebased there, so that they mean what they meant in
+    the function's schema."""
+    numbered = list(enumerate(tools, first))
+    defs = {f"tool_{i}": _rebase(parameters_schema(tool, i), f"#/$defs/tool_{i}") for i, tool in numbered}
+    variants = [{"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                  arguments: {"$ref": f"#/$defs/tool_{i}"}},
+                 "required": ["name", arguments], "additionalProperties": False} for i, tool in numbered]
+    return {"anyOf": variants, "$defs": defs}
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"  # Hermes' tags around a call
+
+
+def _hermes_grammar(call: dict, parallel: bool) -> str:
+    """A Lark grammar (llguidance's) of one or more calls in Hermes' tags, each `call`'s JSON on a line of its own
+    between them, as Qwen's templates show it; one call where `parallel` is false."""
+    schema = json.dumps({**call, "x-guidance": JSON_OPTIONS})
+    more = ' ("\\n" call)*' if parallel else ""
+    return f'start: call{more}\ncall: "{_OPEN}\\n" body "\\n{_CLOSE}"\nbody: %json {schema}\n'
 
 
 _DATA = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas
@@ -224,12 +269,45 @@ class _Call:
 
 
 @dataclass
+class _ValueScanner:
+    """Finds where a call's arguments (a JSON value inside the call's object) end, one piece of text at a time."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def scan(self, text: str, at: int) -> tuple[int, bool]:
+        """Reads `text` from `at`: (where reading stopped, whether the value ended there). An ended value stops
+        after its closing bracket, or a scalar at the enclosing object's closing brace."""
+        for i in range(at, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                if self.depth == 0:  # a scalar value, ended by its call's brace
+                    return i, True
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1, True
+        return len(text), False
+
+
+@dataclass
 class ToolCallReader:
     """Splits an answer's text into tool calls as it grows: `feed` takes the next piece of text and gives the
     content and the `tool_calls` deltas of a stream chunk (a call's first delta has its id, type and name; the rest
-    add to its arguments); `calls()` gives the whole calls so far, as a non-streamed message holds them. `name`: the
-    function of a named choice (the whole text is its arguments), else None: an array of calls ("required"), or
-    with `auto`, either that (the text starts with "[") or text."""
+    add to its arguments); `end` gives what is left when the answer ends; `calls()` gives the whole calls so far,
+    as a non-streamed message holds them. `name`: the function of a named choice (the whole text is its arguments),
+    else None: an array of calls ("required"), or with `auto`, either that (the text starts with "[") or text."""
 
     name: str | None
     auto: bool = False
@@ -239,26 +317,17 @@ class ToolCallReader:
     _text: str = ""
     _at: int = 0  # how far the text has been read
     _in_arguments: bool = False
-    _depth: int = 0
-    _in_string: bool = False
-    _escaped: bool = False
+    _value: _ValueScanner = field(default_factory=_ValueScanner)
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         if self.auto and self._is_text is None and piece:
             self._is_text = not piece.startswith("[")
         if self._is_text:
             return piece, []
-        return "", self._feed_calls(piece)
+        return "", _merged(self._read(piece))
 
-    def _feed_calls(self, piece: str) -> list[dict]:
-        """The deltas of `piece`, one per call it touches (a call's head and its first arguments in one)."""
-        deltas: list[dict] = []
-        for delta in self._read(piece):
-            if deltas and deltas[-1]["index"] == delta["index"]:
-                deltas[-1]["function"]["arguments"] += delta["function"]["arguments"]
-            else:
-                deltas.append(delta)
-        return deltas
+    def end(self) -> str:
+        return ""  # nothing is held back
 
     def _read(self, piece: str):
         if self.closed:  # what follows the calls (EOS text under min_tokens, say) is no call's
@@ -267,7 +336,7 @@ class ToolCallReader:
         if self.name is not None and not self._calls:  # a named call: the whole text is its arguments' object
             self._calls.append(_Call(_call_id(), self.name))
             self._in_arguments = True
-            yield self._start(0)
+            yield _start(self._calls, 0)
         while True:
             if not self._in_arguments:
                 head = _HEAD.match(self._text, self._at)
@@ -275,13 +344,12 @@ class ToolCallReader:
                     self.closed = self._text.startswith("}]", self._at)
                     return
                 self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
-                yield self._start(len(self._calls) - 1)
-                self._at, self._in_arguments, self._depth = head.end(), True, 0
+                yield _start(self._calls, len(self._calls) - 1)
+                self._at, self._in_arguments, self._value = head.end(), True, _ValueScanner()
             start = self._at
-            ended = self._scan()
+            self._at, ended = self._value.scan(self._text, self._at)
             if self._at > start:
-                self._calls[-1].arguments += self._text[start:self._at]
-                yield {"index": len(self._calls) - 1, "function": {"arguments": self._text[start:self._at]}}
+                yield _more(self._calls, self._text[start:self._at])
             if not ended:
                 return
             self._in_arguments = False
@@ -290,40 +358,145 @@ class ToolCallReader:
                 return
 
     def calls(self) -> list[dict]:
-        return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in self._calls]
+        return _listed(self._calls)
 
-    def _start(self, index: int) -> dict:
-        call = self._calls[index]
-        return {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
 
-    def _scan(self) -> bool:
-        """Reads a call's `parameters` value from `_at`; True where it ended (`_at` then at the call's closing
-        brace, which the next head or the array's end reads)."""
+# a call's head in Hermes' tags, in any spacing: its arguments' value starts after it
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+@dataclass
+class HermesReader:
+    """ToolCallReader's counterpart for Hermes' format: text, and calls each in `<tool_call>` tags,
+    `{"name": ..., "arguments": {...}}` (in any spacing; a block in another shape is taken whole once closed: a
+    name and an object of arguments make a call, anything else stays text). Text that may begin a tag is held back
+    until it is known not to; whitespace after a call is no content."""
+
+    _calls: list[_Call] = field(default_factory=list)
+    closed: bool = False  # a call ended whole and none is open
+    _text: str = ""
+    _at: int = 0
+    _state: str = "text"  # "text", "head" (after an opening tag), "arguments", "tail" (after them, to the closing tag)
+    _after_call: bool = False
+    _value: _ValueScanner = field(default_factory=_ValueScanner)
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        self._text += piece
+        content: list[str] = []
+        deltas = _merged(self._read(content))
+        return "".join(content), deltas
+
+    def end(self) -> str:
+        """What is left when the answer ends: held-back text, or an opened block that made no call."""
+        rest = self._text[self._at:]
+        self._at = len(self._text)
+        if self._state == "text":
+            return self._content(rest)
+        if self._state == "head":
+            return _OPEN + rest
+        return ""  # the rest of a call cut short
+
+    def calls(self) -> list[dict]:
+        return _listed(self._calls)
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
+
+    def _read(self, content: list[str]):
         text = self._text
-        for i in range(self._at, len(text)):
-            c = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                if self._depth == 0:  # a scalar value, ended by its call's brace
-                    self._at = i
-                    return True
-                self._depth -= 1
-                if self._depth == 0:
-                    self._at = i + 1
-                    return True
-        self._at = len(text)
-        return False
+        while True:
+            if self._state == "text":
+                i = text.find(_OPEN, self._at)
+                end = i if i >= 0 else len(text) - _held(text, self._at)
+                content.append(self._content(text[self._at:end]))
+                self._at = end
+                if i < 0:
+                    return
+                self._at, self._state, self.closed = i + len(_OPEN), "head", False
+            elif self._state == "head":
+                head = _HERMES_HEAD.match(text, self._at)
+                if head is not None:
+                    self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
+                    yield _start(self._calls, len(self._calls) - 1)
+                    self._at, self._state, self._value = head.end(), "arguments", _ValueScanner()
+                    continue
+                close = text.find(_CLOSE, self._at)
+                if close < 0:
+                    return  # more to come (or, at the end, text)
+                call = _whole_call(text[self._at:close])
+                if call is None:
+                    content.append(self._content(text[self._at - len(_OPEN):close + len(_CLOSE)]))
+                else:
+                    self._calls.append(_Call(_call_id(), call[0]))
+                    yield _start(self._calls, len(self._calls) - 1)
+                    yield _more(self._calls, call[1])
+                    self.closed = self._after_call = True
+                self._at, self._state = close + len(_CLOSE), "text"
+            elif self._state == "arguments":
+                start = self._at
+                self._at, ended = self._value.scan(text, self._at)
+                if self._at > start:
+                    yield _more(self._calls, text[start:self._at])
+                if not ended:
+                    return
+                self._state = "tail"
+            else:  # "tail": the call's closing brace, then its closing tag
+                close = text.find(_CLOSE, self._at)
+                if close < 0:
+                    return
+                self._at, self._state = close + len(_CLOSE), "text"
+                self.closed = self._after_call = True
+
+
+def _whole_call(block: str) -> tuple[str, str] | None:
+    """A closed block's call, (name, arguments' JSON text), where it is one."""
+    try:
+        call = json.loads(block)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API carries them
+        return call["name"], arguments
+    return (call["name"], _dump(arguments)) if isinstance(arguments, dict) else None
+
+
+def _held(text: str, at: int) -> int:
+    """How many characters at the end of `text` (from `at`) may begin an opening tag."""
+    for n in range(min(len(_OPEN) - 1, len(text) - at), 0, -1):
+        if _OPEN.startswith(text[len(text) - n:]):
+            return n
+    return 0
+
+
+def _start(calls: list[_Call], index: int) -> dict:
+    call = calls[index]
+    return {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+
+
+def _more(calls: list[_Call], arguments: str) -> dict:
+    """The last call's next piece of arguments."""
+    calls[-1].arguments += arguments
+    return {"index": len(calls) - 1, "function": {"arguments": arguments}}
+
+
+def _merged(deltas) -> list[dict]:
+    """Deltas of one piece, one per call it touches (a call's head and its first arguments in one)."""
+    out: list[dict] = []
+    for delta in deltas:
+        if out and out[-1]["index"] == delta["index"]:
+            out[-1]["function"]["arguments"] += delta["function"]["arguments"]
+        else:
+            out.append(delta)
+    return out
+
+
+def _listed(calls: list[_Call]) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
 def _call_id() -> str:

@@ -282,6 +282,60 @@ def test_tool_choice_auto_answers_in_text_or_in_calls(client):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_a_hermes_template_gets_calls_in_its_own_tags_and_auto_is_read_from_free_text(tmp_path):
+    """With a chat template that asks for Hermes' `<tool_call>` tags (Qwen's way; tests/hermes_chat_template.jinja
+    given as `model.chat_template`): "required" and a named choice are held to calls in the tags, and "auto" is not
+    held: SmolLM2, shown two earlier calls, writes the third in the tags by itself, and the server reads it out of
+    the text as a tool call (as vLLM's hermes parser); a question without a call stays text."""
+    import jsonschema
+
+    from tests.conftest import REPO
+    from tests.server.conftest import Appliance
+
+    template = REPO / "tests" / "hermes_chat_template.jinja"
+    app = Appliance(tmp_path, sets=(f"model.chat_template={template}",)).wait_ready()
+    hermes = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+    def asked(city: str, i: int) -> list[dict]:
+        return [{"role": "user", "content": f"What is the weather in {city}?"}, {"role": "assistant", "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(
+                {"city": city, "unit": "celsius"})}}]}]
+
+    shown = [*asked("Paris", 1), *asked("Berlin", 2), {"role": "user", "content": "What is the weather in Rome?"}]
+    auto = dict(model=MODEL, messages=shown, tools=TOOLS, max_tokens=60, temperature=0)
+    out = hermes.chat.completions.create(**auto).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None, out
+    [call] = out.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)  # not held: the model's own JSON
+    calls, reason = _streamed_calls(hermes.chat.completions.create(stream=True, **auto))
+    assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    prompt = hermes.post("/../tokenize", cast_to=object, body={"messages": shown, "tools": TOOLS})["tokens"]
+    rendered = hermes.post("/../detokenize", cast_to=object, body={"tokens": prompt})["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}' in rendered
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in rendered
+    text = hermes.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=30, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"}]).choices[0]
+    assert "Paris" in text.message.content and not text.message.tool_calls
+    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    required = dict(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    whole = hermes.chat.completions.create(**required).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None and whole.message.tool_calls
+    for call in whole.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert '"city":"Paris"' in whole.message.tool_calls[0].function.arguments
+    calls, reason = _streamed_calls(hermes.chat.completions.create(stream=True, **required))
+    assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    named = hermes.chat.completions.create(**{**required, "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}}).choices[0]
+    assert named.finish_reason == "stop" and [c.function.name for c in named.message.tool_calls] == ["get_time"]
+    jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), schemas["get_time"])
+    assert app.stop() == 0, app.logs()[-3000:]
+
+
 def test_continue_final_message_prefills_the_answer(appliance, client):
     """vLLM's continue_final_message: the last (assistant) message is left open in the prompt and the model goes on
     with it; checked against the prompt /tokenize renders and the answer without the prefill."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from app.server.errors import APIError
 from app.spec.schema import ModelSpec
 from app.server.protocol import ChatCompletionRequest
-from app.server.tools import ToolCallReader, conversation
+from app.server.tools import HermesReader, ToolCallReader, conversation
 from app.server.tools import plan as tool_plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -22,17 +23,17 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-def plan(body: ChatCompletionRequest, knows_tools: bool = False):
-    return tool_plan(body, knows_tools, body.constraint() is not None)  # as the chat endpoint calls it
+def plan(body: ChatCompletionRequest, tool_format: str | None = "array"):
+    return tool_plan(body, tool_format, body.constraint() is not None)  # as the chat endpoint calls it
 
 
 def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": ASK, **fields})
 
 
-def refused(param: str, words: str, knows_tools: bool = False, **fields) -> None:
+def refused(param: str, words: str, tool_format: str | None = "array", **fields) -> None:
     with pytest.raises(APIError) as caught:
-        plan(request(**fields), knows_tools)
+        plan(request(**fields), tool_format)
     assert caught.value.status == 400 and caught.value.param == param and words in caught.value.message
 
 
@@ -68,7 +69,8 @@ def test_the_plan_of_each_tool_choice():
 
 def test_tool_choices_that_cannot_be_served_are_400s_naming_the_field():
     refused("tool_choice", "needs tools", tool_choice="required")
-    refused("tool_choice", '"auto"', knows_tools=True, tools=[WEATHER])  # as vLLM without a parser
+    refused("tool_choice", '"auto"', tool_format=None, tools=[WEATHER])  # as vLLM without a parser
+    refused("tool_choice", "not both", tool_format="hermes", tools=[WEATHER], response_format={"type": "json_object"})
     refused("tool_choice", "not among tools", tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "nope"}})
     refused("tools", "two tools are named 'get_weather'", tools=[WEATHER, WEATHER], tool_choice="required")
@@ -239,7 +241,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
         "role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}, {"role": "tool", "tool_call_id": "c1",
                                                                           "content": "18 C"}])
-    tools = plan(body, knows_tools=True)
+    tools = plan(body, tool_format=None)
     text = AsyncTokenizer(hf, 8192, template)
     try:
         assert text.template_knows_tools
@@ -291,3 +293,91 @@ def test_the_template_gets_only_the_kwargs_it_reads(tmp_path, monkeypatch):
     finally:
         text.close()
     assert seen["greeting"] == "Hi " and "unread" not in seen and seen["add_generation_prompt"] is True
+
+
+HERMES = (Path(__file__).parent.parent / "hermes_chat_template.jinja").read_text()
+
+
+def test_the_tool_format_is_read_from_the_template():
+    from app.server.tokenizer import template_variables, tool_format
+
+    assert tool_format(HERMES, "tools" in template_variables(HERMES)) == "hermes"
+    assert tool_format("{{ tools | tojson }}{{ messages }}", True) is None  # tools in a format without a parser here
+    assert tool_format({"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"}, True) == "hermes"
+    assert tool_format("{{ messages }}", False) == "array"
+
+
+def test_hermes_plans_hold_forced_calls_in_tags_and_leave_auto_free():
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+
+    auto = plan(request(tools=[WEATHER, SEARCH]), "hermes")
+    assert (auto.mode, auto.constraint, auto.format) == ("auto", None, "hermes")
+    assert isinstance(auto.reader(), HermesReader)
+    byte_tokenizer = LLTokenizer("byte")
+
+    def allows(choice, text: str, parallel: bool = True) -> bool:
+        kind, value, _ = plan(request(tools=[WEATHER, SEARCH], tool_choice=choice, parallel_tool_calls=parallel),
+                              "hermes").constraint
+        matcher = LLMatcher(byte_tokenizer, grammar_for(kind, value), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    paris = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    query = '<tool_call>\n{"name":"search","arguments":{"q":"x"}}\n</tool_call>'
+    assert allows("required", paris) and allows("required", f"{paris}\n{query}")
+    assert not allows("required", f"{paris}\n{query}", parallel=False) and allows("required", query, parallel=False)
+    assert not allows("required", "Sure. " + paris) and not allows("required", "")
+    assert not allows("required", paris.replace('"Paris"', "5"))  # the function's own schema holds
+    assert not allows("required", paris.replace("get_weather", "get_time"))
+    assert not allows("required", query.replace('"x"', "5"))  # its refs ("#/$defs/query": a string), rebased
+    named = {"type": "function", "function": {"name": "search"}}
+    assert allows(named, query) and not allows(named, paris) and not allows(named, f"{query}\n{query}")
+
+
+HERMES_ANSWER = ('Let me look <that> up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"<tool_'
+                 'call>\\"", "days": [1, {"x": "}"}]}}\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": "search"}'
+                 '\n</tool_call>\n<tool_call>not a call</tool_call> <tool_call>\n{"name": "scalar", "arguments": 42}'
+                 '\n</tool_call>\nDone <tool')
+
+
+def test_the_hermes_reader_takes_calls_out_of_text_at_any_piece_boundary():
+    rng = random.Random(0)
+    for trial in range(300):
+        text = HERMES_ANSWER
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 40))) if trial else list(range(1, len(text)))
+        reader, streamed, content = HermesReader(), {}, ""
+        for piece in (text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])):
+            more, deltas = reader.feed(piece)
+            content += more
+            assert len({d["index"] for d in deltas}) == len(deltas)
+            for delta in deltas:
+                call = streamed.setdefault(delta["index"], {"arguments": ""})
+                if "id" in delta:
+                    assert "name" not in call
+                    call.update(id=delta["id"], name=delta["function"]["name"])
+                call["arguments"] += delta["function"]["arguments"]
+        content += reader.end()
+        # the text before the first call; a block that is no call, as text; no whitespace after a call; "<tool" held
+        # back until the end, then text
+        assert content == "Let me look <that> up.\n<tool_call>not a call</tool_call> Done <tool"
+        whole = reader.calls()
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
+            ("get_weather", {"city": 'Paris "<tool_call>"', "days": [1, {"x": "}"}]}), ("search", {}),
+            ("scalar", 42)]
+        assert [streamed[i] for i in range(3)] == [
+            {"arguments": c["function"]["arguments"], "id": c["id"], "name": c["function"]["name"]} for c in whole]
+        assert reader.closed
+
+
+def test_the_hermes_reader_of_a_cut_or_unclosed_answer():
+    cut = HermesReader()
+    assert cut.feed('<tool_call>\n{"name": "search", "arguments": {"q": "a') == (
+        "", [{"index": 0, "id": cut.calls()[0]["id"], "type": "function",
+              "function": {"name": "search", "arguments": '{"q": "a'}}])
+    assert cut.end() == "" and not cut.closed  # the call so far, as a cut "required" answer's
+    unclosed = HermesReader()
+    assert unclosed.feed('<tool_call>\n{"nam') == ("", []) and unclosed.end() == '<tool_call>\n{"nam'
+    assert unclosed.calls() == []
+    text = HermesReader()
+    assert text.feed("a < b <tool_c") == ("a < b ", []) and text.feed("ar") == ("<tool_car", [])
