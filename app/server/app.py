@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import time
+from typing import NamedTuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,11 +25,17 @@ from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
+from app.server.reasoning import opens_thinking
 from app.server.tools import ToolPlan, conversation as tool_conversation, plan as plan_tools
 from app.server.tokenizer import AsyncTokenizer
 
 log = logging.getLogger("app.server")
 VERSION = "0.1.0"
+
+
+class ChatPrompt(NamedTuple):
+    ids: list[int]
+    thinking: bool  # the prompt leaves a <think> block open (and answers' blocks come back apart): see reasoning.py
 
 
 class Context:
@@ -37,7 +44,7 @@ class Context:
     def __init__(self, cfg: FrontendConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.served_name, self.max_model_len = cfg.served_name, cfg.max_model_len
-        self.text = AsyncTokenizer(tokenizer, cfg.max_model_len, cfg.chat_template)
+        self.text = AsyncTokenizer(tokenizer, cfg.max_model_len, cfg.chat_template, cfg.reasoning)
         self.eos_token_id, self.vocab_size = self.text.eos_token_id, self.text.vocab_size
         self.engine = EngineRouter(cfg.engine_addresses)
         self.metrics = Metrics(cfg.served_name)
@@ -61,14 +68,15 @@ class Context:
             out.append(ids)
         return out
 
-    async def chat_ids(self, messages: list[ChatMessage], rendering: ChatTemplateFields,
-                       tools: ToolPlan | None = None) -> list[int]:
+    async def chat_prompt(self, messages: list[ChatMessage], rendering: ChatTemplateFields,
+                          tools: ToolPlan | None = None) -> ChatPrompt:
         knows_tools = self.text.template_knows_tools
         conversation = tool_conversation(messages, tools, knows_tools)
         template_tools = tools.template_tools() if tools is not None and knows_tools else None
-        ids = await self.text.encode_chat(conversation, rendering.template_options(), "messages", template_tools)
+        text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools)
+        ids = await self.text.encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
-        return ids
+        return ChatPrompt(ids, self.text.thinks and opens_thinking(text))
 
     def check_token_ids(self, ids: list[int] | None, param: str) -> None:
         """Token ids a request names besides its prompt (`stop_token_ids`, `logit_bias`'s keys); none is fine."""
@@ -198,7 +206,7 @@ async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = await openai_api.read_body(request, TokenizeRequest)
     ctx.check_model(body.model)
     if body.messages is not None:
-        ids = await ctx.chat_ids(body.messages, body, plan_tools(body, ctx.text.tool_format))
+        ids = (await ctx.chat_prompt(body.messages, body, plan_tools(body, ctx.text.tool_format))).ids
     else:
         ids = await ctx.text.encode(body.prompt, "prompt", body.add_special_tokens)
     return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})

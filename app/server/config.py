@@ -17,6 +17,7 @@ class FrontendConfig:
     max_model_len: int
     engine_addresses: list[str]  # one per data-parallel replica
     chat_template: str | None = None
+    reasoning: str = "auto"  # model.reasoning
     api_key: str | None = None
     max_body_size: int = 4 << 20
     cors_origins: list[str] = field(default_factory=list)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +18,7 @@ from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from app.server.reasoning import ReasoningReader
 from app.server.tools import ToolPlan, parameters_schema
 from app.server.tools import plan as plan_tools
 
@@ -105,37 +106,67 @@ async def chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     tools = plan_tools(body, ctx.text.tool_format, body.constraint() is not None)
-    ids = await ctx.chat_ids(body.messages, body, tools)
+    prompt = await ctx.chat_prompt(body.messages, body, tools)
+    ids = prompt.ids
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
+    constraint = forced.constraint if forced else None
     try:
-        gen = await _generation(ctx, body, top, "chatcmpl", forced.constraint if forced else None)
+        gen = await _generation(ctx, body, top, "chatcmpl", constraint)
     except APIError as exc:
         raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
+    # a held answer (structured outputs, a forced tool choice) is the grammar's: no thinking block split from it
+    held = constraint is not None or body.constraint() is not None
+    thinking = prompt.thinking if ctx.text.thinks and not held else None
+
+    def reader() -> _AnswerReader:
+        return _AnswerReader(forced, thinking)
+
     if body.stream:
-        return _sse(_chat_chunks(gen, body, ctx.served_name, forced))
+        return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
     events = await _collect(gen, request)
-    choices = [{"index": s.index, **_chat_message(s, forced),
+    choices = [{"index": s.index, **_chat_message(s, forced, reader()),
                 "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
                for s in gen.sequences]
     return JSONResponse({"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
                          "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
 
 
-def _chat_message(seq, tools: ToolPlan | None) -> dict:
-    """A non-streamed choice's message and finish_reason; a forced tool choice's text as `tool_calls`."""
+class _AnswerReader:
+    """A chat choice's text as it grows, split into the message's fields: a thinking block's text (reasoning.py),
+    the content, and tool calls (tools.py); `feed` gives a stream delta's fields (`last`: the answer ended)."""
+
+    def __init__(self, tools: ToolPlan | None, thinking: bool | None):
+        self.reasoning = ReasoningReader(thinking) if thinking is not None else None
+        self.tools = tools.reader() if tools is not None else None
+
+    def feed(self, text: str, last: bool) -> dict:
+        reasoning, calls = "", []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+            if last:
+                more, rest = self.reasoning.end()
+                reasoning, text = reasoning + more, text + rest
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            text += self.tools.end() if last else ""
+        fields: dict = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+        return {**fields, **({"content": text} if text else {}), **({"tool_calls": calls} if calls else {})}
+
+
+def _chat_message(seq, tools: ToolPlan | None, reader: _AnswerReader) -> dict:
+    """A non-streamed choice's message and finish_reason: its text as content, tool calls and reasoning."""
     reason = _reason(seq)
-    if tools is not None:
-        reader = tools.reader()
-        content = reader.feed(seq.text.text)[0] + reader.end()
-        calls = reader.calls()
-        if calls:  # else "auto" answered in text, or the answer was cut before a call's name
-            return {"message": {"role": "assistant", "content": content or None, "tool_calls": calls},
-                    "finish_reason": tools.finish_reason(reason, reader)}
-    return {"message": {"role": "assistant", "content": seq.text.text}, "finish_reason": reason}
+    fields = reader.feed(seq.text.text, last=True)
+    message = {"role": "assistant", "content": fields.get("content", ""), **fields}
+    if "tool_calls" in fields:
+        reason = tools.finish_reason(reason, reader.tools)
+    if ("tool_calls" in fields or "reasoning" in fields) and not message["content"]:
+        message["content"] = None  # as vLLM: calls or reasoning alone, no content
+    return {"message": message, "finish_reason": reason}
 
 
 async def _tool_error(ctx, tools: ToolPlan, error: APIError) -> APIError:
@@ -306,25 +337,19 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
                "choices": [], "usage": _usage(gen)}
 
 
-async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
-                       tools: ToolPlan | None) -> AsyncIterator[dict]:
+async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str, tools: ToolPlan | None,
+                       reader: Callable[[], _AnswerReader]) -> AsyncIterator[dict]:
     created = int(time.time())
     base = {"id": gen.response_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for seq in gen.sequences:  # the role comes first, as OpenAI sends it
         yield _counted({**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]}, gen, body)
-    readers = {seq.index: tools.reader() for seq in gen.sequences} if tools is not None else {}
+    readers = {seq.index: reader() for seq in gen.sequences}
     async for event in gen.events():
         reason = event.finish_reason
-        if tools is not None:  # the text goes out as tool-call deltas (or as content: "auto" answered in text)
-            reader = readers[event.index]
-            content, calls = reader.feed(event.text)
-            if reason is not None:
-                content += reader.end()
-                reason = tools.finish_reason(reason, reader)
-            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-        else:
-            delta = {"content": event.text} if event.text else {}
+        delta = readers[event.index].feed(event.text, last=reason is not None)
+        if reason is not None and tools is not None:
+            reason = tools.finish_reason(reason, readers[event.index].tools)
         if not delta and reason is None and not (body.logprobs and event.logprobs):
             continue
         logprobs = _chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None

@@ -220,6 +220,8 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool result's: the call it answers
+    reasoning_content: str | None = None  # an assistant's thinking (as this server returns it; `reasoning` the same)
+    reasoning: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

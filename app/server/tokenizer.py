@@ -15,11 +15,12 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from app.server.errors import APIError
+from app.server.reasoning import template_thinks
 
 class AsyncTokenizer:
     CHECKED = 64  # grammars remembered as checked
 
-    def __init__(self, tokenizer, max_model_len: int, chat_template: str | None):
+    def __init__(self, tokenizer, max_model_len: int, chat_template: str | None, reasoning: str = "auto"):
         self.tokenizer, self.max_model_len, self.chat_template = tokenizer, max_model_len, chat_template
         self.eos_token_id = tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
@@ -36,6 +37,8 @@ class AsyncTokenizer:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         self.template_variables = template_variables(template)
         self.tool_format = tool_format(template, self.template_knows_tools)
+        # whether answers' <think> blocks come back apart (app/server/reasoning.py)
+        self.thinks = reasoning == "auto" and template_thinks(template)
 
     @property
     def template_knows_tools(self) -> bool:
@@ -49,13 +52,13 @@ class AsyncTokenizer:
         self.check_length(len(text), param)
         return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    async def encode_chat(self, conversation: list[dict], options: dict, param: str,
-                          tools: list[dict] | None = None) -> list[int]:
-        """The conversation rendered by the chat template and tokenized; `options`: apply_chat_template's keyword
-        arguments (add_generation_prompt, continue_final_message, the request's chat_template_kwargs)."""
+    async def render_chat(self, conversation: list[dict], options: dict, param: str,
+                          tools: list[dict] | None = None) -> str:
+        """The conversation rendered by the chat template (the prompt's text: `encode` it with add_special_tokens
+        false); `options`: apply_chat_template's keyword arguments (add_generation_prompt, continue_final_message,
+        the request's chat_template_kwargs)."""
         self.check_length(sum(len(m["content"]) for m in conversation), param)
-        text = await self._run(lambda: self._render(conversation, options, tools))
-        return await self.encode(text, param, add_special_tokens=False)
+        return await self._run(lambda: self._render(conversation, options, tools))
 
     async def decode(self, ids: list[int]) -> str:
         return await self._run(lambda: self.tokenizer.decode(ids))

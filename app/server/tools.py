@@ -40,6 +40,7 @@ from typing import Any
 from app.engine.structured import JSON_OPTIONS
 from app.server.errors import APIError
 from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool
+from app.server.reasoning import tag_start
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,9 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
                 entry["content"] = f"{entry['content']}\n{written}" if entry["content"] else written
         if message.tool_call_id is not None and knows_tools:
             entry["tool_call_id"] = message.tool_call_id
+        thought = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+        if thought is not None:  # Qwen3's template reads it (and shows it only after the last question)
+            entry["reasoning_content"] = thought
         out.append(entry)
     prompt = plan.system_prompt() if plan is not None and not knows_tools else None
     if prompt is not None:
@@ -410,7 +414,7 @@ class HermesReader:
         while True:
             if self._state == "text":
                 i = text.find(_OPEN, self._at)
-                end = i if i >= 0 else len(text) - _held(text, self._at)
+                end = i if i >= 0 else len(text) - tag_start(text, _OPEN, self._at)
                 content.append(self._content(text[self._at:end]))
                 self._at = end
                 if i < 0:
@@ -463,14 +467,6 @@ def _whole_call(block: str) -> tuple[str, str] | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API carries them
         return call["name"], arguments
     return (call["name"], _dump(arguments)) if isinstance(arguments, dict) else None
-
-
-def _held(text: str, at: int) -> int:
-    """How many characters at the end of `text` (from `at`) may begin an opening tag."""
-    for n in range(min(len(_OPEN) - 1, len(text) - at), 0, -1):
-        if _OPEN.startswith(text[len(text) - n:]):
-            return n
-    return 0
 
 
 def _start(calls: list[_Call], index: int) -> dict:

@@ -58,6 +58,10 @@ class ModelSpec(Section):
     """Longest sequence (prompt + output) in tokens; default: the model's own context length."""
     chat_template: str | None = Field(default=None, min_length=1)
     """Chat template override: a path to a Jinja file or the template text; default: the model's."""
+    reasoning: Literal["auto", "none"] = "auto"
+    """A thinking model's `<think>` block (Qwen3, QwQ, DeepSeek-R1's distillations): "auto" returns it apart from the
+    answer on /v1/chat/completions, as `reasoning_content` and `reasoning`, where the chat template knows the tags;
+    "none" leaves it in `content`."""
 
     @model_validator(mode="before")
     @classmethod

@@ -282,19 +282,27 @@ def test_tool_choice_auto_answers_in_text_or_in_calls(client):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-def test_a_hermes_template_gets_calls_in_its_own_tags_and_auto_is_read_from_free_text(tmp_path):
-    """With a chat template that asks for Hermes' `<tool_call>` tags (Qwen's way; tests/hermes_chat_template.jinja
-    given as `model.chat_template`): "required" and a named choice are held to calls in the tags, and "auto" is not
-    held: SmolLM2, shown two earlier calls, writes the third in the tags by itself, and the server reads it out of
-    the text as a tool call (as vLLM's hermes parser); a question without a call stays text."""
-    import jsonschema
-
+@pytest.fixture(scope="module")
+def qwen_like(tmp_path_factory):
+    """The appliance with a chat template in the style of Qwen's (tests/hermes_chat_template.jinja as
+    `model.chat_template`): tools in Hermes' tags, <think> blocks."""
     from tests.conftest import REPO
     from tests.server.conftest import Appliance
 
     template = REPO / "tests" / "hermes_chat_template.jinja"
-    app = Appliance(tmp_path, sets=(f"model.chat_template={template}",)).wait_ready()
-    hermes = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+    app = Appliance(tmp_path_factory.mktemp("qwen_like"), sets=(f"model.chat_template={template}",)).wait_ready()
+    yield openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+    assert app.stop() == 0, app.logs()[-3000:]
+
+
+def test_a_hermes_template_gets_calls_in_its_own_tags_and_auto_is_read_from_free_text(qwen_like):
+    """With a chat template that asks for Hermes' `<tool_call>` tags (Qwen's way): "required" and a named choice
+    are held to calls in the tags, and "auto" is not held: SmolLM2, shown two earlier calls, writes the third in the
+    tags by itself, and the server reads it out of the text as a tool call (as vLLM's hermes parser); a question
+    without a call stays text."""
+    import jsonschema
+
+    hermes = qwen_like
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
     def asked(city: str, i: int) -> list[dict]:
@@ -333,7 +341,47 @@ def test_a_hermes_template_gets_calls_in_its_own_tags_and_auto_is_read_from_free
         "type": "function", "function": {"name": "get_time"}}}).choices[0]
     assert named.finish_reason == "stop" and [c.function.name for c in named.message.tool_calls] == ["get_time"]
     jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), schemas["get_time"])
-    assert app.stop() == 0, app.logs()[-3000:]
+
+
+def _thought(message) -> tuple[str | None, str | None]:
+    """A message's (or delta's) reasoning, checked to be the same under both names."""
+    extra = message.model_extra or {}
+    assert extra.get("reasoning_content") == extra.get("reasoning")
+    return extra.get("reasoning_content"), message.content
+
+
+def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
+    """A template that knows <think> blocks: the answer's block comes back as `reasoning_content` and `reasoning`,
+    the rest as content, streamed and not (SmolLM2 thinks in the tags after two examples of it in the history);
+    where the prompt leaves a block open (as DeepSeek-R1's template does), the answer starts inside it; a closed
+    empty block in the prompt (Qwen3's enable_thinking false) leaves the answer all content; a forced tool choice's
+    answer is not split."""
+    shown = [{"role": "user", "content": "What is 2+2?"},
+             {"role": "assistant", "reasoning_content": "2 plus 2 is 4.", "content": "4"},
+             {"role": "user", "content": "What is the capital of Italy?"},
+             {"role": "assistant", "reasoning": "Italy's capital is Rome.", "content": "Rome"},  # vLLM's name
+             {"role": "user", "content": "What is the capital of France?"}]
+    ask = dict(model=MODEL, messages=shown, temperature=0, max_tokens=60)
+    out = qwen_like.chat.completions.create(**ask).choices[0]
+    reasoning, content = _thought(out.message)
+    assert "Paris" in reasoning and not reasoning.startswith("<think>") and "</think>" not in reasoning
+    assert content == "Paris" and out.finish_reason == "stop"
+    chunks = list(qwen_like.chat.completions.create(stream=True, **ask))
+    assert "".join(_thought(c.choices[0].delta)[0] or "" for c in chunks) == reasoning
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
+    rendered = qwen_like.post("/../detokenize", cast_to=object, body={"tokens": qwen_like.post(
+        "/../tokenize", cast_to=object, body={"messages": shown})["tokens"]})["prompt"]
+    assert "<think>\nItaly's capital is Rome.\n</think>\n\nRome" in rendered  # history's reasoning, either name
+    ask = dict(model=MODEL, messages=shown[-1:], temperature=0, max_tokens=40)
+    opened = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"open_thinking": True}})
+    reasoning, content = _thought(opened.choices[0].message)
+    assert "Paris" in reasoning and content is None  # SmolLM2 never closes the block: all of it is reasoning
+    closed = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    reasoning, content = _thought(closed.choices[0].message)
+    assert reasoning is None and "Paris" in content
+    forced = qwen_like.chat.completions.create(**{**ask, "max_tokens": 120}, tools=TOOLS, tool_choice="required", extra_body={
+        "chat_template_kwargs": {"open_thinking": True}}).choices[0]
+    assert forced.finish_reason == "tool_calls" and _thought(forced.message) == (None, None)
 
 
 def test_continue_final_message_prefills_the_answer(appliance, client):

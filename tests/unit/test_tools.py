@@ -245,12 +245,11 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
     text = AsyncTokenizer(hf, 8192, template)
     try:
         assert text.template_knows_tools
-        ids = asyncio.run(text.encode_chat(conversation(body.messages, tools, True), {"add_generation_prompt": False},
-                                           "messages", tools.template_tools()))
-        rendered = hf.decode(ids)
+        rendered = asyncio.run(text.render_chat(conversation(body.messages, tools, True),
+                                                {"add_generation_prompt": False}, "messages", tools.template_tools()))
         options = ChatCompletionRequest.model_validate({"messages": ASK, "chat_template_kwargs": {
             "greeting": "Hello"}}).template_options()  # as the server passes a request's chat_template_kwargs
-        greeted = hf.decode(asyncio.run(text.encode_chat([{"role": "user", "content": "x"}], options, "messages")))
+        greeted = asyncio.run(text.render_chat([{"role": "user", "content": "x"}], options, "messages"))
     finally:
         text.close()
     assert rendered.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')

@@ -1,0 +1,83 @@
+"""A thinking model's reasoning, split from its answer on /v1/chat/completions.
+
+Models such as Qwen3, QwQ, DeepSeek-R1's distillations and SmolLM3 think in a `<think>...</think>` block before they
+answer. Where the chat template knows those tags (`model.reasoning: auto`, the default), the block's text comes back
+apart from the answer, as `reasoning_content` (DeepSeek's name, llama.cpp's and the Vercel AI SDK's) and `reasoning`
+(vLLM's since 0.11 and OpenRouter's), the same text in both, and `content` holds what follows the block: llama.cpp's
+server does this by default, vLLM with `--reasoning-parser`.
+
+Where the block starts is read from the prompt, not guessed from the answer: a prompt that leaves a `<think>` open
+(DeepSeek-R1's template ends its generation prompt with one; a prefilled answer under `continue_final_message` may)
+makes the answer start inside the block; otherwise a block opens only where the answer starts with `<think>`
+(Qwen3's way; Qwen3's `enable_thinking: false` closes an empty block in the prompt, so its answer is all content).
+An answer cut inside its block (`max_tokens`) is all reasoning. Under a constraint (structured outputs, a forced
+tool choice) the answer is the grammar's and is not split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def template_thinks(template: str | dict | None) -> bool:
+    """Whether a chat template (or any of a tokenizer's named ones) knows thinking blocks."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any(OPEN in text and CLOSE in text for text in texts)
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside a thinking block (one opened after the last one closed)."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+@dataclass
+class ReasoningReader:
+    """Splits an answer's text into reasoning and content as it grows: `feed` takes the next piece and gives
+    (reasoning, content); `end` gives what is held back when the answer ends. Text that may still become a tag is
+    held back until it is known not to; whitespace right after the closing tag is no content."""
+
+    thinking: bool  # inside the block (from the start: the prompt opened it)
+    _at_start: bool = True  # nothing but whitespace read yet: a block may still open
+    _after_close: bool = False  # the block ended (the rest is content), and no content came yet
+    _held: str = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        text, self._held = self._held + piece, ""
+        if self._at_start and not self.thinking:
+            stripped = text.lstrip()
+            if len(stripped) < len(OPEN) and OPEN.startswith(stripped):
+                self._held = text  # whitespace, or a tag's beginning: not known yet
+                return "", ""
+            self._at_start = False
+            if stripped.startswith(OPEN):
+                self.thinking, text = True, stripped[len(OPEN):]
+        self._at_start = False
+        reasoning = ""
+        if self.thinking:
+            i = text.find(CLOSE)
+            if i < 0:
+                keep = tag_start(text, CLOSE)
+                self._held = text[len(text) - keep:]
+                return text[:len(text) - keep], ""
+            reasoning, text = text[:i], text[i + len(CLOSE):]
+            self.thinking, self._after_close = False, True
+        if self._after_close:
+            text = text.lstrip()
+            self._after_close = not text
+        return reasoning, text
+
+    def end(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        if self.thinking:
+            return held, ""
+        return "", held.lstrip() if self._after_close else held
+
+
+def tag_start(text: str, tag: str, start: int = 0) -> int:
+    """How many characters at the end of `text` (from `start`) may begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[len(text) - n:]):
+            return n
+    return 0

@@ -1,0 +1,61 @@
+"""A thinking block split from the answer (app/server/reasoning.py): where it starts, and the reader that splits
+the answer as it grows, at every piece boundary the same as whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.server.reasoning import ReasoningReader, opens_thinking, template_thinks
+
+ANSWERS = [  # (the prompt left a block open, the answer, its reasoning, its content)
+    (False, "\n<think>\nHmm, France.\n</think>\n\nParis.", "\nHmm, France.\n", "Paris."),
+    (True, "Hmm </thi and </think>  Paris <think> x </think>", "Hmm </thi and ", "Paris <think> x </think>"),
+    (False, "Paris <think>a</think>", "", "Paris <think>a</think>"),  # a block opens only at the start
+    (False, "<thin", "", "<thin"),  # a tag's beginning at the end: text after all
+    (False, "<thinking>", "", "<thinking>"),
+    (True, "cut inside the block </thi", "cut inside the block </thi", ""),
+    (False, "<think>cut inside", "cut inside", ""),
+    (False, "  \n", "", "  \n"),
+    (False, "<think></think>", "", ""),
+    (True, "</think>\n\n", "", ""),
+]
+
+
+def read(thinking: bool, pieces: list[str]) -> tuple[str, str]:
+    reader, reasoning, content = ReasoningReader(thinking), "", ""
+    for piece in pieces:
+        more, rest = reader.feed(piece)
+        reasoning, content = reasoning + more, content + rest
+    more, rest = reader.end()
+    return reasoning + more, content + rest
+
+
+@pytest.mark.parametrize("thinking, text, reasoning, content", ANSWERS)
+def test_the_reader_splits_an_answer_the_same_at_every_piece_boundary(thinking, text, reasoning, content):
+    assert read(thinking, [text]) == (reasoning, content)
+    assert read(thinking, list(text)) == (reasoning, content)
+    rng = random.Random(text)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
+        assert read(thinking, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]) == (reasoning, content)
+
+
+def test_text_that_may_still_become_a_tag_is_held_back_until_it_cannot():
+    reader = ReasoningReader(False)
+    assert reader.feed(" <th") == ("", "") and reader.feed("ink>I") == ("I", "")
+    assert reader.feed(" see </thin") == (" see ", "") and reader.feed("g>") == ("</thing>", "")
+    assert reader.feed("</think>\n") == ("", "") and reader.feed("\nParis") == ("", "Paris")
+    plain = ReasoningReader(False)
+    assert plain.feed("<b") == ("", "<b")  # cannot begin "<think>": out at once
+
+
+def test_where_a_block_starts_is_read_from_the_prompt_and_the_template():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3's enable_thinking false
+    assert not opens_thinking("<think>\nold\n</think>\n\nRome<|im_start|>assistant\n")
+    assert not opens_thinking("Say <thinking> in a word")
+    assert template_thinks("{{ '<think>' + message.reasoning_content + '</think>' }}")
+    assert template_thinks({"default": "{{ messages }}", "think": "<think>{{ x }}</think>"})
+    assert not template_thinks("{{ messages }}") and not template_thinks(None)
