@@ -62,7 +62,7 @@ class ToolPlan:
 
     def reader(self) -> ToolCallReader | HermesReader:
         if self.format == "hermes":
-            return HermesReader()
+            return HermesReader(held=self.mode != "auto")
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
     def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader) -> str | None:
@@ -365,24 +365,34 @@ class ToolCallReader:
         return _listed(self._calls)
 
 
-# a call's head in Hermes' tags, in any spacing: its arguments' value starts after it
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+# a call's head in a held answer's tag (the grammar's compact JSON, a name as protocol.FunctionDefinition allows it)
+_HELD_HEAD = re.compile(r'\n\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
 
 
 @dataclass
 class HermesReader:
     """ToolCallReader's counterpart for Hermes' format: text, and calls each in `<tool_call>` tags,
-    `{"name": ..., "arguments": {...}}` (in any spacing; a block in another shape is taken whole once closed: a
-    name and an object of arguments make a call, anything else stays text). Text that may begin a tag is held back
-    until it is known not to; whitespace after a call is no content."""
+    `{"name": ..., "arguments": {...}}`. `held`: the answer is held to calls by a grammar ("required", a named
+    function), so each call's arguments stream as they come; else ("auto") the model writes what it likes, and a
+    block becomes a call once it is whole (at its closing tag; a call whose closing tag was left out before the next
+    call's opening one, too) and is one: a JSON object with a name and an object of arguments (or `parameters`, or
+    the arguments' JSON in a string), in any order and spacing. A block that is no call stays text. Text that may begin a tag is held back until it is known not to;
+    whitespace after a call is no content."""
 
+    held: bool = False
     _calls: list[_Call] = field(default_factory=list)
-    closed: bool = False  # a call ended whole and none is open
+    _whole: int = 0  # calls that ended whole
     _text: str = ""
     _at: int = 0
+    _search: int = 0  # where the search for a free block's end goes on (what came before holds no tag)
     _state: str = "text"  # "text", "head" (after an opening tag), "arguments", "tail" (after them, to the closing tag)
     _after_call: bool = False
     _value: _ValueScanner = field(default_factory=_ValueScanner)
+
+    @property
+    def closed(self) -> bool:
+        """A call ended whole and none is open."""
+        return self._whole > 0 and self._state == "text"
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         self._text += piece
@@ -397,7 +407,7 @@ class HermesReader:
         if self._state == "text":
             return self._content(rest)
         if self._state == "head":
-            return _OPEN + rest
+            return self._content(_OPEN + rest)
         return ""  # the rest of a call cut short
 
     def calls(self) -> list[dict]:
@@ -419,26 +429,34 @@ class HermesReader:
                 self._at = end
                 if i < 0:
                     return
-                self._at, self._state, self.closed = i + len(_OPEN), "head", False
+                self._at = self._search = i + len(_OPEN)
+                self._state = "head"
+            elif self._state == "head" and self.held:
+                head = _HELD_HEAD.match(text, self._at)
+                if head is None:
+                    return  # more to come (the grammar writes nothing else)
+                self._calls.append(_Call(_call_id(), head.group(1)))
+                yield _start(self._calls, len(self._calls) - 1)
+                self._at, self._state, self._value = head.end(), "arguments", _ValueScanner()
             elif self._state == "head":
-                head = _HERMES_HEAD.match(text, self._at)
-                if head is not None:
-                    self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
-                    yield _start(self._calls, len(self._calls) - 1)
-                    self._at, self._state, self._value = head.end(), "arguments", _ValueScanner()
-                    continue
-                close = text.find(_CLOSE, self._at)
+                close = text.find(_CLOSE, self._search)
                 if close < 0:
+                    self._search = max(self._at, len(text) - len(_CLOSE) + 1)
                     return  # more to come (or, at the end, text)
+                after = close + len(_CLOSE)
                 call = _whole_call(text[self._at:close])
+                inner = text.find(_OPEN, self._at, close)
+                if call is None and inner >= 0:  # a call whose closing tag was left out before the next one's?
+                    call = _whole_call(text[self._at:inner])
+                    after = inner if call is not None else after
                 if call is None:
-                    content.append(self._content(text[self._at - len(_OPEN):close + len(_CLOSE)]))
+                    content.append(self._content(text[self._at - len(_OPEN):after]))
                 else:
                     self._calls.append(_Call(_call_id(), call[0]))
                     yield _start(self._calls, len(self._calls) - 1)
                     yield _more(self._calls, call[1])
-                    self.closed = self._after_call = True
-                self._at, self._state = close + len(_CLOSE), "text"
+                    self._whole, self._after_call = self._whole + 1, True
+                self._at, self._state = after, "text"
             elif self._state == "arguments":
                 start = self._at
                 self._at, ended = self._value.scan(text, self._at)
@@ -452,21 +470,21 @@ class HermesReader:
                 if close < 0:
                     return
                 self._at, self._state = close + len(_CLOSE), "text"
-                self.closed = self._after_call = True
+                self._whole, self._after_call = self._whole + 1, True
 
 
 def _whole_call(block: str) -> tuple[str, str] | None:
-    """A closed block's call, (name, arguments' JSON text), where it is one."""
+    """A free block's call, (name, arguments' JSON text), where it is one."""
     try:
         call = json.loads(block)
+        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # the arguments' JSON in a string, as OpenAI's API carries them
+            arguments = json.loads(arguments)
     except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(arguments, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API carries them
-        return call["name"], arguments
-    return (call["name"], _dump(arguments)) if isinstance(arguments, dict) else None
+    return call["name"], _dump(arguments)
 
 
 def _start(calls: list[_Call], index: int) -> dict:

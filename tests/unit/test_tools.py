@@ -304,6 +304,9 @@ def test_the_tool_format_is_read_from_the_template():
     assert tool_format("{{ tools | tojson }}{{ messages }}", True) is None  # tools in a format without a parser here
     assert tool_format({"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"}, True) == "hermes"
     assert tool_format("{{ messages }}", False) == "array"
+    xml = "{{ tools }}<tool_call>\n<function=example_function_name>\n<parameter=x>1</parameter></function></tool_call>"
+    assert tool_format(xml, True) is None  # Qwen3-Coder's XML in the tags: no parser here
+    assert tool_format("{{ tools }}<tool_call>{{ name }}<arg_key>k</arg_key></tool_call>", True) is None  # GLM's
 
 
 def test_hermes_plans_hold_forced_calls_in_tags_and_leave_auto_free():
@@ -337,46 +340,73 @@ def test_hermes_plans_hold_forced_calls_in_tags_and_leave_auto_free():
 HERMES_ANSWER = ('Let me look <that> up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"<tool_'
                  'call>\\"", "days": [1, {"x": "}"}]}}\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": "search"}'
                  '\n</tool_call>\n<tool_call>not a call</tool_call> <tool_call>\n{"name": "scalar", "arguments": 42}'
-                 '\n</tool_call>\nDone <tool')
+                 '\n</tool_call><tool_call>{"name": "get\\_weather", "arguments": {}}</tool_call>\n<tool_call>{"name":'
+                 ' "s", "arguments": "{\\"q\\": 1}"}<tool_call>{"name": "t", "parameters": {"a": 1}}</tool_call>\n'
+                 'Done <tool')
 
 
-def test_the_hermes_reader_takes_calls_out_of_text_at_any_piece_boundary():
+def _read_hermes(reader: HermesReader, text: str, cuts: list[int]) -> tuple[str, dict]:
+    """The content and the calls put together from the deltas of `text` fed in pieces cut at `cuts`."""
+    streamed, content = {}, ""
+    for piece in (text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])):
+        more, deltas = reader.feed(piece)
+        content += more
+        assert len({d["index"] for d in deltas}) == len(deltas)
+        for delta in deltas:
+            call = streamed.setdefault(delta["index"], {"arguments": ""})
+            if "id" in delta:
+                assert "name" not in call
+                call.update(id=delta["id"], name=delta["function"]["name"])
+            call["arguments"] += delta["function"]["arguments"]
+    return content + reader.end(), streamed
+
+
+def test_the_hermes_reader_takes_calls_out_of_free_text_at_any_piece_boundary():
+    """"auto": a block is a call once whole (keys in any order, arguments in a string too, a closing tag left out
+    before the next call); one that is no call (not JSON, arguments not an object, a name that is no JSON string)
+    stays text; a tag inside a JSON string is the string's."""
     rng = random.Random(0)
     for trial in range(300):
         text = HERMES_ANSWER
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 40))) if trial else list(range(1, len(text)))
-        reader, streamed, content = HermesReader(), {}, ""
-        for piece in (text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])):
-            more, deltas = reader.feed(piece)
-            content += more
-            assert len({d["index"] for d in deltas}) == len(deltas)
-            for delta in deltas:
-                call = streamed.setdefault(delta["index"], {"arguments": ""})
-                if "id" in delta:
-                    assert "name" not in call
-                    call.update(id=delta["id"], name=delta["function"]["name"])
-                call["arguments"] += delta["function"]["arguments"]
-        content += reader.end()
-        # the text before the first call; a block that is no call, as text; no whitespace after a call; "<tool" held
+        reader = HermesReader()
+        content, streamed = _read_hermes(reader, text, cuts)
+        # the text before the first call; blocks that are no call, as text; no whitespace after a call; "<tool" held
         # back until the end, then text
-        assert content == "Let me look <that> up.\n<tool_call>not a call</tool_call> Done <tool"
+        assert content == ('Let me look <that> up.\n<tool_call>not a call</tool_call> <tool_call>\n{"name": "scalar", '
+                           '"arguments": 42}\n</tool_call><tool_call>{"name": "get\\_weather", "arguments": {}}'
+                           '</tool_call>\nDone <tool')
         whole = reader.calls()
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
             ("get_weather", {"city": 'Paris "<tool_call>"', "days": [1, {"x": "}"}]}), ("search", {}),
-            ("scalar", 42)]
-        assert [streamed[i] for i in range(3)] == [
+            ("s", {"q": 1}), ("t", {"a": 1})]
+        assert [streamed[i] for i in range(4)] == [
             {"arguments": c["function"]["arguments"], "id": c["id"], "name": c["function"]["name"]} for c in whole]
         assert reader.closed
 
 
-def test_the_hermes_reader_of_a_cut_or_unclosed_answer():
-    cut = HermesReader()
-    assert cut.feed('<tool_call>\n{"name": "search", "arguments": {"q": "a') == (
+def test_the_hermes_reader_of_a_held_answer_streams_arguments_as_they_come():
+    text = ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris \\"<tool_call>}\\""}}\n</tool_call>\n'
+            '<tool_call>\n{"name":"search","arguments":{}}\n</tool_call>')
+    for cuts in ([], list(range(1, len(text))), [40]):
+        reader = HermesReader(held=True)
+        content, streamed = _read_hermes(reader, text, cuts)
+        assert content == "" and reader.closed
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+            ("get_weather", '{"city":"Paris \\"<tool_call>}\\""}'), ("search", "{}")]
+    cut = HermesReader(held=True)
+    assert cut.feed('<tool_call>\n{"name":"search","arguments":{"q":"a') == (
         "", [{"index": 0, "id": cut.calls()[0]["id"], "type": "function",
-              "function": {"name": "search", "arguments": '{"q": "a'}}])
+              "function": {"name": "search", "arguments": '{"q":"a'}}])
     assert cut.end() == "" and not cut.closed  # the call so far, as a cut "required" answer's
+
+
+def test_the_hermes_reader_of_unclosed_blocks_and_tags_begun():
     unclosed = HermesReader()
-    assert unclosed.feed('<tool_call>\n{"nam') == ("", []) and unclosed.end() == '<tool_call>\n{"nam'
-    assert unclosed.calls() == []
+    assert unclosed.feed('<tool_call>\n{"name": "f", "arguments": {}}') == ("", [])  # whole only at its tag
+    assert unclosed.end() == '<tool_call>\n{"name": "f", "arguments": {}}' and unclosed.calls() == []
+    after = HermesReader()
+    after.feed('<tool_call>{"name": "f"}</tool_call>\n<tool_call>{"na')
+    assert after.end() == '<tool_call>{"na' and not after.closed  # a block cut short: not "tool_calls"
     text = HermesReader()
     assert text.feed("a < b <tool_c") == ("a < b ", []) and text.feed("ar") == ("<tool_car", [])
