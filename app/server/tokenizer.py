@@ -114,13 +114,21 @@ class AsyncTokenizer:
 def tool_format(template: str | dict | None, knows_tools: bool) -> str | None:
     """How a model with this chat template writes tool calls (app/server/tools.py): "array" where the template
     renders no tools (this server's own shape), "hermes" where it asks for JSON in `<tool_call>` tags (Qwen 2.5 and
-    3, Hermes), None for a format this server cannot read: other templates that render tools, and those that put
-    XML in the tags (Qwen3-Coder's and Qwen3.5's `<function=...>`, GLM's `<arg_key>`)."""
+    3, Hermes), "llama3_json" where it asks for one `{"name": ..., "parameters": ...}` object (Llama 3.1 to 3.3),
+    None for a format this server cannot read: other templates that render tools, and those that put XML in the
+    tags (Qwen3-Coder's and Qwen3.5's `<function=...>`, GLM's `<arg_key>`)."""
     if not knows_tools:
         return "array"
     texts = template.values() if isinstance(template, dict) else [template or ""]
-    hermes = any("<tool_call>" in text and "<function=" not in text and "<arg_key>" not in text for text in texts)
-    return "hermes" if hermes else None
+    if any("<tool_call>" in text and "<function=" not in text and "<arg_key>" not in text for text in texts):
+        return "hermes"
+    if any(LLAMA3_JSON in text for text in texts):
+        return "llama3_json"
+    return None
+
+
+# how Llama 3.1, 3.2 and 3.3's templates tell the model its calls' shape
+LLAMA3_JSON = '"parameters": dictionary of argument name and its value'
 
 
 def template_variables(template: str | dict | None) -> set[str] | None:

@@ -24,7 +24,9 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   it writes what it was trained to), and "auto" is not held at all: the model writes text, calls in tags, or
   both, and `HermesReader` takes the calls out of it as it grows (vLLM's `--tool-call-parser hermes`); a tagged
   block that is no call (no name, not JSON) stays text.
-- None: a template that renders tools in another format (Llama 3.1's JSON, Mistral's `[TOOL_CALLS]`, ...): "auto"
+- "llama3_json": the template asks for one `{"name": ..., "parameters": {...}}` object (Llama 3.1 to 3.3; it renders
+  one call a turn): every choice but "none" is held to one such object, "auto" to that or text (as for "array").
+- None: a template that renders tools in another format (Mistral's `[TOOL_CALLS]`, Qwen3-Coder's XML, ...): "auto"
   would need that format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
   `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
 """
@@ -63,6 +65,8 @@ class ToolPlan:
     def reader(self) -> ToolCallReader | HermesReader:
         if self.format == "hermes":
             return HermesReader(held=self.mode != "auto")
+        if self.format == "llama3_json":
+            return ToolCallReader(None, auto=self.mode == "auto", single=True)
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
     def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader) -> str | None:
@@ -113,10 +117,10 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if choice == "auto" and tool_format is None:
         raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
                             "own tool-call format; this chat template asks for one this server cannot read (it "
-                            "reads Hermes' <tool_call> tags, as Qwen's templates ask): ask for \"required\" (one "
+                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, and Llama 3's JSON): ask for \"required\" (one "
                             'or more calls), a named function ({"type": "function", "function": {"name": ...}}) or '
                             '"none"', "tool_choice", "invalid_value")
-    fmt = "hermes" if tool_format == "hermes" else "array"
+    fmt = tool_format if tool_format in ("hermes", "llama3_json") else "array"
     if choice == "none":
         return ToolPlan("none", body.tools, format=fmt)
     if choice == "auto" and fmt == "hermes":  # the model's own format, read as it comes (HermesReader)
@@ -127,6 +131,8 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if constrained:
         raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
+    if fmt == "llama3_json":  # one call object (the template renders one call a turn), held: _llama_plan
+        return _llama_plan(choice, body.tools)
     if choice == "required":
         if fmt == "hermes":
             return ToolPlan("required", body.tools, constraint=("grammar", _hermes_grammar(
@@ -137,15 +143,36 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
         schema = {**_calls_schema(body.tools, body.parallel_tool_calls), "x-guidance": JSON_OPTIONS}
         lark = f"start: calls | TEXT\ncalls: %json {json.dumps(schema)}\nTEXT: /[^\\[\\s](.|\\n)*/\n"
         return ToolPlan("auto", body.tools, constraint=("grammar", lark, "tools"))
-    name = choice.function.name
-    tool = next((t for t in body.tools if t.function.name == name), None)
-    if tool is None:
-        raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools",
-                       "tool_choice", "invalid_value")
+    tool = _named(choice, body.tools)
+    name = tool.function.name
     if fmt == "hermes":
         return ToolPlan("named", body.tools, name, ("grammar", _hermes_grammar(
             _call_variants([tool], "arguments", body.tools.index(tool)), False), "tools"), format=fmt)
     return ToolPlan("named", body.tools, name, ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
+
+
+def _llama_plan(choice, tools: list[Tool]) -> ToolPlan:
+    """Llama 3's format: the answer is one call, `{"name": ..., "parameters": {...}}` (compact, as the grammar
+    writes JSON); "auto" takes that or text that does not start with "{" or whitespace."""
+    if choice in ("required", "auto"):
+        call = _call_variants(tools, "parameters")
+        if choice == "required":
+            return ToolPlan("required", tools, constraint=("json", call, "tools"), format="llama3_json")
+        schema = json.dumps({**call, "x-guidance": JSON_OPTIONS})
+        lark = f"start: call | TEXT\ncall: %json {schema}\nTEXT: /[^{{\\s](.|\\n)*/\n"
+        return ToolPlan("auto", tools, constraint=("grammar", lark, "tools"), format="llama3_json")
+    tool = _named(choice, tools)
+    return ToolPlan("named", tools, tool.function.name,
+                    ("json", _call_variants([tool], "parameters", tools.index(tool)), "tools"), format="llama3_json")
+
+
+def _named(choice, tools: list[Tool]) -> Tool:
+    name = choice.function.name
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not among tools",
+                       "tool_choice", "invalid_value")
+    return tool
 
 
 def parameters_schema(tool: Tool, i: int) -> dict:
@@ -263,6 +290,8 @@ def _dump(value) -> str:
 
 # a call's head in a "required" answer, whose JSON has no whitespace and its keys in the schema's order
 _HEAD = re.compile(r'(?:\[|\},)\{"name":"((?:[^"\\]|\\.)*)","parameters":')
+# ... and of Llama 3's one call object (a name as protocol.FunctionDefinition allows it)
+_ONE_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","parameters":')
 
 
 @dataclass
@@ -311,10 +340,13 @@ class ToolCallReader:
     content and the `tool_calls` deltas of a stream chunk (a call's first delta has its id, type and name; the rest
     add to its arguments); `end` gives what is left when the answer ends; `calls()` gives the whole calls so far,
     as a non-streamed message holds them. `name`: the function of a named choice (the whole text is its arguments),
-    else None: an array of calls ("required"), or with `auto`, either that (the text starts with "[") or text."""
+    else None: an array of calls ("required"), or with `auto`, either that (the text starts with "[") or text.
+    `single`: one call object `{"name": ..., "parameters": ...}` instead of an array of them (Llama 3's format; with
+    `auto`, the text starts with "{")."""
 
     name: str | None
     auto: bool = False
+    single: bool = False
     _calls: list[_Call] = field(default_factory=list)
     _is_text: bool | None = None  # "auto": whether the answer is text (known from its first character)
     closed: bool = False  # the calls ended whole: the array's "]" (a named call: its object's last brace) was read
@@ -325,7 +357,7 @@ class ToolCallReader:
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         if self.auto and self._is_text is None and piece:
-            self._is_text = not piece.startswith("[")
+            self._is_text = not piece.startswith("{" if self.single else "[")
         if self._is_text:
             return piece, []
         return "", _merged(self._read(piece))
@@ -343,9 +375,10 @@ class ToolCallReader:
             yield _start(self._calls, 0)
         while True:
             if not self._in_arguments:
-                head = _HEAD.match(self._text, self._at)
+                head = (_ONE_HEAD if self.single else _HEAD).match(self._text, self._at) if not (
+                    self.single and self._calls) else None
                 if head is None:
-                    self.closed = self._text.startswith("}]", self._at)
+                    self.closed = self._text.startswith("}" if self.single else "}]", self._at) and bool(self._calls)
                     return
                 self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
                 yield _start(self._calls, len(self._calls) - 1)

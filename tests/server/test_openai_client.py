@@ -343,6 +343,41 @@ def test_a_hermes_template_gets_calls_in_its_own_tags_and_auto_is_read_from_free
     jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), schemas["get_time"])
 
 
+def test_a_llama3_template_gets_one_call_object(tmp_path):
+    """With a chat template that asks for calls as Llama 3.1's does (one `{"name", "parameters"}` object;
+    tests/llama3_chat_template.jinja): "auto" is held to that object or text, and SmolLM2, shown two earlier calls,
+    writes the third as one; "required" and a named function give the same object; a question without a call stays
+    text; streamed deltas add up to the same call."""
+    import jsonschema
+
+    from tests.conftest import REPO
+    from tests.server.conftest import Appliance
+
+    app = Appliance(tmp_path, sets=(f"model.chat_template={REPO / 'tests' / 'llama3_chat_template.jinja'}",))
+    llama = openai.OpenAI(base_url=app.wait_ready().url + "/v1", api_key="unused", max_retries=0)
+
+    def asked(city: str, i: int) -> list[dict]:
+        return [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(
+                {"city": city, "unit": "celsius"})}}]}]
+
+    shown = [*asked("Paris", 1), *asked("Berlin", 2), {"role": "user", "content": "Weather in Rome?"}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        ask = dict(model=MODEL, messages=shown, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
+        out = llama.chat.completions.create(**ask).choices[0]
+        assert out.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls"), out
+        [call] = out.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
+        calls, reason = _streamed_calls(llama.chat.completions.create(stream=True, **ask))
+        assert reason == out.finish_reason and [(c["name"], c["arguments"]) for c in calls] == [
+            (call.function.name, call.function.arguments)]
+    text = llama.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=30, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"}]).choices[0]
+    assert "Paris" in text.message.content and not text.message.tool_calls and text.finish_reason == "stop"
+    assert app.stop() == 0, app.logs()[-3000:]
+
+
 def _thought(message) -> tuple[str | None, str | None]:
     """A message's (or delta's) reasoning, checked to be the same under both names."""
     extra = message.model_extra or {}

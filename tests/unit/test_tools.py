@@ -410,3 +410,44 @@ def test_the_hermes_reader_of_unclosed_blocks_and_tags_begun():
     assert after.end() == '<tool_call>{"na' and not after.closed  # a block cut short: not "tool_calls"
     text = HermesReader()
     assert text.feed("a < b <tool_c") == ("a < b ", []) and text.feed("ar") == ("<tool_car", [])
+
+
+def test_llama3_plans_hold_one_call_object_and_auto_to_that_or_text():
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+    from app.server.tokenizer import LLAMA3_JSON, tool_format
+
+    assert tool_format("{{ tools }} Respond in the format {" + LLAMA3_JSON + "}.", True) == "llama3_json"
+    byte_tokenizer = LLTokenizer("byte")
+
+    def allows(choice, text: str) -> bool:
+        tools = plan(request(tools=[WEATHER, SEARCH], tool_choice=choice), "llama3_json")
+        assert tools.format == "llama3_json"
+        matcher = LLMatcher(byte_tokenizer, grammar_for(*tools.constraint[:2]), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    paris, query = '{"name":"get_weather","parameters":{"city":"Paris"}}', '{"name":"search","parameters":{"q":"x"}}'
+    for choice in ("required", "auto"):
+        assert allows(choice, paris) and allows(choice, query)
+        assert not allows(choice, paris.replace('"Paris"', "5")) and not allows(choice, query.replace('"x"', "5"))
+        assert not allows(choice, f"{paris}; {query}")  # one call a turn, as the template renders them
+    assert allows("auto", "Paris is sunny.") and not allows("auto", " {") and not allows("required", "Paris")
+    assert not allows("required", f"[{paris}]")
+    named = {"type": "function", "function": {"name": "search"}}
+    assert allows(named, query) and not allows(named, paris)
+
+
+def test_the_reader_of_one_call_object_at_any_piece_boundary():
+    text = '{"name":"get_weather","parameters":{"city":"Paris \\"}{\\"","days":[1,{"x":[]}]}}'
+    for cuts in ([], list(range(1, len(text))), [5, 30]):
+        reader = ToolCallReader(None, auto=True, single=True)
+        deltas = [d for a, b in zip([0, *cuts], [*cuts, len(text)]) for d in reader.feed(text[a:b])[1]]
+        assert deltas[0]["function"]["name"] == "get_weather" and reader.closed
+        assert "".join(d["function"]["arguments"] for d in deltas) == reader.calls()[0]["function"]["arguments"]
+        assert json.loads(reader.calls()[0]["function"]["arguments"]) == {"city": 'Paris "}{"', "days": [1, {"x": []}]}
+    cut = ToolCallReader(None, single=True)
+    cut.feed('{"name":"search","parameters":{"q":"a')
+    assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q":"a'}] and not cut.closed
+    text = ToolCallReader(None, auto=True, single=True)
+    assert text.feed("Sunny {x}") == ("Sunny {x}", []) and text.calls() == [] and not text.closed
