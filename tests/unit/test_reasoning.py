@@ -59,3 +59,30 @@ def test_where_a_block_starts_is_read_from_the_prompt_and_the_template():
     assert template_thinks("{{ '<think>' + message.reasoning_content + '</think>' }}")
     assert template_thinks({"default": "{{ messages }}", "think": "<think>{{ x }}</think>"})
     assert not template_thinks("{{ messages }}") and not template_thinks(None)
+
+
+def test_a_thinking_answer_with_hermes_calls_splits_the_same_at_every_piece_boundary():
+    """Qwen3's way with tools: the block, then calls in tags; the calls are read from the content only (a tag inside
+    the thinking is thought, not a call)."""
+    from app.server.openai_api import _AnswerReader
+    from app.server.protocol import ChatCompletionRequest
+    from app.server.tools import plan
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]})
+    tools = plan(body, "hermes")
+    text = ('<think>\nI could write <tool_call>{"name": "no"}</tool_call> here.\n</think>\n\nLet me check.\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    rng = random.Random(1)
+    for trial in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
+        reader, fields = _AnswerReader(tools, thinking=False), {}
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for i, piece in enumerate(pieces):
+            for key, value in reader.feed(piece, last=i == len(pieces) - 1).items():
+                fields[key] = fields.get(key, [] if key == "tool_calls" else "") + value
+        assert fields["reasoning_content"] == fields["reasoning"] == (
+            '\nI could write <tool_call>{"name": "no"}</tool_call> here.\n')
+        assert fields["content"] == "Let me check.\n"
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in fields["tool_calls"]] == [
+            ("get_weather", '{"city": "Paris"}')] and reader.tools.closed
