@@ -76,7 +76,8 @@ class Context:
         text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools)
         ids = await self.text.encode(text, "messages", add_special_tokens=False)
         self._check_ids(ids, "messages")
-        return ChatPrompt(ids, self.text.thinks and opens_thinking(text))
+        prefill = messages[-1].text() if rendering.continue_final_message and messages else None
+        return ChatPrompt(ids, self.text.thinks and opens_thinking(text, prefill))
 
     def check_token_ids(self, ids: list[int] | None, param: str) -> None:
         """Token ids a request names besides its prompt (`stop_token_ids`, `logit_bias`'s keys); none is fine."""

@@ -163,6 +163,7 @@ def _chat_message(seq, tools: ToolPlan | None, reader: _AnswerReader) -> dict:
     fields = reader.feed(seq.text.text, last=True)
     message = {"role": "assistant", "content": fields.get("content", ""), **fields}
     if "tool_calls" in fields:
+        message["tool_calls"] = reader.tools.calls()  # whole calls: no stream `index`
         reason = tools.finish_reason(reason, reader.tools)
     if ("tool_calls" in fields or "reasoning" in fields) and not message["content"]:
         message["content"] = None  # as vLLM: calls or reasoning alone, no content

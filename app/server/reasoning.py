@@ -6,9 +6,9 @@ apart from the answer, as `reasoning_content` (DeepSeek's name, llama.cpp's and 
 (vLLM's since 0.11 and OpenRouter's), the same text in both, and `content` holds what follows the block: llama.cpp's
 server does this by default, vLLM with `--reasoning-parser`.
 
-Where the block starts is read from the prompt, not guessed from the answer: a prompt that leaves a `<think>` open
-(DeepSeek-R1's template ends its generation prompt with one; a prefilled answer under `continue_final_message` may)
-makes the answer start inside the block; otherwise a block opens only where the answer starts with `<think>`
+Where the block starts is read from the prompt, not guessed from the answer: a generation prompt that ends with an
+open `<think>` (DeepSeek-R1's template), or a prefilled answer under `continue_final_message` that opened one, makes
+the answer start inside the block; otherwise a block opens only where the answer starts with `<think>`
 (Qwen3's way; Qwen3's `enable_thinking: false` closes an empty block in the prompt, so its answer is all content).
 An answer cut inside its block (`max_tokens`) is all reasoning. Under a constraint (structured outputs, a forced
 tool choice) the answer is the grammar's and is not split.
@@ -27,25 +27,34 @@ def template_thinks(template: str | dict | None) -> bool:
     return any(OPEN in text and CLOSE in text for text in texts)
 
 
-def opens_thinking(prompt: str) -> bool:
-    """Whether a rendered prompt ends inside a thinking block (one opened after the last one closed)."""
-    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+def opens_thinking(prompt: str, prefill: str | None = None) -> bool:
+    """Whether the answer starts inside a thinking block: the generation prompt ends with an open one
+    (DeepSeek-R1's), or the prefilled answer that is continued (`continue_final_message`) opened one it did not
+    close. A `<think>` elsewhere in the conversation (a user asking about the tag, a tool result) is not read."""
+    if prefill is not None:
+        return prefill.rfind(OPEN) > prefill.rfind(CLOSE)
+    return prompt.rstrip().endswith(OPEN)
 
 
 @dataclass
 class ReasoningReader:
     """Splits an answer's text into reasoning and content as it grows: `feed` takes the next piece and gives
     (reasoning, content); `end` gives what is held back when the answer ends. Text that may still become a tag is
-    held back until it is known not to; whitespace right after the closing tag is no content."""
+    held back until it is known not to. The reasoning comes without its leading and trailing whitespace (none at
+    all for a block of whitespace: Qwen3's /no_think writes one), as llama.cpp trims it; whitespace right after the
+    closing tag is no content. An answer that writes `<think>` again where the prompt opened the block loses the
+    repeated tag (as vLLM's DeepSeek-R1 parser)."""
 
     thinking: bool  # inside the block (from the start: the prompt opened it)
-    _at_start: bool = True  # nothing but whitespace read yet: a block may still open
+    _at_start: bool = True  # nothing but whitespace read yet: a tag may still open the answer
+    _said: bool = False  # some reasoning was given out
     _after_close: bool = False  # the block ended (the rest is content), and no content came yet
-    _held: str = ""
+    _held: str = ""  # text that may still become a tag
+    _space: str = ""  # the reasoning's trailing whitespace so far: given out only where more reasoning follows
 
     def feed(self, piece: str) -> tuple[str, str]:
         text, self._held = self._held + piece, ""
-        if self._at_start and not self.thinking:
+        if self._at_start:
             stripped = text.lstrip()
             if len(stripped) < len(OPEN) and OPEN.startswith(stripped):
                 self._held = text  # whitespace, or a tag's beginning: not known yet
@@ -53,15 +62,14 @@ class ReasoningReader:
             self._at_start = False
             if stripped.startswith(OPEN):
                 self.thinking, text = True, stripped[len(OPEN):]
-        self._at_start = False
         reasoning = ""
         if self.thinking:
             i = text.find(CLOSE)
             if i < 0:
                 keep = tag_start(text, CLOSE)
                 self._held = text[len(text) - keep:]
-                return text[:len(text) - keep], ""
-            reasoning, text = text[:i], text[i + len(CLOSE):]
+                return self._reasoning(text[:len(text) - keep]), ""
+            reasoning, text = self._reasoning(text[:i], last=True), text[i + len(CLOSE):]
             self.thinking, self._after_close = False, True
         if self._after_close:
             text = text.lstrip()
@@ -70,9 +78,20 @@ class ReasoningReader:
 
     def end(self) -> tuple[str, str]:
         held, self._held = self._held, ""
-        if self.thinking:
-            return held, ""
+        if self.thinking:  # cut inside the block (max_tokens, a stop string)
+            return self._reasoning(held, last=True), ""
         return "", held.lstrip() if self._after_close else held
+
+    def _reasoning(self, text: str, last: bool = False) -> str:
+        """The reasoning of `text`, whitespace at the block's two ends left out (`last`: the block ends after it)."""
+        if not self._said:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._space = "" if last else self._space + text
+            return ""
+        out, self._space, self._said = self._space + body, "" if last else text[len(body):], True
+        return out
 
 
 def tag_start(text: str, tag: str, start: int = 0) -> int:

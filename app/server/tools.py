@@ -282,6 +282,8 @@ def _arguments(text: str, i: int, j: int) -> Any:
         raise APIError(400, f"{param}: not JSON ({exc.msg} at character {exc.pos})", param, "invalid_value") from None
     except RecursionError:
         raise APIError(400, f"{param}: nested too deep", param, "invalid_value") from None
+    except ValueError as exc:  # an integer past Python's digit limit
+        raise APIError(400, f"{param}: {exc}", param, "invalid_value") from None
 
 
 def _dump(value) -> str:
@@ -363,7 +365,8 @@ class ToolCallReader:
         return "", _merged(self._read(piece))
 
     def end(self) -> str:
-        return ""  # nothing is held back
+        """An answer cut before its first call's name (max_tokens, a stop string): its text, as content."""
+        return self._text if not self._calls else ""
 
     def _read(self, piece: str):
         if self.closed:  # what follows the calls (EOS text under min_tokens, say) is no call's
@@ -513,11 +516,13 @@ def _whole_call(block: str) -> tuple[str, str] | None:
         arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
         if isinstance(arguments, str):  # the arguments' JSON in a string, as OpenAI's API carries them
             arguments = json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):
+        if not isinstance(arguments, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            return None
+        call = call["name"], _dump(arguments)
+        "".join(call).encode()  # a lone surrogate ("\\ud83d") is no text a response can carry
+        return call
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, a lone surrogate
         return None
-    if not isinstance(arguments, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        return None
-    return call["name"], _dump(arguments)
 
 
 def _start(calls: list[_Call], index: int) -> dict:

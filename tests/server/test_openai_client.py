@@ -411,6 +411,13 @@ def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
     opened = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"open_thinking": True}})
     reasoning, content = _thought(opened.choices[0].message)
     assert "Paris" in reasoning and content is None  # SmolLM2 never closes the block: all of it is reasoning
+    prefilled = qwen_like.chat.completions.create(**{**ask, "messages": [*shown[-1:], {
+        "role": "assistant", "content": "<think>\nThe user asks"}]}, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False}).choices[0].message
+    assert _thought(prefilled)[0] and prefilled.content is None  # the prefill opened the block: reasoning
+    asked = qwen_like.chat.completions.create(**{**ask, "messages": [
+        {"role": "user", "content": "In one sentence: why do some models write <think> first?"}]}).choices[0]
+    assert _thought(asked.message)[0] is None and asked.message.content  # a tag in the question opens nothing
     closed = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     reasoning, content = _thought(closed.choices[0].message)
     assert reasoning is None and "Paris" in content

@@ -10,15 +10,16 @@ import pytest
 from app.server.reasoning import ReasoningReader, opens_thinking, template_thinks
 
 ANSWERS = [  # (the prompt left a block open, the answer, its reasoning, its content)
-    (False, "\n<think>\nHmm, France.\n</think>\n\nParis.", "\nHmm, France.\n", "Paris."),
-    (True, "Hmm </thi and </think>  Paris <think> x </think>", "Hmm </thi and ", "Paris <think> x </think>"),
+    (False, "\n<think>\nHmm, France.\n</think>\n\nParis.", "Hmm, France.", "Paris."),
+    (True, "Hmm </thi and </think>  Paris <think> x </think>", "Hmm </thi and", "Paris <think> x </think>"),
+    (True, " <think>\nOnce more.\n\nAnd again. \n</think>Paris", "Once more.\n\nAnd again.", "Paris"),  # tag again
     (False, "Paris <think>a</think>", "", "Paris <think>a</think>"),  # a block opens only at the start
     (False, "<thin", "", "<thin"),  # a tag's beginning at the end: text after all
     (False, "<thinking>", "", "<thinking>"),
     (True, "cut inside the block </thi", "cut inside the block </thi", ""),
-    (False, "<think>cut inside", "cut inside", ""),
+    (False, "<think>cut inside  \n", "cut inside", ""),
     (False, "  \n", "", "  \n"),
-    (False, "<think></think>", "", ""),
+    (False, "<think>\n\n</think>\n\nHello", "", "Hello"),  # Qwen3's /no_think: no reasoning at all
     (True, "</think>\n\n", "", ""),
 ]
 
@@ -44,8 +45,8 @@ def test_the_reader_splits_an_answer_the_same_at_every_piece_boundary(thinking, 
 
 def test_text_that_may_still_become_a_tag_is_held_back_until_it_cannot():
     reader = ReasoningReader(False)
-    assert reader.feed(" <th") == ("", "") and reader.feed("ink>I") == ("I", "")
-    assert reader.feed(" see </thin") == (" see ", "") and reader.feed("g>") == ("</thing>", "")
+    assert reader.feed(" <th") == ("", "") and reader.feed("ink>\n I") == ("I", "")
+    assert reader.feed(" see </thin") == (" see", "") and reader.feed("g> \n") == (" </thing>", "")
     assert reader.feed("</think>\n") == ("", "") and reader.feed("\nParis") == ("", "Paris")
     plain = ReasoningReader(False)
     assert plain.feed("<b") == ("", "<b")  # cannot begin "<think>": out at once
@@ -56,6 +57,10 @@ def test_where_a_block_starts_is_read_from_the_prompt_and_the_template():
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3's enable_thinking false
     assert not opens_thinking("<think>\nold\n</think>\n\nRome<|im_start|>assistant\n")
     assert not opens_thinking("Say <thinking> in a word")
+    # a tag in the conversation (a question about it, a tool's result) opens nothing
+    assert not opens_thinking("<|im_start|>user\nWhy write <think> first?<|im_end|>\n<|im_start|>assistant\n")
+    assert opens_thinking("...<|im_start|>assistant\n<think>\nThe user", prefill="<think>\nThe user")
+    assert not opens_thinking("...<|im_start|>assistant\n<think>a</think>b", prefill="<think>a</think>b")
     assert template_thinks("{{ '<think>' + message.reasoning_content + '</think>' }}")
     assert template_thinks({"default": "{{ messages }}", "think": "<think>{{ x }}</think>"})
     assert not template_thinks("{{ messages }}") and not template_thinks(None)
@@ -82,7 +87,7 @@ def test_a_thinking_answer_with_hermes_calls_splits_the_same_at_every_piece_boun
             for key, value in reader.feed(piece, last=i == len(pieces) - 1).items():
                 fields[key] = fields.get(key, [] if key == "tool_calls" else "") + value
         assert fields["reasoning_content"] == fields["reasoning"] == (
-            '\nI could write <tool_call>{"name": "no"}</tool_call> here.\n')
+            'I could write <tool_call>{"name": "no"}</tool_call> here.')
         assert fields["content"] == "Let me check.\n"
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in fields["tool_calls"]] == [
             ("get_weather", '{"city": "Paris"}')] and reader.tools.closed

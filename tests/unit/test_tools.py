@@ -158,6 +158,9 @@ def test_the_reader_of_a_named_function_and_of_a_cut_answer():
     cut = ToolCallReader(None)
     cut.feed('[{"name":"search","parameters":{"q":"ab')  # max_tokens or a stop string came first: the call so far
     assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q":"ab'}] and not cut.closed
+    assert cut.end() == ""
+    early = ToolCallReader(None)
+    assert early.feed('[{"na') == ("", []) and early.end() == '[{"na'  # cut before a call's name: content
 
 
 def test_the_reader_of_auto_tells_text_from_calls_by_the_first_character():
@@ -399,6 +402,20 @@ def test_the_hermes_reader_of_a_held_answer_streams_arguments_as_they_come():
         "", [{"index": 0, "id": cut.calls()[0]["id"], "type": "function",
               "function": {"name": "search", "arguments": '{"q":"a'}}])
     assert cut.end() == "" and not cut.closed  # the call so far, as a cut "required" answer's
+
+
+def test_free_blocks_that_no_response_could_carry_stay_text():
+    for block in ('{"name": "f", "arguments": {"n": ' + "9" * 5000 + "}}",  # past Python's digit limit
+                  '{"name": "f", "arguments": "{\\"n\\": ' + "9" * 5000 + '}"}',
+                  '{"name": "f", "arguments": {"s": "\\ud83d"}}'):  # a lone surrogate
+        reader = HermesReader()
+        text = f"<tool_call>{block}</tool_call>"
+        assert reader.feed(text) == (text, []) and reader.calls() == [] and not reader.closed
+    body = request(messages=[{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"n": ' + "9" * 5000 + "}"}}]}])
+    with pytest.raises(APIError) as caught:  # a client's history, the same: a 400, not a 500
+        conversation(body.messages, None, knows_tools=True)
+    assert caught.value.param == "messages.0.tool_calls.0.function.arguments"
 
 
 def test_the_hermes_reader_of_unclosed_blocks_and_tags_begun():
