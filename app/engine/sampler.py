@@ -86,8 +86,8 @@ class Sampler:
         # logits: [S, V], row s belongs to states[s]
         self._check(logits, states)
         raw = logits.float()
-        if all(_plain_greedy(state) for state in states):
-            return _greedy_output(raw)
+        if all(_plain_greedy(state, grammar=True) for state in states):
+            return _greedy_output(raw, states)
         shaped = mask_stop_tokens(apply_penalties(apply_logit_bias(raw, states), states), states)
         if shaped is raw and any(state.matcher is not None for state in states):
             shaped = raw.clone()  # the grammars mask in place; the raw logits give the log-probabilities
@@ -162,17 +162,43 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where((total > 0) & (total < math.inf), block * width + token, NO_TOKEN).squeeze(1)
 
 
-def _plain_greedy(state: SamplingState) -> bool:
-    """Greedy, without logit_bias, penalties, logprobs or a stop token still masked: the argmax of the raw logits."""
+def _plain_greedy(state: SamplingState, grammar: bool = False) -> bool:
+    """Greedy, without logit_bias, penalties, logprobs or a stop token still masked: the argmax of the raw logits
+    (`grammar`: or of those the row's grammar allows)."""
     params = state.params
     held = len(state.output_ids) < params.min_tokens and state.early_stops is not None
-    return params.greedy and params.logprobs is None and not params.logit_bias and state.matcher is None \
-        and not _has_penalty(params) and not held
+    return params.greedy and params.logprobs is None and not params.logit_bias and \
+        (grammar or state.matcher is None) and not _has_penalty(params) and not held
 
 
-def _greedy_output(raw: torch.Tensor) -> SampleOutput:
-    """What __call__ gives rows that are all `_plain_greedy`: the argmax of the raw logits, no torch op on them."""
-    return SampleOutput(_usable(raw, greedy_tokens(raw)), None, None, None)
+def _greedy_output(raw: torch.Tensor, states: Sequence[SamplingState] = ()) -> SampleOutput:
+    """What __call__ gives rows that are all `_plain_greedy(grammar=True)`: the argmax of the raw logits, no torch
+    op on them; a grammar's row (structured outputs, tool calls) its argmax among the tokens the grammar allows.
+    Most steps of a held answer pick a token the grammar allows anyway: one bit of its mask tells, and only the
+    others unpack the mask (the general path's mask, copy and masked fill cost ~0.35 ms a row over SmolLM2's
+    49,152 tokens)."""
+    tokens = greedy_tokens(raw)
+    for s, state in enumerate(states):
+        if state.matcher is not None:
+            tokens[s] = _grammar_argmax(raw[s], int(tokens[s]), state.matcher)
+    return SampleOutput(_usable(raw, tokens), None, None, None)
+
+
+def _grammar_argmax(row: torch.Tensor, best: int, matcher) -> int:
+    """`row`'s argmax among the tokens `matcher` allows next (`best`: its argmax among all), or NO_TOKEN where the
+    grammar failed (allowed_tokens' rule: in an error state, or allowing no token)."""
+    bits = None if matcher.is_error() else matcher.compute_bitmask()
+    if bits is None or matcher.is_error():
+        log.warning("structured output of a sequence failed (%s); its request is aborted", matcher.get_error())
+        return NO_TOKEN
+    if best >> 3 < len(bits) and bits[best >> 3] >> (best & 7) & 1:
+        return best
+    values = row.contiguous().numpy()
+    allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:values.shape[0]].astype(bool)
+    if not allowed.any():
+        log.warning("structured output of a sequence failed (its grammar allows no token); its request is aborted")
+        return NO_TOKEN
+    return int(np.where(allowed, values, -np.inf).argmax())
 
 
 def _usable(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

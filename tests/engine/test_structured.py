@@ -98,3 +98,38 @@ def test_the_frontend_checks_each_grammar_once_and_still_refuses_bad_ones(hf, mo
         assert len(checks) == 3
     finally:
         text.close()
+
+
+def test_greedy_rows_under_grammars_take_the_general_paths_tokens(grammars, hf):
+    """Greedy rows without logprobs take the argmax path, a grammar's row its argmax among the tokens the grammar
+    allows (one bit of the mask where the argmax is allowed): the same tokens as the general path (the same rows
+    with logprobs), over random logits, a JSON schema's matcher advanced token by token, and a failed grammar."""
+    eos = hf.eos_token_id
+    schema = grammar_for("json", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+    generator = torch.Generator().manual_seed(1)
+    fast, slow = grammars.matcher(schema, eos), grammars.matcher(schema, eos)
+    never = grammars.matcher(grammar_for("regex", r"[^\s\S]"), eos)
+    on_top = 0
+    for step in range(12):
+        logits = torch.randn(3, VOCAB, generator=generator)
+        if step % 2:  # a token the grammar allows on top: the one-bit path
+            allowed, _ = allowed_tokens([fast.deep_copy()], VOCAB)
+            logits[1, int(allowed[0].nonzero()[0][-1])] = 100.0
+        out = Sampler(VOCAB)(logits, [new_state(SamplingParams(temperature=0), [], eos, matcher)
+                                      for matcher in (None, fast, never)])
+        expected = Sampler(VOCAB)(logits, [new_state(SamplingParams(temperature=0, logprobs=0), [], eos, matcher)
+                                           for matcher in (None, slow, never)])
+        assert out.tokens.tolist() == expected.tokens.tolist() and out.tokens[2] == NO_TOKEN
+        assert out.logprobs is None and out.tokens[0] == int(logits[0].argmax())
+        on_top += int(out.tokens[1] == int(logits[1].argmax()))
+        assert fast.consume_token(int(out.tokens[1])) and slow.consume_token(int(expected.tokens[1]))
+    assert 0 < on_top < 12  # both ways of a grammar's row were taken
+    digits = grammar_for("regex", r"[0-9]+")
+    allowed = allowed_tokens([grammars.matcher(digits, eos)], VOCAB)[0][0]
+    # a token the grammar refuses whose bit, read in the wrong order within its byte, would be an allowed one's
+    refused = next(t for a in allowed.nonzero()[0].tolist() if not allowed[t := a ^ 7])
+    logits = torch.randn(1, VOCAB, generator=generator)
+    logits[0, refused] = 100.0
+    token = Sampler(VOCAB)(logits, [new_state(SamplingParams(temperature=0), [], eos,
+                                              grammars.matcher(digits, eos))]).tokens[0]
+    assert allowed[int(token)] and token == int(logits[0].masked_fill(~torch.from_numpy(allowed), -1e9).argmax())
