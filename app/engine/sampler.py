@@ -194,7 +194,9 @@ def _grammar_argmax(row: torch.Tensor, best: int, matcher) -> int:
     if best >> 3 < len(bits) and bits[best >> 3] >> (best & 7) & 1:
         return best
     values = row.contiguous().numpy()
-    allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:values.shape[0]].astype(bool)
+    allowed = np.zeros(values.shape[0], dtype=bool)  # a mask shorter than the logits allows none past its end
+    unpacked = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:values.shape[0]]
+    allowed[:unpacked.shape[0]] = unpacked
     if not allowed.any():
         log.warning("structured output of a sequence failed (its grammar allows no token); its request is aborted")
         return NO_TOKEN

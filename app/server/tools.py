@@ -40,6 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.engine.structured import JSON_OPTIONS
+
+# JSON as Qwen's and Llama 3's templates write calls, `{"name": "f", "arguments": {"a": 1}}`: the models' own spacing
+# (this server's own shapes, for templates that know no tools, stay compact)
+SPACED = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 from app.server.errors import APIError
 from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool
 from app.server.reasoning import tag_start
@@ -152,18 +156,17 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
 
 
 def _llama_plan(choice, tools: list[Tool]) -> ToolPlan:
-    """Llama 3's format: the answer is one call, `{"name": ..., "parameters": {...}}` (compact, as the grammar
-    writes JSON); "auto" takes that or text that does not start with "{" or whitespace."""
-    if choice in ("required", "auto"):
-        call = _call_variants(tools, "parameters")
-        if choice == "required":
-            return ToolPlan("required", tools, constraint=("json", call, "tools"), format="llama3_json")
-        schema = json.dumps({**call, "x-guidance": JSON_OPTIONS})
-        lark = f"start: call | TEXT\ncall: %json {schema}\nTEXT: /[^{{\\s](.|\\n)*/\n"
-        return ToolPlan("auto", tools, constraint=("grammar", lark, "tools"), format="llama3_json")
-    tool = _named(choice, tools)
-    return ToolPlan("named", tools, tool.function.name,
-                    ("json", _call_variants([tool], "parameters", tools.index(tool)), "tools"), format="llama3_json")
+    """Llama 3's format: the answer is one call, `{"name": ..., "parameters": {...}}`, spaced as Meta's template
+    writes it; "auto" takes that or text that does not start with "{" or whitespace."""
+    tool = None if choice in ("required", "auto") else _named(choice, tools)
+    call = _call_variants(tools, "parameters") if tool is None else _call_variants([tool], "parameters",
+                                                                                   tools.index(tool))
+    lark = f"start: call{' | TEXT' if choice == 'auto' else ''}\ncall: %json {json.dumps({**call, 'x-guidance': SPACED})}\n"
+    if choice == "auto":
+        lark += "TEXT: /[^{\\s](.|\\n)*/\n"
+    mode = choice if tool is None else "named"
+    return ToolPlan(mode, tools, None if tool is None else tool.function.name, ("grammar", lark, "tools"),
+                    format="llama3_json")
 
 
 def _named(choice, tools: list[Tool]) -> Tool:
@@ -216,7 +219,7 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"  # Hermes' tags around a call
 def _hermes_grammar(call: dict, parallel: bool) -> str:
     """A Lark grammar (llguidance's) of one or more calls in Hermes' tags, each `call`'s JSON on a line of its own
     between them, as Qwen's templates show it; one call where `parallel` is false."""
-    schema = json.dumps({**call, "x-guidance": JSON_OPTIONS})
+    schema = json.dumps({**call, "x-guidance": SPACED})
     more = ' ("\\n" call)*' if parallel else ""
     return f'start: call{more}\ncall: "{_OPEN}\\n" body "\\n{_CLOSE}"\nbody: %json {schema}\n'
 
@@ -292,8 +295,8 @@ def _dump(value) -> str:
 
 # a call's head in a "required" answer, whose JSON has no whitespace and its keys in the schema's order
 _HEAD = re.compile(r'(?:\[|\},)\{"name":"((?:[^"\\]|\\.)*)","parameters":')
-# ... and of Llama 3's one call object (a name as protocol.FunctionDefinition allows it)
-_ONE_HEAD = re.compile(r'\{"name":"([A-Za-z0-9_-]{1,64})","parameters":')
+# ... and of Llama 3's one call object (spaced, SPACED; a name as protocol.FunctionDefinition allows it)
+_ONE_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "parameters": ')
 
 
 @dataclass
@@ -401,8 +404,8 @@ class ToolCallReader:
         return _listed(self._calls)
 
 
-# a call's head in a held answer's tag (the grammar's compact JSON, a name as protocol.FunctionDefinition allows it)
-_HELD_HEAD = re.compile(r'\n\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
+# a call's head in a held answer's tag (the grammar's spaced JSON, a name as protocol.FunctionDefinition allows it)
+_HELD_HEAD = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 
 
 @dataclass
