@@ -187,8 +187,10 @@ def _greedy_output(raw: torch.Tensor, states: Sequence[SamplingState] = ()) -> S
 def _grammar_argmax(row: torch.Tensor, best: int, matcher) -> int:
     """`row`'s argmax among the tokens `matcher` allows next (`best`: its argmax among all), or NO_TOKEN where the
     grammar failed (allowed_tokens' rule: in an error state, or allowing no token)."""
-    bits = None if matcher.is_error() else matcher.compute_bitmask()
-    if bits is None or matcher.is_error():
+    from app.engine.structured import mask_bits
+
+    bits = mask_bits(matcher)
+    if bits is None:
         log.warning("structured output of a sequence failed (%s); its request is aborted", matcher.get_error())
         return NO_TOKEN
     if best >> 3 < len(bits) and bits[best >> 3] >> (best & 7) & 1:

@@ -122,14 +122,21 @@ class FailedMatcher:
         return False
 
 
+def mask_bits(matcher) -> bytes | None:
+    """The tokens `matcher` allows next, one bit each (token t: bit t % 8 of byte t // 8), or None where its grammar
+    failed, before or in the computation."""
+    bits = None if matcher.is_error() else matcher.compute_bitmask()
+    return None if bits is None or matcher.is_error() else bits
+
+
 def allowed_tokens(matchers: list, vocab_size: int) -> tuple[np.ndarray, list[int]]:
     """The tokens each matcher allows next, as a bool array [len(matchers), vocab_size], and the indices of the
     matchers in an error state, before or after computing their mask (llguidance fails inside the computation
     where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete)."""
     masks, failed = [], []
     for i, matcher in enumerate(matchers):
-        bits = None if matcher.is_error() else matcher.compute_bitmask()
-        if bits is None or matcher.is_error():  # failed before, or in the computation
+        bits = mask_bits(matcher)
+        if bits is None:
             failed.append(i)
             bits = b""
         masks.append(bits)

@@ -105,7 +105,8 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    tools = plan_tools(body, ctx.text.tool_format, body.constraint() is not None)
+    structured = body.constraint() is not None
+    tools = plan_tools(body, ctx.text.tool_format, structured)
     prompt = await ctx.chat_prompt(body.messages, body, tools)
     ids = prompt.ids
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -119,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
     # a held answer (structured outputs, a forced tool choice) is the grammar's: no thinking block split from it
-    held = constraint is not None or body.constraint() is not None
+    held = constraint is not None or structured
     thinking = prompt.thinking if ctx.text.thinks and not held else None
 
     def reader() -> _AnswerReader:

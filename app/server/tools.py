@@ -121,52 +121,59 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if choice == "auto" and tool_format is None:
         raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
                             "own tool-call format; this chat template asks for one this server cannot read (it "
-                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, and Llama 3's JSON): ask for \"required\" (one "
-                            'or more calls), a named function ({"type": "function", "function": {"name": ...}}) or '
-                            '"none"', "tool_choice", "invalid_value")
+                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, and Llama 3's JSON): ask for "
+                            '"required" (one or more calls), a named function ({"type": "function", "function": '
+                            '{"name": ...}}) or "none"', "tool_choice", "invalid_value")
     fmt = tool_format if tool_format in ("hermes", "llama3_json") else "array"
     if choice == "none":
         return ToolPlan("none", body.tools, format=fmt)
-    if choice == "auto" and fmt == "hermes":  # the model's own format, read as it comes (HermesReader)
-        if constrained:  # the answer is not held, so a structured output would be: it would forbid the tags
-            raise APIError(400, "give tools or structured outputs (response_format, structured_outputs), not both",
-                           "tool_choice", "invalid_value")
-        return ToolPlan("auto", body.tools, format=fmt)
-    if constrained:
+    if constrained:  # Hermes' "auto" is not held, but a structured output would be: it would forbid the tags
         raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
-    if fmt == "llama3_json":  # one call object (the template renders one call a turn), held: _llama_plan
-        return _llama_plan(choice, body.tools)
-    if choice == "required":
-        if fmt == "hermes":
-            return ToolPlan("required", body.tools, constraint=("grammar", _hermes_grammar(
-                _call_variants(body.tools, "arguments"), body.parallel_tool_calls), "tools"), format=fmt)
-        schema = _calls_schema(body.tools, body.parallel_tool_calls)
-        return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
-    if choice == "auto":
-        schema = {**_calls_schema(body.tools, body.parallel_tool_calls), "x-guidance": JSON_OPTIONS}
-        lark = f"start: calls | TEXT\ncalls: %json {json.dumps(schema)}\nTEXT: /[^\\[\\s](.|\\n)*/\n"
-        return ToolPlan("auto", body.tools, constraint=("grammar", lark, "tools"))
-    tool = _named(choice, body.tools)
-    name = tool.function.name
+    tool = None if choice in ("required", "auto") else _named(choice, body.tools)
     if fmt == "hermes":
-        return ToolPlan("named", body.tools, name, ("grammar", _hermes_grammar(
-            _call_variants([tool], "arguments", body.tools.index(tool)), False), "tools"), format=fmt)
-    return ToolPlan("named", body.tools, name, ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
+        return _hermes_plan(choice, body.tools, tool, body.parallel_tool_calls)
+    if fmt == "llama3_json":
+        return _llama_plan(choice, body.tools, tool)
+    if tool is not None:
+        return ToolPlan("named", body.tools, tool.function.name,
+                        ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
+    schema = _calls_schema(body.tools, body.parallel_tool_calls)
+    if choice == "required":
+        return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
+    return ToolPlan("auto", body.tools, constraint=("grammar", _or_text(schema, JSON_OPTIONS, "["), "tools"))
 
 
-def _llama_plan(choice, tools: list[Tool]) -> ToolPlan:
+def _hermes_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool) -> ToolPlan:
+    """Hermes' format: "required" and a named function held to calls in the tags; "auto" not held at all (the
+    model's own format, read as it comes by HermesReader)."""
+    if choice == "auto":
+        return ToolPlan("auto", tools, format="hermes")
+    if tool is None:
+        return ToolPlan("required", tools, constraint=("grammar", _hermes_grammar(
+            _call_variants(tools, "arguments"), parallel), "tools"), format="hermes")
+    return ToolPlan("named", tools, tool.function.name, ("grammar", _hermes_grammar(
+        _call_variants([tool], "arguments", tools.index(tool)), False), "tools"), format="hermes")
+
+
+def _llama_plan(choice, tools: list[Tool], tool: Tool | None) -> ToolPlan:
     """Llama 3's format: the answer is one call, `{"name": ..., "parameters": {...}}`, spaced as Meta's template
-    writes it; "auto" takes that or text that does not start with "{" or whitespace."""
-    tool = None if choice in ("required", "auto") else _named(choice, tools)
+    writes it (the template renders one call a turn); "auto" takes that or text that does not start with "{"."""
     call = _call_variants(tools, "parameters") if tool is None else _call_variants([tool], "parameters",
                                                                                    tools.index(tool))
-    lark = f"start: call{' | TEXT' if choice == 'auto' else ''}\ncall: %json {json.dumps({**call, 'x-guidance': SPACED})}\n"
     if choice == "auto":
-        lark += "TEXT: /[^{\\s](.|\\n)*/\n"
-    mode = choice if tool is None else "named"
-    return ToolPlan(mode, tools, None if tool is None else tool.function.name, ("grammar", lark, "tools"),
-                    format="llama3_json")
+        lark = _or_text(call, SPACED, "{")
+    else:
+        lark = f"start: call\ncall: %json {json.dumps({**call, 'x-guidance': SPACED})}\n"
+    return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
+                    ("grammar", lark, "tools"), format="llama3_json")
+
+
+def _or_text(schema: dict, options: dict, opens: str) -> str:
+    """A Lark grammar (llguidance's) of either JSON that `schema` allows or text that does not start with `opens`
+    (that JSON's first character) or whitespace: "auto" where this server holds the answer."""
+    calls = json.dumps({**schema, "x-guidance": options})
+    return f"start: calls | TEXT\ncalls: %json {calls}\nTEXT: /[^\\{opens}\\s](.|\\n)*/\n"
 
 
 def _named(choice, tools: list[Tool]) -> Tool:
@@ -381,8 +388,8 @@ class ToolCallReader:
             yield _start(self._calls, 0)
         while True:
             if not self._in_arguments:
-                head = (_ONE_HEAD if self.single else _HEAD).match(self._text, self._at) if not (
-                    self.single and self._calls) else None
+                one_read = self.single and self._calls  # Llama 3's answer holds one call
+                head = None if one_read else (_ONE_HEAD if self.single else _HEAD).match(self._text, self._at)
                 if head is None:
                     self.closed = self._text.startswith("}" if self.single else "}]", self._at) and bool(self._calls)
                     return
@@ -415,8 +422,8 @@ class HermesReader:
     function), so each call's arguments stream as they come; else ("auto") the model writes what it likes, and a
     block becomes a call once it is whole (at its closing tag; a call whose closing tag was left out before the next
     call's opening one, too) and is one: a JSON object with a name and an object of arguments (or `parameters`, or
-    the arguments' JSON in a string), in any order and spacing. A block that is no call stays text. Text that may begin a tag is held back until it is known not to;
-    whitespace after a call is no content."""
+    the arguments' JSON in a string), in any order and spacing. A block that is no call stays text. Text that may
+    begin a tag is held back until it is known not to; whitespace after a call is no content."""
 
     held: bool = False
     _calls: list[_Call] = field(default_factory=list)

@@ -421,8 +421,8 @@ def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
     closed = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     reasoning, content = _thought(closed.choices[0].message)
     assert reasoning is None and "Paris" in content
-    forced = qwen_like.chat.completions.create(**{**ask, "max_tokens": 120}, tools=TOOLS, tool_choice="required", extra_body={
-        "chat_template_kwargs": {"open_thinking": True}}).choices[0]
+    forced = qwen_like.chat.completions.create(**{**ask, "max_tokens": 120}, tools=TOOLS, tool_choice="required",
+                                               extra_body={"chat_template_kwargs": {"open_thinking": True}}).choices[0]
     assert forced.finish_reason == "tool_calls" and _thought(forced.message) == (None, None)
 
 
