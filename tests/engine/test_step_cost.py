@@ -121,10 +121,19 @@ def test_a_cached_fit_is_kept_when_the_machine_agrees_and_made_anew_when_not(mon
     # the new budget
     kept = StepCost.calibrate(_machine(clock, 2e-3, passes), budget=0.25, max_tokens=2048, cached=stored)
     assert kept is stored and kept.from_cache and kept.budget == 0.25 and passes == [16, 16, 16, 1, 1]
-    assert "cached" in kept.describe()
-    # a machine twice as slow a token (a pass of 16: 1.6x) or twice as fast (0.7x): the fit is made anew, and
-    # fits the new machine
-    for per_token in (4e-3, 1e-3):
+    assert "cached" in kept.describe() and kept.correction == pytest.approx(1.0)
+    # a machine a little slower (a pass of 16: 1.24x; a decode: 1.04x) keeps the fit, and the running correction
+    # starts at the checks' geometric mean
+    passes.clear()
+    slower = StepCost.calibrate(_machine(clock, 2.8e-3, passes), budget=0.25, max_tokens=2048, cached=stored)
+    assert slower is stored and slower.from_cache and passes == [16, 16, 16, 1, 1]
+    prompt = (0.02 + 16 * 2.8e-3 + 2e-6 * 136) / (0.02 + 16 * 2e-3 + 2e-6 * 136)
+    decode = (0.02 + 2.8e-3 + 2e-6) / (0.02 + 2e-3 + 2e-6)
+    assert slower.correction == pytest.approx((prompt * decode) ** 0.5) and 1.13 < slower.correction < 1.14
+    assert "cached, at 1.14x" in slower.describe()
+    # a machine twice as slow a token (a pass of 16: 1.6x) or four times as fast (0.54x; twice as fast, 0.69x, is
+    # within CACHED_AGREEMENT where the overhead is 40% of a pass): the fit is made anew, and fits the new machine
+    for per_token in (4e-3, 0.5e-3):
         passes.clear()
         anew = StepCost.calibrate(_machine(clock, per_token, passes), budget=0.5, max_tokens=2048, cached=stored)
         assert anew is not stored and not anew.from_cache and len(passes) > 5
@@ -132,7 +141,7 @@ def test_a_cached_fit_is_kept_when_the_machine_agrees_and_made_anew_when_not(mon
 
 
 def test_a_cached_fit_is_checked_on_the_decode_pass_too(monkeypatch):
-    """Prompt rows and decode rows run different kernels: a decode 1.5x slower than when the fit was made refits,
+    """Prompt rows and decode rows run different kernels: a decode 1.6x slower than when the fit was made refits,
     though the prompt pass agrees."""
     clock = {"now": 0.0}
     monkeypatch.setattr("app.engine.step_cost.time.perf_counter", lambda: clock["now"])
@@ -141,7 +150,7 @@ def test_a_cached_fit_is_checked_on_the_decode_pass_too(monkeypatch):
     def slower_decodes(count: int, num_computed: int, decodes: bool = False) -> None:
         _machine(clock, 2e-3)(count, num_computed, decodes)
         if decodes:
-            clock["now"] += 0.5 * (0.02 + 2e-3 * count)
+            clock["now"] += 0.6 * (0.02 + 2e-3 * count)
     assert not StepCost.calibrate(slower_decodes, budget=0.5, max_tokens=2048, cached=stored).from_cache
 
 
