@@ -8,6 +8,7 @@ still turn out to be the start of a stop string is held back, so no part of one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
@@ -28,8 +29,12 @@ class Detokenizer:
     difference is the new text, emitted only once it no longer ends in an incomplete character.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 keep_special_ids: tuple[int, ...] = ()):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        # special tokens to leave out, where some are kept (None: the tokenizer's decode leaves them all out)
+        self.dropped = _special_ids(tokenizer) - set(keep_special_ids) if skip_special_tokens and keep_special_ids \
+            else None
         self.ids = list(prompt_ids[-6:])  # a little context: some decoders drop a leading space otherwise
         self.prefix = 0  # window start
         self.read = len(self.ids)  # tokens already turned into text
@@ -44,7 +49,17 @@ class Detokenizer:
         return after[len(before):]
 
     def _decode(self, ids: list[int]) -> str:
+        if self.dropped is not None:  # what the tokenizer's skipping does, token by token, but for the kept ones
+            return self.tokenizer.decode([i for i in ids if i not in self.dropped], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+
+@lru_cache(maxsize=4)
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The ids a decode with skip_special_tokens leaves out: the added tokens marked special (a tokenizer lives as
+    long as its process)."""
+    return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
 
 
 @dataclass
@@ -66,8 +81,8 @@ class SequenceText:
     @classmethod
     def of(cls, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> SequenceText:
         """The text of one sequence of a request with these params: the one place stop strings come from."""
-        return cls(Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens), params.stop, params.stop_token_ids,
-                   eos_token_id, params.min_tokens)
+        return cls(Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens, params.keep_special_ids), params.stop,
+                   params.stop_token_ids, eos_token_id, params.min_tokens)
 
     def take(self, token_id: int | None, logprobs: TokenLogprobs | None,
              engine_reason: FinishReason | None) -> FinishReason | None:

@@ -40,6 +40,10 @@ class SamplingParams:
     """Return the log-probability of each sampled token and of this many most likely tokens."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    keep_special_ids: tuple[int, ...] = ()
+    """Special tokens written into the text even where skip_special_tokens leaves the others out: the tags a
+    tool-call or thinking-block reader looks for, where a tokenizer marks them special (Hermes 2 Pro's
+    `<tool_call>`; vLLM turns skip_special_tokens off for its Hermes parser instead)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, each bias from -100 to 100 added to that token's logit before penalties and sampling
     (OpenAI's logit_bias; -100 all but bans a token, 100 all but forces it). A dict {token id: bias} is taken too."""
@@ -76,6 +80,7 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "keep_special_ids", tuple(self.keep_special_ids))
 
     @property
     def greedy(self) -> bool:

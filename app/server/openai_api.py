@@ -106,22 +106,23 @@ async def chat_completions(request: Request) -> Response:
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     structured = body.constraint() is not None
-    tools = plan_tools(body, ctx.text.tool_format, structured)
+    tools = plan_tools(body, ctx.text.tool_format, structured, ctx.text.special_tags)
     prompt = await ctx.chat_prompt(body.messages, body, tools)
     ids = prompt.ids
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
     constraint = forced.constraint if forced else None
+    # a held answer (structured outputs, a forced tool choice) is the grammar's: no thinking block split from it
+    held = constraint is not None or structured
+    thinking = prompt.thinking if ctx.text.thinks and not held else None
+    keep = ctx.text.kept_tags(forced is not None and forced.format == "hermes", thinking is not None)
     try:
-        gen = await _generation(ctx, body, top, "chatcmpl", constraint)
+        gen = await _generation(ctx, body, top, "chatcmpl", constraint, keep)
     except APIError as exc:
         raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
-    # a held answer (structured outputs, a forced tool choice) is the grammar's: no thinking block split from it
-    held = constraint is not None or structured
-    thinking = prompt.thinking if ctx.text.thinks and not held else None
 
     def reader() -> _AnswerReader:
         return _AnswerReader(forced, thinking)
@@ -186,22 +187,23 @@ async def _tool_error(ctx, tools: ToolPlan, error: APIError) -> APIError:
 
 
 async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str,
-                      constraint: tuple[str, Any, str] | None = None) -> Generation:
-    """The request's generation; `constraint` (a forced tool choice's) in place of the body's structured output."""
+                      constraint: tuple[str, Any, str] | None = None, keep: tuple[int, ...] = ()) -> Generation:
+    """The request's generation; `constraint` (a forced tool choice's) in place of the body's structured output;
+    `keep`: special tokens the answer's readers need in the text (AsyncTokenizer.kept_tags)."""
     bias = body.bias()
     ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
     ctx.check_token_ids([token for token, _ in bias], "logit_bias")
     constraint = constraint or body.constraint()
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
-        params = _sampling_params(body, logprobs, bias, grammar)
+        params = _sampling_params(body, logprobs, bias, grammar, keep)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
 
 
 def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
-                     grammar: str | None) -> SamplingParams:
+                     grammar: str | None, keep: tuple[int, ...] = ()) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
@@ -209,7 +211,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-        logit_bias=bias, grammar=grammar, max_tokens=None)
+        keep_special_ids=keep, logit_bias=bias, grammar=grammar, max_tokens=None)
 
 
 def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:

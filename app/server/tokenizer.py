@@ -15,7 +15,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from app.server.errors import APIError
-from app.server.reasoning import template_thinks
+from app.server.reasoning import CLOSE, OPEN, template_thinks
+from app.server.tools import HERMES_TAGS
 
 class AsyncTokenizer:
     CHECKED = 64  # grammars remembered as checked
@@ -39,6 +40,16 @@ class AsyncTokenizer:
         self.tool_format = tool_format(template, self.template_knows_tools)
         # whether answers' <think> blocks come back apart (app/server/reasoning.py)
         self.thinks = reasoning == "auto" and template_thinks(template)
+        # those of the answer readers' tags that this tokenizer marks special: a decode that skips special tokens
+        # would leave them out (Hermes 2 Pro's <tool_call>), so a request whose reader looks for them keeps them
+        special = {token.content: i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                   if token.special}
+        self.special_tags = {tag: special[tag] for tag in (*HERMES_TAGS, OPEN, CLOSE) if tag in special}
+
+    def kept_tags(self, tool_tags: bool, thinking: bool) -> tuple[int, ...]:
+        """The special token ids of the tags an answer's readers look for (SamplingParams.keep_special_ids)."""
+        tags = (*(HERMES_TAGS if tool_tags else ()), *((OPEN, CLOSE) if thinking else ()))
+        return tuple(self.special_tags[tag] for tag in tags if tag in self.special_tags)
 
     @property
     def template_knows_tools(self) -> bool:

@@ -100,10 +100,11 @@ _CALLS_SHAPE = ('a JSON array of calls, each {"name": the function\'s name, "par
 
 
 def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
-         constrained: bool = False) -> ToolPlan | None:
+         constrained: bool = False, special_tags: dict[str, int] | None = None) -> ToolPlan | None:
     """The request's tool plan (None: no tools, no tool_choice); a 400 naming the field where they do not fit.
     `tool_format`: how the model writes calls (the module's doc); `constrained`: whether the request asks for a
-    structured output too."""
+    structured output too; `special_tags`: the format's tags that are special tokens of the model's, with their
+    ids (AsyncTokenizer.special_tags: a grammar holds the answer to those tokens, not to their spelling)."""
     choice = body.tool_choice
     if choice is None:  # a prefilled answer (continue_final_message) is text to continue, not a choice to make
         choice = "auto" if body.tools and not body.continue_final_message else "none"
@@ -132,7 +133,7 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
     tool = None if choice in ("required", "auto") else _named(choice, body.tools)
     if fmt == "hermes":
-        return _hermes_plan(choice, body.tools, tool, body.parallel_tool_calls)
+        return _hermes_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
     if fmt == "llama3_json":
         return _llama_plan(choice, body.tools, tool)
     if tool is not None:
@@ -144,16 +145,16 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     return ToolPlan("auto", body.tools, constraint=("grammar", _or_text(schema, JSON_OPTIONS, "["), "tools"))
 
 
-def _hermes_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool) -> ToolPlan:
+def _hermes_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, special: dict[str, int]) -> ToolPlan:
     """Hermes' format: "required" and a named function held to calls in the tags; "auto" not held at all (the
     model's own format, read as it comes by HermesReader)."""
     if choice == "auto":
         return ToolPlan("auto", tools, format="hermes")
     if tool is None:
         return ToolPlan("required", tools, constraint=("grammar", _hermes_grammar(
-            _call_variants(tools, "arguments"), parallel), "tools"), format="hermes")
+            _call_variants(tools, "arguments"), parallel, special), "tools"), format="hermes")
     return ToolPlan("named", tools, tool.function.name, ("grammar", _hermes_grammar(
-        _call_variants([tool], "arguments", tools.index(tool)), False), "tools"), format="hermes")
+        _call_variants([tool], "arguments", tools.index(tool)), False, special), "tools"), format="hermes")
 
 
 def _llama_plan(choice, tools: list[Tool], tool: Tool | None) -> ToolPlan:
@@ -220,15 +221,19 @@ def _call_variants(tools: list[Tool], arguments: str, first: int = 0) -> dict:
     return {"anyOf": variants, "$defs": defs}
 
 
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"  # Hermes' tags around a call
+_OPEN, _CLOSE = HERMES_TAGS = "<tool_call>", "</tool_call>"  # Hermes' tags around a call
 
 
-def _hermes_grammar(call: dict, parallel: bool) -> str:
+def _hermes_grammar(call: dict, parallel: bool, special: dict[str, int] | None = None) -> str:
     """A Lark grammar (llguidance's) of one or more calls in Hermes' tags, each `call`'s JSON on a line of its own
-    between them, as Qwen's templates show it; one call where `parallel` is false."""
+    between them, as Qwen's templates show it; one call where `parallel` is false. A tag in `special` (a special
+    token of the model's, and its id) is that token (`<[id]>`): a literal matches text, never a special token."""
     schema = json.dumps({**call, "x-guidance": SPACED})
     more = ' ("\\n" call)*' if parallel else ""
-    return f'start: call{more}\ncall: "{_OPEN}\\n" body "\\n{_CLOSE}"\nbody: %json {schema}\n'
+    special = special or {}
+    opening = f'<[{special[_OPEN]}]> "\\n"' if _OPEN in special else f'"{_OPEN}\\n"'
+    closing = f'"\\n" <[{special[_CLOSE]}]>' if _CLOSE in special else f'"\\n{_CLOSE}"'
+    return f'start: call{more}\ncall: {opening} body {closing}\nbody: %json {schema}\n'
 
 
 _DATA = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas

@@ -22,11 +22,12 @@ def run_in_guest():
             pytest.fail(f"{NUMA_VM}/run.sh is missing but APPLIANCE_REQUIRE_NUMA_VM=1")
         pytest.skip(f"no NUMA guest tool at {NUMA_VM}")
 
-    def run(*command: str, mem: str = "2G", cpu: str = "max", timeout: int = 300,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(*command: str, mem: str = "2G", cpu: str = "max", timeout: int = 300, nodes: int = 2,
+            cpus_per_node: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """`command` in the guest, with this process's environment (and `env`: the guest gets what run.sh gets)."""
-        return subprocess.run(["bash", str(NUMA_VM / "run.sh"), "--mem-per-node", mem, "--cpu", cpu, "--timeout",
-                               str(timeout), "--", *command], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout + 100, env={**os.environ, **(env or {})})
+        return subprocess.run(["bash", str(NUMA_VM / "run.sh"), "--nodes", str(nodes), "--cpus-per-node",
+                               str(cpus_per_node), "--mem-per-node", mem, "--cpu", cpu, "--timeout", str(timeout),
+                               "--", *command], cwd=REPO, capture_output=True, text=True, timeout=timeout + 100,
+                              env={**os.environ, **(env or {})})
 
     return run

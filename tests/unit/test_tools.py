@@ -470,3 +470,68 @@ def test_the_reader_of_one_call_object_at_any_piece_boundary():
     assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q": "a'}] and not cut.closed
     text = ToolCallReader(None, auto=True, single=True)
     assert text.feed("Sunny {x}") == ("Sunny {x}", []) and text.calls() == [] and not text.closed
+
+
+def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tmp_path):
+    """A tokenizer that marks `<tool_call>` and `<think>` special (Hermes 2 Pro's marks its tool tags so): a decode
+    that skips special tokens would leave the tags out, and the readers would never see a call or a block. A
+    request whose reader looks for them keeps them (and only them), and a held answer's grammar asks for the
+    tokens themselves: llguidance's literals match text, never a special token."""
+    import asyncio
+
+    from llguidance import LLMatcher
+
+    from app.engine.output import Detokenizer
+    from app.engine.params import SamplingParams
+    from app.engine.structured import grammar_for, tokenizer_from_json
+    from app.model.source import resolve_source
+    from app.model.tokenizer import load_exported, tokenizer_json
+    from app.server.tokenizer import AsyncTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
+    hf = load_exported(tmp_path)
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<think>", "</think>"]})
+    opening, closing, think, unthink = hf.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    text = AsyncTokenizer(hf, 8192, HERMES)
+    text.close()
+    assert text.special_tags == {"<tool_call>": opening, "</tool_call>": closing, "<think>": think,
+                                 "</think>": unthink}
+    assert text.kept_tags(True, False) == (opening, closing) and text.kept_tags(False, True) == (think, unthink)
+    assert text.kept_tags(False, False) == ()
+
+    body = request(tools=[WEATHER], tool_choice="required")
+    grammar = plan(body, tool_format="hermes").constraint[1]
+    held = tool_plan(body, "hermes", special_tags=text.special_tags).constraint[1]
+    assert f"<[{opening}]>" in held and f"<[{closing}]>" in held and "<tool_call>" not in held
+    lltokenizer = tokenizer_from_json(hf.backend_tokenizer.to_str(), len(hf), hf.eos_token_id)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    def ids(*texts: str) -> list[int]:  # each text apart: "<" and "tool" are not the tag's special token
+        return [i for t in texts for i in hf(t, add_special_tokens=False).input_ids]
+
+    as_tokens = [opening, *ids("\n" + call + "\n"), closing]
+    spelled = ids("<", "tool", "_call", ">\n" + call + "\n", "</", "tool", "_call", ">")
+    assert hf.decode(spelled) == "<tool_call>\n" + call + "\n</tool_call>" and opening not in spelled
+
+    def allows(grammar: str, tokens: list[int]) -> bool:
+        matcher = LLMatcher(lltokenizer, grammar_for("grammar", grammar), log_level=0)
+        return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+    assert allows(held, as_tokens) and not allows(held, spelled)
+    assert allows(grammar, spelled) and not allows(grammar, as_tokens)  # the literal's: the text, not the token
+
+    # the answer's tokens to text, one at a time as they come, then read
+    answer = [think, *hf("checking", add_special_tokens=False).input_ids, unthink, *as_tokens,
+              hf.convert_tokens_to_ids("<|im_end|>")]
+    keep = SamplingParams(keep_special_ids=text.kept_tags(True, True)).keep_special_ids
+
+    def decoded(keep: tuple[int, ...]) -> str:
+        detokenizer = Detokenizer(hf, [1], True, keep)
+        return "".join(detokenizer.add(t) for t in answer)
+
+    assert decoded(()) == "checking\n" + call + "\n"  # tags skipped: no call to read
+    kept = decoded(keep)
+    assert kept == "<think>checking</think><tool_call>\n" + call + "\n</tool_call>"  # <|im_end|> still skipped
+    reader = HermesReader(held=True)
+    content, calls = reader.feed(kept.split("</think>")[1])
+    assert content + reader.end() == "" and [c["function"]["name"] for c in reader.calls()] == ["get_weather"]
+    assert json.loads(reader.calls()[0]["function"]["arguments"]) == {"city": "Paris"}
