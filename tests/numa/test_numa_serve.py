@@ -3,10 +3,10 @@ nodes (tensor parallel across NUMA nodes), the two replicas on the other two; ev
 plan's CPU, its thread pinned there, with its memory policy bound to its own node and its pages there.
 
 One boot, one serve (tests/numa/guest_serve.py): the supervisor starting replicas and each replica's rank 0
-starting its TP worker, in one start. It was two, tp=2 on two nodes then dp=2 (7.7 min of CI's 39 under
-emulation, where four ranks and the frontend importing side by side take ~4): a rank with two CPUs pinning its
-two OpenMP threads is test_numa_vm.py's bind test and tests/kernels/test_binding.py's. The model is a
-random-weight Llama GGUF with SmolLM2's tokenizer, small enough for software emulation.
+starting its TP worker, in one start. It was two, tp=2 on two nodes then dp=2 (7.7 min of a 39-minute CI run;
+this one 6.5 min run alone, the imports of four ranks and the frontend under emulation being most of it): a rank
+with two CPUs pinning its two OpenMP threads is test_numa_vm.py's bind test and tests/kernels/test_binding.py's.
+The model is a random-weight Llama GGUF with SmolLM2's tokenizer, small enough for software emulation.
 """
 
 from __future__ import annotations
