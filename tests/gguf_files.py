@@ -204,3 +204,23 @@ def requantize_gguf(source: Path, path: Path, kind_of) -> None:
         blocks = quantize_k(values, kind) if ours else gguf.quants.quantize(values, qtype)
         w.add_tensor(tensor.name, blocks, raw_dtype=qtype)
     write_gguf(w)
+
+
+def copy_gguf(source: Path, path: Path, metadata: dict) -> None:
+    """`source` written to `path` as it is (its tensors' bytes, its metadata), with the `metadata` keys added or
+    replaced (ints as uint32, as llama.cpp writes token ids)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    w = gguf.GGUFWriter(str(path), str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in metadata:
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), value_type, sub_type)
+    for key, value in metadata.items():
+        w.add_key_value(key, value, gguf.GGUFValueType.UINT32 if isinstance(value, int) else gguf.GGUFValueType.STRING)
+    for tensor in reader.tensors:
+        w.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    write_gguf(w)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.engine.output import SequenceText, TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
+from app.model.source import ModelSource
+from app.model.tokenizer import end_token_ids
 
 
 @dataclass
@@ -60,10 +62,14 @@ class LLM:
         self.dtype = deployment.plan.dtype  # the compute dtype the spec's "auto" resolved to on this machine
         if self.spec.parallel.dp != 1:
             raise ValueError("the offline LLM runs one replica; dp > 1 needs the server (`app serve`)")
-        self.core, loaded = build_core(deployment.launches(), bind=bind_threads, tokenizer=True)
+        launches = deployment.launches()
+        self.core, loaded = build_core(launches, bind=bind_threads, tokenizer=True)
         self.tokenizer = loaded.tokenizer
         self.chat_template = deployment.chat_template() or loaded.chat_template
         self.eos_token_id = self.tokenizer.eos_token_id
+        model = launches[0].model  # its other end-of-generation tokens, as the server stops at them
+        self.end_token_ids = end_token_ids(ModelSource(Path(model.path), model.format, model.served_name),
+                                           self.tokenizer)
         self._next_id = 0
 
     def close(self) -> None:
@@ -139,6 +145,8 @@ class LLM:
     def _add(self, child_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
              wait_for: str | None) -> SequenceText:
         params = params.for_choice(index)
+        if self.end_token_ids and not params.ignore_eos:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, *self.end_token_ids))
         self.core.add_request(child_id, prompt_ids, params, self.eos_token_id, wait_for)
         return SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
 

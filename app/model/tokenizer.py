@@ -170,6 +170,42 @@ def _store(exported: Path, entry: Path) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
+# End-of-turn markers of chat formats (Llama 3's <|eot_id|> and, after a built-in tool's call, <|eom_id|>;
+# ChatML's <|im_end|>, Phi-3's <|end|>, Gemma's <end_of_turn>): where one is a special token of the tokenizer, it
+# ends a generation as EOS does, as llama.cpp's end-of-generation tokens do. A file whose EOS is another token (a
+# Llama 3 GGUF whose EOS is <|end_of_text|>) would otherwise write past the end of its turn. Document separators
+# such as <|endoftext|> are not among them: a completion may go on past one, as transformers' generate does.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+
+
+def end_token_ids(source: ModelSource, tokenizer) -> tuple[int, ...]:
+    """The tokens besides the tokenizer's EOS that end a generation (stop token ids, as vLLM adds its generation
+    config's other EOS ids to a request's): the model's own list (a GGUF file's `tokenizer.ggml.eot_token_id` and
+    `eom_token_id`, a Hugging Face directory's generation_config.json `eos_token_id`) and the END_OF_TURN
+    markers that are special tokens of this tokenizer."""
+    ids: set[int] = set()
+    try:
+        if source.format == "gguf":
+            from app.model.gguf_header import read_gguf_metadata
+
+            metadata = read_gguf_metadata(source.path)
+            ids.update(metadata[key] for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                       if isinstance(metadata.get(key), int))
+        elif (source.path / "generation_config.json").is_file():
+            import json
+
+            listed = json.loads((source.path / "generation_config.json").read_text(encoding="utf-8")).get(
+                "eos_token_id")
+            ids.update(i for i in (listed if isinstance(listed, list) else [listed]) if isinstance(i, int))
+    except (OSError, ValueError) as exc:  # the model's files were read at load; this adds to them, never fails
+        log.warning("could not read the model's end-of-generation tokens from %s: %s", source.path, exc)
+    special = {token.content: i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+               if token.special}
+    ids.update(special[text] for text in END_OF_TURN if text in special)
+    ids.discard(tokenizer.eos_token_id)
+    return tuple(sorted(i for i in ids if 0 <= i < len(tokenizer)))
+
+
 def load_exported(directory: str | Path):
     """A tokenizer that `export_tokenizer` wrote; does not import torch."""
     from transformers import PreTrainedTokenizerFast

@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from starlette.applications import Starlette
@@ -19,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.model.source import ModelSource
+from app.model.tokenizer import end_token_ids
 from app.server import openai_api
 from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
@@ -46,6 +49,9 @@ class Context:
         self.served_name, self.max_model_len = cfg.served_name, cfg.max_model_len
         self.text = AsyncTokenizer(tokenizer, cfg.max_model_len, cfg.chat_template, cfg.reasoning)
         self.eos_token_id, self.vocab_size = self.text.eos_token_id, self.text.vocab_size
+        # the model's other end-of-generation tokens: each request stops at them too (unless it ignores EOS)
+        self.end_token_ids = end_token_ids(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name),
+                                           tokenizer)
         self.engine = EngineRouter(cfg.engine_addresses)
         self.metrics = Metrics(cfg.served_name)
         self.collector = EngineCollector(cfg.served_name, self.engine)
@@ -283,10 +289,6 @@ def _tokenizer(cfg: FrontendConfig):
 
         tokenizer.wait_for_export(cfg.tokenizer_dir)  # the worker boots while the bootstrap still exports it
         return tokenizer.load_exported(cfg.tokenizer_dir)
-    from pathlib import Path
-
-    from app.model.source import ModelSource
-
     return tokenizer.load_tokenizer(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name))
 
 

@@ -196,21 +196,23 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
     constraint = constraint or body.constraint()
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
-        params = _sampling_params(body, logprobs, bias, grammar, keep)
+        params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
 
 
 def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
-                     grammar: str | None, keep: tuple[int, ...] = ()) -> SamplingParams:
+                     grammar: str | None, keep: tuple[int, ...] = (), ends: tuple[int, ...] = ()) -> SamplingParams:
+    """`ends`: the model's end-of-generation tokens besides EOS, stop tokens of every request that does not ignore
+    EOS (Context.end_token_ids)."""
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
         top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
-        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+        stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
         keep_special_ids=keep, logit_bias=bias, grammar=grammar, max_tokens=None)
 
 

@@ -128,3 +128,29 @@ def test_offline_structured_outputs_and_logit_bias(llm):
     assert len(banana) == 1
     forced = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logit_bias={banana[0]: 100}))[0]
     assert forced.outputs[0].text == " banana" * 3
+
+
+def test_the_models_end_of_turn_token_ends_a_generation_as_eos_does(llm, tmp_path):
+    """A GGUF file whose `tokenizer.ggml.eot_token_id` names another token than its EOS (a Llama 3 file whose EOS
+    is <|end_of_text|> and whose turns end with <|eot_id|>) stops there as at EOS, as llama.cpp does; ignore_eos
+    goes past it. Here a copy of SmolLM2's file names a token of its own greedy answer."""
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+    from tests.gguf_files import copy_gguf
+
+    prompt, params = "The capital of France is", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = llm.generate(prompt, params)[0].outputs[0].token_ids
+    at = next(i for i in range(2, len(reference)) if reference[i] not in reference[:i] and
+              reference[i] != llm.eos_token_id)
+    path = tmp_path / "eot.gguf"
+    copy_gguf(resolve_source(ModelSpec()).path, path, {"tokenizer.ggml.eot_token_id": reference[at]})
+    other = LLM(model={"path": str(path), "dtype": "float32"}, kv_cache={"memory": "512MiB", "dtype": "float32"},
+                bind_threads=False)
+    try:
+        assert llm.end_token_ids == () and other.end_token_ids == (reference[at],)
+        stopped = other.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        assert stopped.token_ids == reference[:at + 1] and stopped.finish_reason == "stop"
+        assert stopped.text == llm.tokenizer.decode(reference[:at])  # the end token adds no text, as EOS
+        assert other.generate(prompt, params)[0].outputs[0].token_ids == reference
+    finally:
+        other.close()

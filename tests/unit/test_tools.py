@@ -535,3 +535,32 @@ def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tm
     content, calls = reader.feed(kept.split("</think>")[1])
     assert content + reader.end() == "" and [c["function"]["name"] for c in reader.calls()] == ["get_weather"]
     assert json.loads(reader.calls()[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_end_of_generation_tokens_come_from_the_model_and_the_chat_formats(tmp_path):
+    """Besides EOS: a Hugging Face directory's generation_config.json list, and the end-of-turn markers that are
+    special tokens of the tokenizer (Llama 3's <|eot_id|>, ...), not document separators; every request that does
+    not ignore EOS stops at them."""
+    from app.model.source import ModelSource, resolve_source
+    from app.model.tokenizer import end_token_ids, export_tokenizer, load_exported
+    from app.server.openai_api import _sampling_params
+    from app.server.protocol import CompletionRequest
+
+    export_tokenizer(resolve_source(ModelSpec()), tmp_path / "smollm2")  # as the frontend gets it
+    hf = load_exported(tmp_path / "smollm2")
+    assert hf.eos_token_id == 2 and end_token_ids(resolve_source(ModelSpec()), hf) == ()  # SmolLM2: <|im_end|>
+    hf.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|endoftext|>x"]})
+    hf.add_tokens(["<|end|>"])  # not special: text a model may write
+    eot = hf.convert_tokens_to_ids("<|eot_id|>")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text('{"eos_token_id": [2, 7, 99999999]}')
+    assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (7, eot)  # EOS and ids past the vocabulary left out
+    (model / "generation_config.json").write_text('{"eos_token_id": 5}')
+    assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (5, eot)
+    (model / "generation_config.json").write_text("{not json")
+    assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (eot,)  # logged, not raised
+    body = CompletionRequest.model_validate({"prompt": "x", "stop_token_ids": [9]})
+    assert _sampling_params(body, None, (), None, (), (5, eot)).stop_token_ids == (9, 5, eot)
+    ignoring = CompletionRequest.model_validate({"prompt": "x", "stop_token_ids": [9], "ignore_eos": True})
+    assert _sampling_params(ignoring, None, (), None, (), (5, eot)).stop_token_ids == (9,)
