@@ -8,7 +8,6 @@ still turn out to be the start of a stop string is held back, so no part of one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
@@ -55,10 +54,9 @@ class Detokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
 
-@lru_cache(maxsize=4)
 def _special_ids(tokenizer) -> frozenset[int]:
-    """The ids a decode with skip_special_tokens leaves out: the added tokens marked special (a tokenizer lives as
-    long as its process)."""
+    """The ids a decode with skip_special_tokens leaves out: the added tokens marked special (read each time: a few
+    hundred at most, and only for a request that keeps some)."""
     return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
 
 

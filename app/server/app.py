@@ -77,7 +77,7 @@ class Context:
     async def chat_prompt(self, messages: list[ChatMessage], rendering: ChatTemplateFields,
                           tools: ToolPlan | None = None) -> ChatPrompt:
         knows_tools = self.text.template_knows_tools
-        conversation = tool_conversation(messages, tools, knows_tools)
+        conversation = tool_conversation(messages, tools, knows_tools, self.text.tool_format)
         template_tools = tools.template_tools() if tools is not None and knows_tools else None
         text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools)
         ids = await self.text.encode(text, "messages", add_special_tokens=False)

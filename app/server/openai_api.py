@@ -115,7 +115,7 @@ async def chat_completions(request: Request) -> Response:
     # a held answer (structured outputs, a forced tool choice) is the grammar's: no thinking block split from it
     held = constraint is not None or structured
     thinking = prompt.thinking if ctx.text.thinks and not held else None
-    keep = ctx.text.kept_tags(forced is not None and forced.format == "hermes", thinking is not None)
+    keep = ctx.text.kept_tags(forced.format if forced is not None else None, thinking is not None)
     try:
         gen = await _generation(ctx, body, top, "chatcmpl", constraint, keep)
     except APIError as exc:

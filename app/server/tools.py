@@ -26,15 +26,22 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   block that is no call (no name, not JSON) stays text.
 - "llama3_json": the template asks for one `{"name": ..., "parameters": {...}}` object (Llama 3.1 to 3.3; it renders
   one call a turn): every choice but "none" is held to one such object, "auto" to that or text (as for "array").
-- None: a template that renders tools in another format (Mistral's `[TOOL_CALLS]`, Qwen3-Coder's XML, ...): "auto"
-  would need that format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
-  `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
+- "mistral": the template asks for `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3,
+  Nemo, Small 3: the token, then a JSON array of calls): every choice but "none" is held to that (one call for a
+  named function), "auto" to that or text; the calls' ids are 9 letters and digits, as Mistral's templates demand
+  of the history's ids (the history's longer ids are cut to their last 9 characters, as vLLM does).
+- None: a template that renders tools in another format (Mistral's later `[TOOL_CALLS]name[ARGS]{...}`,
+  Qwen3-Coder's XML, ...): "auto" would need that format's parser, which this server does not have: a 400 naming
+  `tool_choice`, as vLLM's without `--tool-call-parser`; "required" and named choices are held to the "array"
+  shapes.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +78,8 @@ class ToolPlan:
             return HermesReader(held=self.mode != "auto")
         if self.format == "llama3_json":
             return ToolCallReader(None, auto=self.mode == "auto", single=True)
+        if self.format == "mistral":
+            return ToolCallReader(None, auto=self.mode == "auto", mistral=True)
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
     def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader) -> str | None:
@@ -125,7 +134,7 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
                             "reads Hermes' <tool_call> tags, as Qwen's templates ask, and Llama 3's JSON): ask for "
                             '"required" (one or more calls), a named function ({"type": "function", "function": '
                             '{"name": ...}}) or "none"', "tool_choice", "invalid_value")
-    fmt = tool_format if tool_format in ("hermes", "llama3_json") else "array"
+    fmt = tool_format if tool_format in ("hermes", "llama3_json", "mistral") else "array"
     if choice == "none":
         return ToolPlan("none", body.tools, format=fmt)
     if constrained:  # Hermes' "auto" is not held, but a structured output would be: it would forbid the tags
@@ -136,6 +145,8 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
         return _hermes_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
     if fmt == "llama3_json":
         return _llama_plan(choice, body.tools, tool)
+    if fmt == "mistral":
+        return _mistral_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
     if tool is not None:
         return ToolPlan("named", body.tools, tool.function.name,
                         ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
@@ -168,6 +179,26 @@ def _llama_plan(choice, tools: list[Tool], tool: Tool | None) -> ToolPlan:
         lark = f"start: call\ncall: %json {json.dumps({**call, 'x-guidance': SPACED})}\n"
     return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
                     ("grammar", lark, "tools"), format="llama3_json")
+
+
+def _mistral_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, special: dict[str, int]) -> ToolPlan:
+    """Mistral's format: `[TOOL_CALLS]`, a space or none (v0.3's template writes one, later ones none), then a JSON
+    array of `{"name": ..., "arguments": {...}}` spaced as the template's `tojson` writes it; "auto" takes that or
+    text that does not start with "[". The tag is its special token where the tokenizer has one (`<[id]>`)."""
+    chosen = tools if tool is None else [tool]
+    variants = _call_variants(chosen, "arguments", 0 if tool is None else tools.index(tool))
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants["anyOf"]},
+                              "$defs": variants["$defs"]}
+    if not parallel or tool is not None:
+        schema["maxItems"] = 1
+    tag = f"<[{special[MISTRAL_TAG]}]>" if MISTRAL_TAG in special else json.dumps(MISTRAL_TAG)
+    lark = f'calls: {tag} " "? array\narray: %json {json.dumps({**schema, "x-guidance": SPACED})}\n'
+    lark = ("start: calls | TEXT\nTEXT: /[^\\[\\s](.|\\n)*/\n" if choice == "auto" else "start: calls\n") + lark
+    return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
+                    ("grammar", lark, "tools"), format="mistral")
+
+
+MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's token before a turn's calls
 
 
 def _or_text(schema: dict, options: dict, opens: str) -> str:
@@ -259,14 +290,20 @@ def _rebase(node, prefix: str, names: bool = False):
     return out
 
 
-def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools: bool) -> list[dict]:
+def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools: bool,
+                 tool_format: str | None = None) -> list[dict]:
     """The messages as the chat template takes them. Earlier tool calls: as Hugging Face's `tool_calls` (arguments
-    as objects) where the template knows tools, else written into the assistant's text in the "required" shape."""
+    as objects) where the template knows tools, else written into the assistant's text in the "required" shape.
+    Mistral's templates refuse any call id but one of 9 characters: there, ids are cut to their last 9 (vLLM's
+    way; this server's own Mistral ids are 9 long)."""
+    def cut(id_: str | None) -> str | None:
+        return id_[-9:] if tool_format == "mistral" and id_ is not None else id_
+
     out = []
     for i, message in enumerate(messages):
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.tool_calls:
-            calls = [(call.id, call.function.name, _arguments(call.function.arguments, i, j))
+            calls = [(cut(call.id), call.function.name, _arguments(call.function.arguments, i, j))
                      for j, call in enumerate(message.tool_calls)]
             if knows_tools:
                 entry["tool_calls"] = [{"id": id_, "type": "function", "function": {"name": name, "arguments": args}}
@@ -275,7 +312,7 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
                 written = _dump([{"name": name, "parameters": args} for _, name, args in calls])
                 entry["content"] = f"{entry['content']}\n{written}" if entry["content"] else written
         if message.tool_call_id is not None and knows_tools:
-            entry["tool_call_id"] = message.tool_call_id
+            entry["tool_call_id"] = cut(message.tool_call_id)
         thought = message.reasoning_content if message.reasoning_content is not None else message.reasoning
         if thought is not None:  # Qwen3's template reads it (and shows it only after the last question)
             entry["reasoning_content"] = thought
@@ -309,6 +346,8 @@ def _dump(value) -> str:
 _HEAD = re.compile(r'(?:\[|\},)\{"name":"((?:[^"\\]|\\.)*)","parameters":')
 # ... and of Llama 3's one call object (spaced, SPACED; a name as protocol.FunctionDefinition allows it)
 _ONE_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "parameters": ')
+# ... and of a call in Mistral's array, after its tag (spaced, SPACED)
+_MISTRAL_HEAD = re.compile(r'(?:\[TOOL_CALLS\] ?\[|\}, )\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 
 
 @dataclass
@@ -359,11 +398,13 @@ class ToolCallReader:
     as a non-streamed message holds them. `name`: the function of a named choice (the whole text is its arguments),
     else None: an array of calls ("required"), or with `auto`, either that (the text starts with "[") or text.
     `single`: one call object `{"name": ..., "parameters": ...}` instead of an array of them (Llama 3's format; with
-    `auto`, the text starts with "{")."""
+    `auto`, the text starts with "{"). `mistral`: `[TOOL_CALLS]` and an array of `{"name": ..., "arguments": ...}`
+    (with `auto`, the text starts with "["), each call's id 9 letters and digits."""
 
     name: str | None
     auto: bool = False
     single: bool = False
+    mistral: bool = False
     _calls: list[_Call] = field(default_factory=list)
     _is_text: bool | None = None  # "auto": whether the answer is text (known from its first character)
     closed: bool = False  # the calls ended whole: the array's "]" (a named call: its object's last brace) was read
@@ -387,18 +428,20 @@ class ToolCallReader:
         if self.closed:  # what follows the calls (EOS text under min_tokens, say) is no call's
             return
         self._text += piece
+        new_id = _mistral_id if self.mistral else _call_id
         if self.name is not None and not self._calls:  # a named call: the whole text is its arguments' object
-            self._calls.append(_Call(_call_id(), self.name))
+            self._calls.append(_Call(new_id(), self.name))
             self._in_arguments = True
             yield _start(self._calls, 0)
         while True:
             if not self._in_arguments:
                 one_read = self.single and self._calls  # Llama 3's answer holds one call
-                head = None if one_read else (_ONE_HEAD if self.single else _HEAD).match(self._text, self._at)
+                heads = _ONE_HEAD if self.single else _MISTRAL_HEAD if self.mistral else _HEAD
+                head = None if one_read else heads.match(self._text, self._at)
                 if head is None:
                     self.closed = self._text.startswith("}" if self.single else "}]", self._at) and bool(self._calls)
                     return
-                self._calls.append(_Call(_call_id(), json.loads(f'"{head.group(1)}"')))
+                self._calls.append(_Call(new_id(), json.loads(f'"{head.group(1)}"')))
                 yield _start(self._calls, len(self._calls) - 1)
                 self._at, self._in_arguments, self._value = head.end(), True, _ValueScanner()
             start = self._at
@@ -568,3 +611,11 @@ def _listed(calls: list[_Call]) -> list[dict]:
 
 def _call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+_ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def _mistral_id() -> str:
+    """A call id as Mistral's templates demand: 9 letters and digits."""
+    return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))

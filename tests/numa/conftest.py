@@ -1,4 +1,5 @@
-"""The two-node NUMA guest (qemu, ../shared/tools/numa-vm): `run_in_guest(*command)` boots it and runs the command.
+"""The NUMA guest (qemu, ../shared/tools/numa-vm; two nodes of two CPUs unless asked otherwise): `run_in_guest(*command)`
+boots it and runs the command.
 
 CI sets APPLIANCE_REQUIRE_NUMA_VM=1 so that a missing tool fails instead of skipping.
 """

@@ -43,7 +43,7 @@ def reports(run_in_guest, tmp_path_factory) -> dict[str, dict]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("APPLIANCE_CACHE_DIR", str(cache))
         export_tokenizer(resolve_source(ModelSpec(path=str(model))), tmp_path_factory.mktemp("tokenizer"))
-    child = run_in_guest(sys.executable, "tests/numa/guest_serve.py", str(model), timeout=1200, nodes=4,
+    child = run_in_guest(sys.executable, "tests/numa/guest_serve.py", str(model), timeout=1500, nodes=4,
                          cpus_per_node=1, mem="1G", env={"APPLIANCE_CACHE_DIR": str(cache)})
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     found = [json.loads(line.split(" ", 1)[1]) for line in child.stdout.splitlines() if line.startswith("REPORT ")]

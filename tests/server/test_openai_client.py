@@ -378,6 +378,47 @@ def test_a_llama3_template_gets_one_call_object(tmp_path):
     assert app.stop() == 0, app.logs()[-3000:]
 
 
+def test_a_mistral_template_gets_its_tool_calls_token_and_array(tmp_path):
+    """With a chat template that asks for calls as Mistral's do (`[TOOL_CALLS]` and a JSON array of
+    `{"name", "arguments"}`, 9-character ids; tests/mistral_chat_template.jinja): the history's longer ids are cut
+    to 9 characters (the template refuses others); "auto" is held to calls or text, and SmolLM2, shown two earlier
+    calls, writes the third; "required" and a named function give the same call; every call's id is 9 letters and
+    digits; streamed deltas add up to the same call."""
+    import jsonschema
+
+    from tests.conftest import REPO
+    from tests.server.conftest import Appliance
+
+    app = Appliance(tmp_path, sets=(f"model.chat_template={REPO / 'tests' / 'mistral_chat_template.jinja'}",))
+    mistral = openai.OpenAI(base_url=app.wait_ready().url + "/v1", api_key="unused", max_retries=0)
+
+    def asked(city: str, i: int) -> list[dict]:
+        return [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "tool_calls": [
+            {"id": f"chatcmpl-tool-{i:016d}", "type": "function", "function": {"name": "get_weather", "arguments": (
+                json.dumps({"city": city, "unit": "celsius"}))}}]}]
+
+    shown = [*asked("Paris", 1), *asked("Berlin", 2), {"role": "user", "content": "Weather in Rome?"}]
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        ask = dict(model=MODEL, messages=shown, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
+        out = mistral.chat.completions.create(**ask).choices[0]
+        assert out.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls"), out
+        [call] = out.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
+        assert len(call.id) == 9 and call.id.isalnum() and out.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
+        calls, reason = _streamed_calls(mistral.chat.completions.create(stream=True, **ask))
+        assert reason == out.finish_reason and [(c["name"], c["arguments"]) for c in calls] == [
+            (call.function.name, call.function.arguments)]
+    # the answer's own id goes back in the next turn's history as it is
+    follow = [*shown, {"role": "assistant", "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": "21 C"}, {"role": "user", "content": "Thanks!"}]
+    assert mistral.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, max_tokens=5).choices
+    text = mistral.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=30, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"}]).choices[0]
+    assert "Paris" in text.message.content and not text.message.tool_calls and text.finish_reason == "stop"
+    assert app.stop() == 0, app.logs()[-3000:]
+
+
 def _thought(message) -> tuple[str | None, str | None]:
     """A message's (or delta's) reasoning, checked to be the same under both names."""
     extra = message.model_extra or {}

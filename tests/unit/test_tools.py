@@ -490,14 +490,16 @@ def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tm
 
     (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
     hf = load_exported(tmp_path)
-    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<think>", "</think>"]})
-    opening, closing, think, unthink = hf.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    tags = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]"]
+    hf.add_special_tokens({"additional_special_tokens": tags})
+    opening, closing, think, unthink, mistral = hf.convert_tokens_to_ids(tags)
     text = AsyncTokenizer(hf, 8192, HERMES)
     text.close()
     assert text.special_tags == {"<tool_call>": opening, "</tool_call>": closing, "<think>": think,
-                                 "</think>": unthink}
-    assert text.kept_tags(True, False) == (opening, closing) and text.kept_tags(False, True) == (think, unthink)
-    assert text.kept_tags(False, False) == ()
+                                 "</think>": unthink, "[TOOL_CALLS]": mistral}
+    assert text.kept_tags("mistral", False) == (mistral,)
+    assert text.kept_tags("hermes", False) == (opening, closing) and text.kept_tags(None, True) == (think, unthink)
+    assert text.kept_tags("array", False) == () and text.kept_tags(None, False) == ()
 
     body = request(tools=[WEATHER], tool_choice="required")
     grammar = plan(body, tool_format="hermes").constraint[1]
@@ -518,11 +520,14 @@ def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tm
 
     assert allows(held, as_tokens) and not allows(held, spelled)
     assert allows(grammar, spelled) and not allows(grammar, as_tokens)  # the literal's: the text, not the token
+    held_mistral = tool_plan(body, "mistral", special_tags=text.special_tags).constraint[1]
+    array = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert allows(held_mistral, [mistral, *ids(array)]) and not allows(held_mistral, ids("[", "TOOL", "_CALLS", "]", array))
 
     # the answer's tokens to text, one at a time as they come, then read
     answer = [think, *hf("checking", add_special_tokens=False).input_ids, unthink, *as_tokens,
               hf.convert_tokens_to_ids("<|im_end|>")]
-    keep = SamplingParams(keep_special_ids=text.kept_tags(True, True)).keep_special_ids
+    keep = SamplingParams(keep_special_ids=text.kept_tags("hermes", True)).keep_special_ids
 
     def decoded(keep: tuple[int, ...]) -> str:
         detokenizer = Detokenizer(hf, [1], True, keep)
@@ -564,3 +569,68 @@ def test_end_of_generation_tokens_come_from_the_model_and_the_chat_formats(tmp_p
     assert _sampling_params(body, None, (), None, (), (5, eot)).stop_token_ids == (9, 5, eot)
     ignoring = CompletionRequest.model_validate({"prompt": "x", "stop_token_ids": [9], "ignore_eos": True})
     assert _sampling_params(ignoring, None, (), None, (), (5, eot)).stop_token_ids == (9,)
+
+
+MISTRAL = (Path(__file__).parent.parent / "mistral_chat_template.jinja").read_text()
+
+
+def test_mistral_plans_hold_the_tool_calls_token_and_an_array_and_auto_to_that_or_text():
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+    from app.server.tokenizer import template_variables, tool_format
+
+    assert tool_format(MISTRAL, "tools" in template_variables(MISTRAL)) == "mistral"
+    assert tool_format("{{ tools }}[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}", True) is None  # the later format
+    byte_tokenizer = LLTokenizer("byte")
+
+    def allows(choice, text: str, parallel: bool = True) -> bool:
+        tools = plan(request(tools=[WEATHER, SEARCH], tool_choice=choice, parallel_tool_calls=parallel), "mistral")
+        assert tools.format == "mistral"
+        matcher = LLMatcher(byte_tokenizer, grammar_for(*tools.constraint[:2]), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    paris = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # spaced, as the template's tojson writes
+    query = '{"name": "search", "arguments": {"q": "x"}}'
+    with_id = paris[:-1] + ', "id": "abcdefghi"}'  # as the template renders the history's calls
+    bad_query = query.replace('"x"', "5")
+    for choice in ("required", "auto"):
+        assert allows(choice, f"[TOOL_CALLS] [{paris}]") and allows(choice, f"[TOOL_CALLS][{paris}, {query}]")
+        assert not allows(choice, f"[TOOL_CALLS] [{paris}, {query}]", parallel=False)
+        assert not allows(choice, f"[TOOL_CALLS] [{with_id}]") and not allows(choice, f"[TOOL_CALLS] [{bad_query}]")
+        assert not allows(choice, f"[{paris}]")
+    assert allows("auto", "Paris is sunny.") and not allows("auto", " [") and not allows("required", "Paris")
+    named = {"type": "function", "function": {"name": "search"}}
+    assert allows(named, f"[TOOL_CALLS] [{query}]") and not allows(named, f"[TOOL_CALLS] [{paris}]")
+    assert not allows(named, f"[TOOL_CALLS] [{query}, {query}]")
+
+
+def test_the_mistral_reader_at_any_piece_boundary_and_its_ids():
+    text = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris \\"}, {\\"", "days": [1]}}, '
+            '{"name": "search", "arguments": {"q": "x"}}]')
+    for cuts in ([], list(range(1, len(text))), [1, 12, 13, 40]):
+        reader = ToolCallReader(None, auto=True, mistral=True)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        deltas = [d for piece in pieces for d in reader.feed(piece)[1]]
+        calls = reader.calls()
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": 'Paris "}, {"', "days": [1]}), ("search", {"q": "x"})] and reader.closed
+        for i, call in enumerate(calls):
+            assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == i) == call["function"]["arguments"]
+            assert len(call["id"]) == 9 and call["id"].isalnum()  # as Mistral's templates demand of the history
+    unspaced = ToolCallReader(None, mistral=True)
+    unspaced.feed('[TOOL_CALLS][{"name": "search", "arguments": {"q": "y"}}]')
+    assert [c["function"]["name"] for c in unspaced.calls()] == ["search"] and unspaced.closed
+    words = ToolCallReader(None, auto=True, mistral=True)
+    assert words.feed("Sunny [x]") == ("Sunny [x]", []) and words.calls() == [] and not words.closed
+
+
+def test_mistral_history_ids_are_cut_to_nine_characters():
+    body = request(tools=[WEATHER], messages=[*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "chatcmpl-tool-0123456789abcdef", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}, {
+        "role": "tool", "tool_call_id": "chatcmpl-tool-0123456789abcdef", "content": "18 C"}])
+    messages = conversation(body.messages, plan(body, "mistral"), True, "mistral")
+    assert messages[1]["tool_calls"][0]["id"] == "789abcdef" and messages[2]["tool_call_id"] == "789abcdef"
+    kept = conversation(body.messages, plan(body, "hermes"), True, "hermes")
+    assert kept[1]["tool_calls"][0]["id"] == "chatcmpl-tool-0123456789abcdef"
