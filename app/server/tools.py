@@ -30,8 +30,9 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   Nemo, Small 3: the token, then a JSON array of calls): every choice but "none" is held to that (one call for a
   named function), "auto" to that or text; the calls' ids are 9 letters and digits, as Mistral's templates demand
   of the history's ids (the history's longer ids are cut to their last 9 characters, as vLLM does).
-- None: a template that renders tools in another format (Mistral's later `[TOOL_CALLS]name[ARGS]{...}`,
-  Qwen3-Coder's XML, ...): "auto" would need that format's parser, which this server does not have: a 400 naming
+- "mistral_args": Mistral's later format, `[TOOL_CALLS]name[ARGS]{...}` a call (Devstral, Magistral, Ministral 3,
+  Mistral Small 3.2): held as "mistral" is, the tags as their special tokens where the tokenizer has them.
+- None: a template that renders tools in another format (Qwen3-Coder's XML, GLM's, ...): "auto" would need that format's parser, which this server does not have: a 400 naming
   `tool_choice`, as vLLM's without `--tool-call-parser`; "required" and named choices are held to the "array"
   shapes.
 """
@@ -73,16 +74,18 @@ class ToolPlan:
     def template_tools(self) -> list[dict]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
-    def reader(self) -> ToolCallReader | HermesReader:
+    def reader(self) -> ToolCallReader | HermesReader | ArgsReader:
         if self.format == "hermes":
             return HermesReader(held=self.mode != "auto")
         if self.format == "llama3_json":
             return ToolCallReader(None, auto=self.mode == "auto", single=True)
         if self.format == "mistral":
             return ToolCallReader(None, auto=self.mode == "auto", mistral=True)
+        if self.format == "mistral_args":
+            return ArgsReader(auto=self.mode == "auto")
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
-    def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader) -> str | None:
+    def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader | ArgsReader) -> str | None:
         """Calls ("required", "auto") that ended whole are `"tool_calls"` (vLLM 0.11+); a named call, or an answer
         cut short (a stop string, `max_tokens`), keeps the engine's reason."""
         return "tool_calls" if self.mode in ("required", "auto") and reason == "stop" and reader.closed else reason
@@ -134,7 +137,7 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
                             "reads Hermes' <tool_call> tags, as Qwen's templates ask, and Llama 3's JSON): ask for "
                             '"required" (one or more calls), a named function ({"type": "function", "function": '
                             '{"name": ...}}) or "none"', "tool_choice", "invalid_value")
-    fmt = tool_format if tool_format in ("hermes", "llama3_json", "mistral") else "array"
+    fmt = tool_format if tool_format in ("hermes", "llama3_json", "mistral", "mistral_args") else "array"
     if choice == "none":
         return ToolPlan("none", body.tools, format=fmt)
     if constrained:  # Hermes' "auto" is not held, but a structured output would be: it would forbid the tags
@@ -147,6 +150,8 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
         return _llama_plan(choice, body.tools, tool)
     if fmt == "mistral":
         return _mistral_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
+    if fmt == "mistral_args":
+        return _mistral_args_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
     if tool is not None:
         return ToolPlan("named", body.tools, tool.function.name,
                         ("json", parameters_schema(tool, body.tools.index(tool)), "tools"))
@@ -198,7 +203,27 @@ def _mistral_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, 
                     ("grammar", lark, "tools"), format="mistral")
 
 
-MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's token before a turn's calls
+def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool,
+                       special: dict[str, int]) -> ToolPlan:
+    """Mistral's later format: each call `[TOOL_CALLS]`, the function's name, `[ARGS]` and its arguments' JSON (spaced
+    as `tojson` writes it, held to the function's schema); one call for a named function or without
+    `parallel_tool_calls`; "auto" takes calls or text that does not start with "["."""
+    def token(tag: str) -> str:
+        return f"<[{special[tag]}]>" if tag in special else json.dumps(tag)
+
+    chosen = [(i, t) for i, t in enumerate(tools) if tool is None or t is tool]
+    schemas = [json.dumps({**parameters_schema(t, i), "x-guidance": SPACED}) for i, t in chosen]
+    rules = "".join(f"args_{j}: %json {schema}\n" for j, schema in enumerate(schemas))
+    heads = " | ".join(f"{json.dumps(t.function.name)} {token(ARGS_TAG)} args_{j}" for j, (_, t) in enumerate(chosen))
+    many = "+" if parallel and tool is None else ""
+    lark = f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}"
+    lark = ("start: calls | TEXT\nTEXT: /[^\\[\\s](.|\\n)*/\n" if choice == "auto" else "start: calls\n") + lark
+    return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
+                    ("grammar", lark, "tools"), format="mistral_args")
+
+
+MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's token before a turn's calls (before each call in the later format)
+ARGS_TAG = "[ARGS]"  # ... and between a call's name and its arguments, in the later format
 
 
 def _or_text(schema: dict, options: dict, opens: str) -> str:
@@ -461,6 +486,59 @@ class ToolCallReader:
 
 # a call's head in a held answer's tag (the grammar's spaced JSON, a name as protocol.FunctionDefinition allows it)
 _HELD_HEAD = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
+
+
+@dataclass
+class ArgsReader:
+    """ToolCallReader's counterpart for Mistral's later format, held by its grammar: calls, each `[TOOL_CALLS]`, a
+    name, `[ARGS]` and the arguments' JSON object (streamed as they come); with `auto`, text that does not start
+    with "[" is content."""
+
+    auto: bool = False
+    _calls: list[_Call] = field(default_factory=list)
+    _is_text: bool | None = None
+    closed: bool = False  # the last call's arguments ended (more may follow: then it is False again)
+    _text: str = ""
+    _at: int = 0
+    _in_arguments: bool = False
+    _value: _ValueScanner = field(default_factory=_ValueScanner)
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        if self.auto and self._is_text is None and piece:
+            self._is_text = not piece.startswith("[")
+        if self._is_text:
+            return piece, []
+        return "", _merged(self._read(piece))
+
+    def end(self) -> str:
+        """An answer cut before its first call's name ended: its text, as content."""
+        return self._text if not self._calls else ""
+
+    def _read(self, piece: str):
+        self._text += piece
+        while True:
+            if not self._in_arguments:
+                head = _ARGS_HEAD.match(self._text, self._at)
+                if head is None:
+                    return
+                self._calls.append(_Call(_mistral_id(), head.group(1)))
+                self.closed = False
+                yield _start(self._calls, len(self._calls) - 1)
+                self._at, self._in_arguments, self._value = head.end(), True, _ValueScanner()
+            start = self._at
+            self._at, ended = self._value.scan(self._text, self._at)
+            if self._at > start:
+                yield _more(self._calls, self._text[start:self._at])
+            if not ended:
+                return
+            self._in_arguments, self.closed = False, True
+
+    def calls(self) -> list[dict]:
+        return _listed(self._calls)
+
+
+# a call's head in Mistral's later format (a name as protocol.FunctionDefinition allows it)
+_ARGS_HEAD = re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_-]{1,64})\[ARGS\]")
 
 
 @dataclass

@@ -490,14 +490,15 @@ def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tm
 
     (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
     hf = load_exported(tmp_path)
-    tags = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]"]
+    tags = ["<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]"]
     hf.add_special_tokens({"additional_special_tokens": tags})
-    opening, closing, think, unthink, mistral = hf.convert_tokens_to_ids(tags)
+    opening, closing, think, unthink, mistral, args = hf.convert_tokens_to_ids(tags)
     text = AsyncTokenizer(hf, 8192, HERMES)
     text.close()
     assert text.special_tags == {"<tool_call>": opening, "</tool_call>": closing, "<think>": think,
-                                 "</think>": unthink, "[TOOL_CALLS]": mistral}
-    assert text.kept_tags("mistral", False) == (mistral,)
+                                 "</think>": unthink, "[TOOL_CALLS]": mistral, "[ARGS]": args}
+    assert text.kept_tags("mistral", False) == (mistral,) and text.kept_tags("mistral_args", True) == (
+        mistral, args, think, unthink)
     assert text.kept_tags("hermes", False) == (opening, closing) and text.kept_tags(None, True) == (think, unthink)
     assert text.kept_tags("array", False) == () and text.kept_tags(None, False) == ()
 
@@ -523,6 +524,9 @@ def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tm
     held_mistral = tool_plan(body, "mistral", special_tags=text.special_tags).constraint[1]
     array = ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     assert allows(held_mistral, [mistral, *ids(array)]) and not allows(held_mistral, ids("[", "TOOL", "_CALLS", "]", array))
+    held_args = tool_plan(body, "mistral_args", special_tags=text.special_tags).constraint[1]
+    assert allows(held_args, [mistral, *ids("get_weather"), args, *ids('{"city": "Paris"}')])
+    assert not allows(held_args, [mistral, *ids("get_weather", "[", "ARGS", "]", '{"city": "Paris"}')])
 
     # the answer's tokens to text, one at a time as they come, then read
     answer = [think, *hf("checking", add_special_tokens=False).input_ids, unthink, *as_tokens,
@@ -581,7 +585,7 @@ def test_mistral_plans_hold_the_tool_calls_token_and_an_array_and_auto_to_that_o
     from app.server.tokenizer import template_variables, tool_format
 
     assert tool_format(MISTRAL, "tools" in template_variables(MISTRAL)) == "mistral"
-    assert tool_format("{{ tools }}[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}", True) is None  # the later format
+    assert tool_format("{{ tools }}[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}", True) == "mistral_args"  # later
     byte_tokenizer = LLTokenizer("byte")
 
     def allows(choice, text: str, parallel: bool = True) -> bool:
@@ -634,3 +638,52 @@ def test_mistral_history_ids_are_cut_to_nine_characters():
     assert messages[1]["tool_calls"][0]["id"] == "789abcdef" and messages[2]["tool_call_id"] == "789abcdef"
     kept = conversation(body.messages, plan(body, "hermes"), True, "hermes")
     assert kept[1]["tool_calls"][0]["id"] == "chatcmpl-tool-0123456789abcdef"
+
+
+def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_streams_them():
+    """Mistral's later format (Devstral, Magistral, Ministral 3): `[TOOL_CALLS]name[ARGS]{...}` a call."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+    from app.server.tools import ArgsReader
+    from app.server.tokenizer import tool_format
+
+    template = ("{{ tools | tojson }}{% for m in messages %}{% for c in m.tool_calls or [] %}{{ '[TOOL_CALLS]' + "
+                "c.function.name + '[ARGS]' + (c.function.arguments | tojson) }}{% endfor %}{% endfor %}")
+    assert tool_format(template, True) == "mistral_args"
+    byte_tokenizer = LLTokenizer("byte")
+
+    def allows(choice, text: str, parallel: bool = True) -> bool:
+        tools = plan(request(tools=[WEATHER, SEARCH], tool_choice=choice, parallel_tool_calls=parallel),
+                     "mistral_args")
+        assert tools.format == "mistral_args" and isinstance(tools.reader(), ArgsReader)
+        matcher = LLMatcher(byte_tokenizer, grammar_for(*tools.constraint[:2]), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    paris, query = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', '[TOOL_CALLS]search[ARGS]{"q": "x"}'
+    for choice in ("required", "auto"):
+        assert allows(choice, paris) and allows(choice, paris + query) and not allows(choice, paris + query, False)
+        assert not allows(choice, paris.replace('"Paris"', "5")) and not allows(choice, query.replace('"x"', "5"))
+        assert not allows(choice, '[TOOL_CALLS]get_weather[ARGS]{"q": "x"}')  # each name to its own schema
+        assert not allows(choice, '[TOOL_CALLS]nothing[ARGS]{}')
+    assert allows("auto", "Paris is sunny.") and not allows("auto", " [") and not allows("required", "Paris")
+    named = {"type": "function", "function": {"name": "search"}}
+    assert allows(named, query) and not allows(named, paris) and not allows(named, query + query)
+
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris [ARGS]\\"}", "days": [1]}[TOOL_CALLS]search[ARGS]{"q": "x"}'
+    for cuts in ([], list(range(1, len(text))), [3, 13, 25, 60]):
+        reader = ArgsReader(auto=True)
+        deltas = [d for a, b in zip([0, *cuts], [*cuts, len(text)]) for d in reader.feed(text[a:b])[1]]
+        calls = reader.calls()
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": 'Paris [ARGS]"}', "days": [1]}), ("search", {"q": "x"})] and reader.closed
+        for i, call in enumerate(calls):
+            assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == i) == call["function"]["arguments"]
+            assert len(call["id"]) == 9 and call["id"].isalnum()
+    cut = ArgsReader()
+    cut.feed('[TOOL_CALLS]search[ARGS]{"q": "a')
+    assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q": "a'}] and not cut.closed
+    early = ArgsReader()
+    assert early.feed("[TOOL_CALLS]sea") == ("", []) and early.end() == "[TOOL_CALLS]sea"
+    words = ArgsReader(auto=True)
+    assert words.feed("Sunny [x]") == ("Sunny [x]", []) and not words.closed
