@@ -212,8 +212,9 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
-        stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-        keep_special_ids=keep, logit_bias=bias, grammar=grammar, max_tokens=None)
+        stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens, keep_special_ids=keep, logit_bias=bias, grammar=grammar,
+        max_tokens=None)
 
 
 def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:

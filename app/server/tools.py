@@ -32,9 +32,9 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   of the history's ids (the history's longer ids are cut to their last 9 characters, as vLLM does).
 - "mistral_args": Mistral's later format, `[TOOL_CALLS]name[ARGS]{...}` a call (Devstral, Magistral, Ministral 3,
   Mistral Small 3.2): held as "mistral" is, the tags as their special tokens where the tokenizer has them.
-- None: a template that renders tools in another format (Qwen3-Coder's XML, GLM's, ...): "auto" would need that format's parser, which this server does not have: a 400 naming
-  `tool_choice`, as vLLM's without `--tool-call-parser`; "required" and named choices are held to the "array"
-  shapes.
+- None: a template that renders tools in another format (Qwen3-Coder's XML, GLM's, ...): "auto" would need that
+  format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
+  `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
 """
 
 from __future__ import annotations
@@ -197,8 +197,8 @@ def _mistral_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, 
     if not parallel or tool is not None:
         schema["maxItems"] = 1
     tag = f"<[{special[MISTRAL_TAG]}]>" if MISTRAL_TAG in special else json.dumps(MISTRAL_TAG)
-    lark = f'calls: {tag} " "? array\narray: %json {json.dumps({**schema, "x-guidance": SPACED})}\n'
-    lark = ("start: calls | TEXT\nTEXT: /[^\\[\\s](.|\\n)*/\n" if choice == "auto" else "start: calls\n") + lark
+    lark = _calls_or_text(f'calls: {tag} " "? array\narray: %json {json.dumps({**schema, "x-guidance": SPACED})}\n',
+                          choice == "auto")
     return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
                     ("grammar", lark, "tools"), format="mistral")
 
@@ -216,10 +216,15 @@ def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: b
     rules = "".join(f"args_{j}: %json {schema}\n" for j, schema in enumerate(schemas))
     heads = " | ".join(f"{json.dumps(t.function.name)} {token(ARGS_TAG)} args_{j}" for j, (_, t) in enumerate(chosen))
     many = "+" if parallel and tool is None else ""
-    lark = f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}"
-    lark = ("start: calls | TEXT\nTEXT: /[^\\[\\s](.|\\n)*/\n" if choice == "auto" else "start: calls\n") + lark
+    lark = _calls_or_text(f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}", choice == "auto")
     return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
                     ("grammar", lark, "tools"), format="mistral_args")
+
+
+def _calls_or_text(rules: str, auto: bool) -> str:
+    """A Lark grammar whose `rules` define `calls`: the answer is those calls, or with `auto` either them or text
+    that does not start with "[" (the calls' first character) or whitespace."""
+    return ("start: calls | TEXT\nTEXT: /[^\\[\\s](.|\\n)*/\n" if auto else "start: calls\n") + rules
 
 
 MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's token before a turn's calls (before each call in the later format)
