@@ -82,7 +82,7 @@ class ToolPlan:
         if self.format == "mistral":
             return ToolCallReader(None, auto=self.mode == "auto", mistral=True)
         if self.format == "mistral_args":
-            return ArgsReader(auto=self.mode == "auto")
+            return ArgsReader(None, auto=self.mode == "auto")
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
     def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader | ArgsReader) -> str | None:
@@ -494,30 +494,10 @@ _HELD_HEAD = re.compile(r'\n\{"name": "([A-Za-z0-9_-]{1,64})", "arguments": ')
 
 
 @dataclass
-class ArgsReader:
+class ArgsReader(ToolCallReader):
     """ToolCallReader's counterpart for Mistral's later format, held by its grammar: calls, each `[TOOL_CALLS]`, a
     name, `[ARGS]` and the arguments' JSON object (streamed as they come); with `auto`, text that does not start
-    with "[" is content."""
-
-    auto: bool = False
-    _calls: list[_Call] = field(default_factory=list)
-    _is_text: bool | None = None
-    closed: bool = False  # the last call's arguments ended (more may follow: then it is False again)
-    _text: str = ""
-    _at: int = 0
-    _in_arguments: bool = False
-    _value: _ValueScanner = field(default_factory=_ValueScanner)
-
-    def feed(self, piece: str) -> tuple[str, list[dict]]:
-        if self.auto and self._is_text is None and piece:
-            self._is_text = not piece.startswith("[")
-        if self._is_text:
-            return piece, []
-        return "", _merged(self._read(piece))
-
-    def end(self) -> str:
-        """An answer cut before its first call's name ended: its text, as content."""
-        return self._text if not self._calls else ""
+    with "[" is content. `closed`: the last call's arguments ended (more may follow: then it is False again)."""
 
     def _read(self, piece: str):
         self._text += piece
@@ -537,9 +517,6 @@ class ArgsReader:
             if not ended:
                 return
             self._in_arguments, self.closed = False, True
-
-    def calls(self) -> list[dict]:
-        return _listed(self._calls)
 
 
 # a call's head in Mistral's later format (a name as protocol.FunctionDefinition allows it)

@@ -674,7 +674,7 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
 
     text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris [ARGS]\\"}", "days": [1]}[TOOL_CALLS]search[ARGS]{"q": "x"}'
     for cuts in ([], list(range(1, len(text))), [3, 13, 25, 60]):
-        reader = ArgsReader(auto=True)
+        reader = ArgsReader(None, auto=True)
         deltas = [d for a, b in zip([0, *cuts], [*cuts, len(text)]) for d in reader.feed(text[a:b])[1]]
         calls = reader.calls()
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
@@ -683,10 +683,10 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
             streamed = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
             assert streamed == call["function"]["arguments"]
             assert len(call["id"]) == 9 and call["id"].isalnum()
-    cut = ArgsReader()
+    cut = ArgsReader(None)
     cut.feed('[TOOL_CALLS]search[ARGS]{"q": "a')
     assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q": "a'}] and not cut.closed
-    early = ArgsReader()
+    early = ArgsReader(None)
     assert early.feed("[TOOL_CALLS]sea") == ("", []) and early.end() == "[TOOL_CALLS]sea"
-    words = ArgsReader(auto=True)
+    words = ArgsReader(None, auto=True)
     assert words.feed("Sunny [x]") == ("Sunny [x]", []) and not words.closed
