@@ -455,23 +455,19 @@ class ToolCallReader:
         return self._text if not self._calls else ""
 
     def _read(self, piece: str):
-        if self.closed:  # what follows the calls (EOS text under min_tokens, say) is no call's
+        if self._finished():  # what follows the calls (EOS text under min_tokens, say) is no call's
             return
         self._text += piece
-        new_id = _mistral_id if self.mistral else _call_id
         if self.name is not None and not self._calls:  # a named call: the whole text is its arguments' object
-            self._calls.append(_Call(new_id(), self.name))
+            self._calls.append(_Call(self._new_id(), self.name))
             self._in_arguments = True
             yield _start(self._calls, 0)
         while True:
             if not self._in_arguments:
-                one_read = self.single and self._calls  # Llama 3's answer holds one call
-                heads = _ONE_HEAD if self.single else _MISTRAL_HEAD if self.mistral else _HEAD
-                head = None if one_read else heads.match(self._text, self._at)
+                head = self._head()
                 if head is None:
-                    self.closed = self._text.startswith("}" if self.single else "}]", self._at) and bool(self._calls)
                     return
-                self._calls.append(_Call(new_id(), json.loads(f'"{head.group(1)}"')))
+                self._calls.append(_Call(self._new_id(), json.loads(f'"{head.group(1)}"')))
                 yield _start(self._calls, len(self._calls) - 1)
                 self._at, self._in_arguments, self._value = head.end(), True, _ValueScanner()
             start = self._at
@@ -481,9 +477,28 @@ class ToolCallReader:
             if not ended:
                 return
             self._in_arguments = False
-            if self.name is not None:
-                self.closed = True
+            if self._arguments_ended():
                 return
+
+    def _finished(self) -> bool:
+        return self.closed
+
+    def _new_id(self) -> str:
+        return _mistral_id() if self.mistral else _call_id()
+
+    def _head(self) -> re.Match | None:
+        """The next call's head where the text has it whole; else None, and `closed` where the calls ended."""
+        one_read = self.single and self._calls  # Llama 3's answer holds one call
+        heads = _ONE_HEAD if self.single else _MISTRAL_HEAD if self.mistral else _HEAD
+        head = None if one_read else heads.match(self._text, self._at)
+        if head is None:
+            self.closed = self._text.startswith("}" if self.single else "}]", self._at) and bool(self._calls)
+        return head
+
+    def _arguments_ended(self) -> bool:
+        """A call's arguments ended: whether the answer's calls did (a named call's one object)."""
+        self.closed = self.name is not None
+        return self.closed
 
     def calls(self) -> list[dict]:
         return _listed(self._calls)
@@ -499,24 +514,20 @@ class ArgsReader(ToolCallReader):
     name, `[ARGS]` and the arguments' JSON object (streamed as they come); with `auto`, text that does not start
     with "[" is content. `closed`: the last call's arguments ended (more may follow: then it is False again)."""
 
-    def _read(self, piece: str):
-        self._text += piece
-        while True:
-            if not self._in_arguments:
-                head = _ARGS_HEAD.match(self._text, self._at)
-                if head is None:
-                    return
-                self._calls.append(_Call(_mistral_id(), head.group(1)))
-                self.closed = False
-                yield _start(self._calls, len(self._calls) - 1)
-                self._at, self._in_arguments, self._value = head.end(), True, _ValueScanner()
-            start = self._at
-            self._at, ended = self._value.scan(self._text, self._at)
-            if self._at > start:
-                yield _more(self._calls, self._text[start:self._at])
-            if not ended:
-                return
-            self._in_arguments, self.closed = False, True
+    def _finished(self) -> bool:
+        return False
+
+    def _new_id(self) -> str:
+        return _mistral_id()
+
+    def _head(self) -> re.Match | None:
+        head = _ARGS_HEAD.match(self._text, self._at)
+        self.closed = self.closed and head is None
+        return head
+
+    def _arguments_ended(self) -> bool:
+        self.closed = True
+        return False
 
 
 # a call's head in Mistral's later format (a name as protocol.FunctionDefinition allows it)

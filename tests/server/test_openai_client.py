@@ -343,38 +343,50 @@ def test_a_hermes_template_gets_calls_in_its_own_tags_and_auto_is_read_from_free
     jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), schemas["get_time"])
 
 
+def _rome_after_two_calls(client: openai.OpenAI, call_id) -> tuple[list[dict], list]:
+    """SmolLM2, shown two earlier calls of get_weather (their ids `call_id(i)`), asked for Rome's weather under "auto",
+    "required" and the named function: each answer is one call of it for Rome, valid under its schema, streamed
+    deltas adding up to the same call. Returns the conversation and the three answers (choices)."""
+    import jsonschema
+
+    def asked(city: str, i: int) -> list[dict]:
+        return [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "tool_calls": [
+            {"id": call_id(i), "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(
+                {"city": city, "unit": "celsius"})}}]}]
+
+    shown, outs = [*asked("Paris", 1), *asked("Berlin", 2), {"role": "user", "content": "Weather in Rome?"}], []
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        ask = dict(model=MODEL, messages=shown, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
+        out = client.chat.completions.create(**ask).choices[0]
+        assert out.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls"), out
+        [call] = out.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
+        calls, reason = _streamed_calls(client.chat.completions.create(stream=True, **ask))
+        assert reason == out.finish_reason and [(c["name"], c["arguments"]) for c in calls] == [
+            (call.function.name, call.function.arguments)]
+        outs.append(out)
+    return shown, outs
+
+
+def _a_question_stays_text(client: openai.OpenAI) -> None:
+    text = client.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=30, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"}]).choices[0]
+    assert "Paris" in text.message.content and not text.message.tool_calls and text.finish_reason == "stop"
+
+
 def test_a_llama3_template_gets_one_call_object(tmp_path):
     """With a chat template that asks for calls as Llama 3.1's does (one `{"name", "parameters"}` object;
     tests/llama3_chat_template.jinja): "auto" is held to that object or text, and SmolLM2, shown two earlier calls,
     writes the third as one; "required" and a named function give the same object; a question without a call stays
     text; streamed deltas add up to the same call."""
-    import jsonschema
-
     from tests.conftest import REPO
     from tests.server.conftest import Appliance
 
     app = Appliance(tmp_path, sets=(f"model.chat_template={REPO / 'tests' / 'llama3_chat_template.jinja'}",))
     llama = openai.OpenAI(base_url=app.wait_ready().url + "/v1", api_key="unused", max_retries=0)
-
-    def asked(city: str, i: int) -> list[dict]:
-        return [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "tool_calls": [
-            {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(
-                {"city": city, "unit": "celsius"})}}]}]
-
-    shown = [*asked("Paris", 1), *asked("Berlin", 2), {"role": "user", "content": "Weather in Rome?"}]
-    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
-        ask = dict(model=MODEL, messages=shown, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
-        out = llama.chat.completions.create(**ask).choices[0]
-        assert out.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls"), out
-        [call] = out.message.tool_calls
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
-        calls, reason = _streamed_calls(llama.chat.completions.create(stream=True, **ask))
-        assert reason == out.finish_reason and [(c["name"], c["arguments"]) for c in calls] == [
-            (call.function.name, call.function.arguments)]
-    text = llama.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=30, temperature=0, messages=[
-        {"role": "user", "content": "What is the capital of France?"}]).choices[0]
-    assert "Paris" in text.message.content and not text.message.tool_calls and text.finish_reason == "stop"
+    _rome_after_two_calls(llama, lambda i: f"c{i}")
+    _a_question_stays_text(llama)
     assert app.stop() == 0, app.logs()[-3000:]
 
 
@@ -383,39 +395,20 @@ def test_a_mistral_template_gets_its_tool_calls_token_and_array(tmp_path):
     `{"name", "arguments"}`, 9-character ids; tests/mistral_chat_template.jinja): the history's longer ids are cut
     to 9 characters (the template refuses others); "auto" is held to calls or text, and SmolLM2, shown two earlier
     calls, writes the third; "required" and a named function give the same call; every call's id is 9 letters and
-    digits; streamed deltas add up to the same call."""
-    import jsonschema
-
+    digits, and goes back in the next turn's history as it is."""
     from tests.conftest import REPO
     from tests.server.conftest import Appliance
 
     app = Appliance(tmp_path, sets=(f"model.chat_template={REPO / 'tests' / 'mistral_chat_template.jinja'}",))
     mistral = openai.OpenAI(base_url=app.wait_ready().url + "/v1", api_key="unused", max_retries=0)
-
-    def asked(city: str, i: int) -> list[dict]:
-        return [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "tool_calls": [
-            {"id": f"chatcmpl-tool-{i:016d}", "type": "function", "function": {"name": "get_weather", "arguments": (
-                json.dumps({"city": city, "unit": "celsius"}))}}]}]
-
-    shown = [*asked("Paris", 1), *asked("Berlin", 2), {"role": "user", "content": "Weather in Rome?"}]
-    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
-        ask = dict(model=MODEL, messages=shown, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
-        out = mistral.chat.completions.create(**ask).choices[0]
-        assert out.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls"), out
+    shown, outs = _rome_after_two_calls(mistral, lambda i: f"chatcmpl-tool-{i:016d}")
+    for out in outs:
         [call] = out.message.tool_calls
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Rome"
         assert len(call.id) == 9 and call.id.isalnum() and out.message.content is None
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER_ARGS)
-        calls, reason = _streamed_calls(mistral.chat.completions.create(stream=True, **ask))
-        assert reason == out.finish_reason and [(c["name"], c["arguments"]) for c in calls] == [
-            (call.function.name, call.function.arguments)]
-    # the answer's own id goes back in the next turn's history as it is
     follow = [*shown, {"role": "assistant", "tool_calls": [call.model_dump()]},
               {"role": "tool", "tool_call_id": call.id, "content": "21 C"}, {"role": "user", "content": "Thanks!"}]
     assert mistral.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, max_tokens=5).choices
-    text = mistral.chat.completions.create(model=MODEL, tools=TOOLS, max_tokens=30, temperature=0, messages=[
-        {"role": "user", "content": "What is the capital of France?"}]).choices[0]
-    assert "Paris" in text.message.content and not text.message.tool_calls and text.finish_reason == "stop"
+    _a_question_stays_text(mistral)
     assert app.stop() == 0, app.logs()[-3000:]
 
 
