@@ -136,8 +136,10 @@ class ModelRunner:
             if tokens[row] < 0:  # NO_TOKEN: the engine aborts the request
                 continue
             state.output_ids.append(tokens[row])
-            if state.matcher is not None:
-                state.matcher.consume_token(tokens[row])  # (a token the mask allowed; else the next step fails it)
+            if state.matcher is not None and tokens[row] not in state.params.stop_token_ids:
+                # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
+                # does; the grammar, which allowed it only where it allows EOS, never sees it.
+                state.matcher.consume_token(tokens[row])
             k = state.params.logprobs
             if k is not None:
                 top = tuple(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else ()

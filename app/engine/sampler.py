@@ -180,18 +180,18 @@ def _greedy_output(raw: torch.Tensor, states: Sequence[SamplingState] = ()) -> S
     tokens = greedy_tokens(raw)
     for s, state in enumerate(states):
         if state.matcher is not None:
-            tokens[s] = _grammar_argmax(raw[s], int(tokens[s]), state.matcher)
+            tokens[s] = _grammar_argmax(raw[s], int(tokens[s]), state)
     return SampleOutput(_usable(raw, tokens), None, None, None)
 
 
-def _grammar_argmax(row: torch.Tensor, best: int, matcher) -> int:
-    """`row`'s argmax among the tokens `matcher` allows next (`best`: its argmax among all), or NO_TOKEN where the
+def _grammar_argmax(row: torch.Tensor, best: int, state: SamplingState) -> int:
+    """`row`'s argmax among the tokens its grammar allows next (`best`: its argmax among all), or NO_TOKEN where the
     grammar failed (allowed_tokens' rule: in an error state, or allowing no token)."""
     from app.engine.structured import mask_bits
 
-    bits = mask_bits(matcher)
+    bits = mask_bits(state.matcher, state.eos_token_id, state.params.stop_token_ids)
     if bits is None:
-        log.warning("structured output of a sequence failed (%s); its request is aborted", matcher.get_error())
+        log.warning("structured output of a sequence failed (%s); its request is aborted", state.matcher.get_error())
         return NO_TOKEN
     if best >> 3 < len(bits) and bits[best >> 3] >> (best & 7) & 1:
         return best
@@ -238,7 +238,8 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
     rows = [s for s, state in enumerate(states) if state.matcher is not None]
     if not rows:
         return []
-    allowed, failed_at = allowed_tokens([states[s].matcher for s in rows], shaped.shape[1])
+    allowed, failed_at = allowed_tokens([states[s].matcher for s in rows], shaped.shape[1],
+                                        [(states[s].eos_token_id, states[s].params.stop_token_ids) for s in rows])
     for i in failed_at:
         log.warning("structured output of a sequence failed (%s); its request is aborted",
                     states[rows[i]].matcher.get_error())

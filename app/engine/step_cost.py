@@ -102,15 +102,16 @@ class StepCost:
         after i cached tokens).
 
         `cached`: an earlier fit of the same model on the same kernels, CPU and shapes (app.engine.core keeps
-        them on disk). It is returned as it is when the first timed passes take what they took then (`agrees`),
-        so that a start after the first runs 5 of the 9 to 11 passes; otherwise the fit goes on as without it.
+        them on disk). It is returned when the first timed passes take about what they took then (`agrees`), its
+        running correction starting at their ratio, so that a start after the first runs 5 of the 9 to 11 passes;
+        otherwise the fit goes on as without it.
 
         Passes: 1 decode token and DECODE_PASS of them (overhead, decodes; no more than `max_seqs`, the
         staging buffers' sequences: with 1, a decode costs as a prompt token), `n` tokens at context 0 (GEMMs),
         `n` tokens after at least 4n cached (attention, up to 512); `max_tokens` bounds n plus that context,
-        the most the KV cache and the staging buffers take. n is at most 128, and fewer where a pass of 128 would take more than about
-        CALIBRATION_PASS (judged from a pass of 16 after the warm-up), down to 16 (then that pass is the
-        prompt pass too): the calibration's time stays about the same for larger models.
+        the most the KV cache and the staging buffers take. n is at most 128, and fewer where a pass of 128 would
+        take more than about CALIBRATION_PASS (judged from a pass of 16 after the warm-up), down to 16 (then that
+        pass is the prompt pass too): the calibration's time stays about the same for larger models.
         """
         most = max(2, min(128, max_tokens // 5))
         first = min(16, most)

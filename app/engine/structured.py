@@ -122,20 +122,32 @@ class FailedMatcher:
         return False
 
 
-def mask_bits(matcher) -> bytes | None:
+def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = ()) -> bytes | None:
     """The tokens `matcher` allows next, one bit each (token t: bit t % 8 of byte t // 8), or None where its grammar
-    failed, before or in the computation."""
+    failed, before or in the computation. Where it allows `eos` (the grammar is complete), it allows `stops` too:
+    the request's stop token ids, the model's other end tokens among them (llguidance knows one EOS; a Llama 3 file
+    whose EOS is <|end_of_text|> ends its turns with <|eot_id|>), which end a sequence as EOS does."""
     bits = None if matcher.is_error() else matcher.compute_bitmask()
-    return None if bits is None or matcher.is_error() else bits
+    if bits is None or matcher.is_error():
+        return None
+    if stops and eos is not None and eos >> 3 < len(bits) and bits[eos >> 3] >> (eos & 7) & 1:
+        more = bytearray(bits)
+        for token in stops:
+            if token >> 3 < len(more):
+                more[token >> 3] |= 1 << (token & 7)
+        bits = bytes(more)
+    return bits
 
 
-def allowed_tokens(matchers: list, vocab_size: int) -> tuple[np.ndarray, list[int]]:
+def allowed_tokens(matchers: list, vocab_size: int,
+                   stops: list[tuple[int | None, tuple[int, ...]]] | None = None) -> tuple[np.ndarray, list[int]]:
     """The tokens each matcher allows next, as a bool array [len(matchers), vocab_size], and the indices of the
     matchers in an error state, before or after computing their mask (llguidance fails inside the computation
-    where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete)."""
+    where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete).
+    `stops`: each matcher's (EOS, stop token ids), as `mask_bits` takes them."""
     masks, failed = [], []
     for i, matcher in enumerate(matchers):
-        bits = mask_bits(matcher)
+        bits = mask_bits(matcher, *(stops[i] if stops else (None, ())))
         if bits is None:
             failed.append(i)
             bits = b""

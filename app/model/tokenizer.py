@@ -194,9 +194,10 @@ def end_token_ids(source: ModelSource, tokenizer) -> tuple[int, ...]:
         elif (source.path / "generation_config.json").is_file():
             import json
 
-            listed = json.loads((source.path / "generation_config.json").read_text(encoding="utf-8")).get(
-                "eos_token_id")
-            ids.update(i for i in (listed if isinstance(listed, list) else [listed]) if isinstance(i, int))
+            config = json.loads((source.path / "generation_config.json").read_text(encoding="utf-8"))
+            listed = config.get("eos_token_id") if isinstance(config, dict) else None
+            ids.update(i for i in (listed if isinstance(listed, list) else [listed])
+                       if isinstance(i, int) and not isinstance(i, bool))
     except (OSError, ValueError) as exc:  # the model's files were read at load; this adds to them, never fails
         log.warning("could not read the model's end-of-generation tokens from %s: %s", source.path, exc)
     special = {token.content: i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()

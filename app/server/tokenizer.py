@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from app.server.errors import APIError
 from app.server.reasoning import CLOSE, OPEN, template_thinks
-from app.server.tools import ARGS_TAG, HERMES_TAGS, MISTRAL_TAG
+from app.server.tools import ARGS_TAG, CALL_ID_TAG, HERMES_TAGS, MISTRAL_TAG
 
 class AsyncTokenizer:
     CHECKED = 64  # grammars remembered as checked
@@ -44,14 +44,14 @@ class AsyncTokenizer:
         # would leave them out (Hermes 2 Pro's <tool_call>), so a request whose reader looks for them keeps them
         special = {token.content: i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
                    if token.special}
-        self.special_tags = {tag: special[tag] for tag in (*HERMES_TAGS, MISTRAL_TAG, ARGS_TAG, OPEN, CLOSE)
-                             if tag in special}
+        self.special_tags = {tag: special[tag] for tag in (*HERMES_TAGS, MISTRAL_TAG, ARGS_TAG, CALL_ID_TAG, OPEN,
+                                                           CLOSE) if tag in special}
 
     def kept_tags(self, tool_format: str | None, thinking: bool) -> tuple[int, ...]:
         """The special token ids of the tags an answer's readers look for (SamplingParams.keep_special_ids): the
         tool calls' of the format they are read in (None: no calls read), and the thinking block's."""
-        tags = {"hermes": HERMES_TAGS, "mistral": (MISTRAL_TAG,), "mistral_args": (MISTRAL_TAG, ARGS_TAG)}.get(
-            tool_format or "", ())
+        tags = {"hermes": HERMES_TAGS, "mistral": (MISTRAL_TAG,),
+                "mistral_args": (MISTRAL_TAG, ARGS_TAG, CALL_ID_TAG)}.get(tool_format or "", ())
         tags = (*tags, *((OPEN, CLOSE) if thinking else ()))
         return tuple(self.special_tags[tag] for tag in tags if tag in self.special_tags)
 
@@ -131,8 +131,8 @@ def tool_format(template: str | dict | None, knows_tools: bool) -> str | None:
     renders no tools (this server's own shape), "hermes" where it asks for JSON in `<tool_call>` tags (Qwen 2.5 and
     3, Hermes), "llama3_json" where it asks for one `{"name": ..., "parameters": ...}` object (Llama 3.1 to 3.3),
     "mistral" where it writes calls after `[TOOL_CALLS]` as a JSON array (Mistral 7B v0.3, Nemo, Small 3),
-    "mistral_args" where it writes each as `[TOOL_CALLS]name[ARGS]{...}` (Devstral, Magistral, Ministral 3), None for
-    a format this server cannot read: other templates that render tools, those that put XML in the tags
+    "mistral_args" where it writes each as `[TOOL_CALLS]name[ARGS]{...}` (Devstral, Magistral, Mistral Small 3.2),
+    None for a format this server cannot read: other templates that render tools, those that put XML in the tags
     (Qwen3-Coder's and Qwen3.5's `<function=...>`, GLM's `<arg_key>`)."""
     if not knows_tools:
         return "array"

@@ -30,8 +30,9 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   Nemo, Small 3: the token, then a JSON array of calls): every choice but "none" is held to that (one call for a
   named function), "auto" to that or text; the calls' ids are 9 letters and digits, as Mistral's templates demand
   of the history's ids (the history's longer ids are cut to their last 9 characters, as vLLM does).
-- "mistral_args": Mistral's later format, `[TOOL_CALLS]name[ARGS]{...}` a call (Devstral, Magistral, Ministral 3,
-  Mistral Small 3.2): held as "mistral" is, the tags as their special tokens where the tokenizer has them.
+- "mistral_args": Mistral's later format, `[TOOL_CALLS]name[ARGS]{...}` a call (Devstral, Magistral, Mistral
+  Small 3.1 and 3.2; `[CALL_ID]` and the model's own id before `[ARGS]` as tokenizer v11's templates write it):
+  held as "mistral" is, the tags as their special tokens where the tokenizer has them; history ids cut as there.
 - None: a template that renders tools in another format (Qwen3-Coder's XML, GLM's, ...): "auto" would need that
   format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
   `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
@@ -134,7 +135,8 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if choice == "auto" and tool_format is None:
         raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
                             "own tool-call format; this chat template asks for one this server cannot read (it "
-                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, and Llama 3's JSON): ask for "
+                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, Llama 3's JSON and Mistral's "
+                            "[TOOL_CALLS]): ask for "
                             '"required" (one or more calls), a named function ({"type": "function", "function": '
                             '{"name": ...}}) or "none"', "tool_choice", "invalid_value")
     fmt = tool_format if tool_format in ("hermes", "llama3_json", "mistral", "mistral_args") else "array"
@@ -214,7 +216,10 @@ def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: b
     chosen = [(i, t) for i, t in enumerate(tools) if tool is None or t is tool]
     schemas = [json.dumps({**parameters_schema(t, i), "x-guidance": SPACED}) for i, t in chosen]
     rules = "".join(f"args_{j}: %json {schema}\n" for j, schema in enumerate(schemas))
-    heads = " | ".join(f"{json.dumps(t.function.name)} {token(ARGS_TAG)} args_{j}" for j, (_, t) in enumerate(chosen))
+    # a v11 template's models write an id of their own between the name and the arguments
+    call_id = f"({token(CALL_ID_TAG)} /[A-Za-z0-9]{{9}}/)? "
+    heads = " | ".join(f"{json.dumps(t.function.name)} {call_id}{token(ARGS_TAG)} args_{j}"
+                       for j, (_, t) in enumerate(chosen))
     many = "+" if parallel and tool is None else ""
     lark = _calls_or_text(f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}", choice == "auto")
     return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
@@ -223,19 +228,22 @@ def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: b
 
 def _calls_or_text(rules: str, auto: bool) -> str:
     """A Lark grammar whose `rules` define `calls`: the answer is those calls, or with `auto` either them or text
-    that does not start with "[" (the calls' first character) or whitespace."""
-    return ("start: calls | TEXT\nTEXT: /[^\\[\\s](.|\\n)*/\n" if auto else "start: calls\n") + rules
+    that does not start with "[" (the calls' first character) or whitespace, but for one space (SentencePiece
+    tokenizers, Mistral 7B's, start a word with one)."""
+    return ("start: calls | TEXT\nTEXT: / ?[^\\[\\s](.|\\n)*/\n" if auto else "start: calls\n") + rules
 
 
 MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's token before a turn's calls (before each call in the later format)
 ARGS_TAG = "[ARGS]"  # ... and between a call's name and its arguments, in the later format
+CALL_ID_TAG = "[CALL_ID]"  # ... and before the call's id, between the two (tokenizer v11's templates)
 
 
 def _or_text(schema: dict, options: dict, opens: str) -> str:
     """A Lark grammar (llguidance's) of either JSON that `schema` allows or text that does not start with `opens`
-    (that JSON's first character) or whitespace: "auto" where this server holds the answer."""
+    (that JSON's first character) or whitespace, but for one space (as `_calls_or_text`): "auto" where this server
+    holds the answer."""
     calls = json.dumps({**schema, "x-guidance": options})
-    return f"start: calls | TEXT\ncalls: %json {calls}\nTEXT: /[^\\{opens}\\s](.|\\n)*/\n"
+    return f"start: calls | TEXT\ncalls: %json {calls}\nTEXT: / ?[^\\{opens}\\s](.|\\n)*/\n"
 
 
 def _named(choice, tools: list[Tool]) -> Tool:
@@ -324,10 +332,10 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
                  tool_format: str | None = None) -> list[dict]:
     """The messages as the chat template takes them. Earlier tool calls: as Hugging Face's `tool_calls` (arguments
     as objects) where the template knows tools, else written into the assistant's text in the "required" shape.
-    Mistral's templates refuse any call id but one of 9 characters: there, ids are cut to their last 9 (vLLM's
-    way; this server's own Mistral ids are 9 long)."""
+    Mistral's templates (those that render ids) refuse any call id but one of 9 characters: there, ids are cut to
+    their last 9 (vLLM's way; this server's own Mistral ids are 9 long)."""
     def cut(id_: str | None) -> str | None:
-        return id_[-9:] if tool_format == "mistral" and id_ is not None else id_
+        return id_[-9:] if tool_format in ("mistral", "mistral_args") and id_ is not None else id_
 
     out = []
     for i, message in enumerate(messages):
@@ -517,12 +525,16 @@ class ArgsReader(ToolCallReader):
     def _finished(self) -> bool:
         return False
 
+    _id: str | None = None  # the id the model wrote in the head just read (after [CALL_ID]), if it wrote one
+
     def _new_id(self) -> str:
-        return _mistral_id()
+        return self._id or _mistral_id()
 
     def _head(self) -> re.Match | None:
         head = _ARGS_HEAD.match(self._text, self._at)
-        self.closed = self.closed and head is None
+        self._id = head.group(2) if head is not None else None
+        # closed while nothing follows the last call's arguments (a next head begun is not whole yet)
+        self.closed = self.closed and head is None and self._at == len(self._text)
         return head
 
     def _arguments_ended(self) -> bool:
@@ -531,7 +543,7 @@ class ArgsReader(ToolCallReader):
 
 
 # a call's head in Mistral's later format (a name as protocol.FunctionDefinition allows it)
-_ARGS_HEAD = re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_-]{1,64})\[ARGS\]")
+_ARGS_HEAD = re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\]([A-Za-z0-9]{9}))?\[ARGS\]")
 
 
 @dataclass

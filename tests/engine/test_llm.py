@@ -134,6 +134,9 @@ def test_the_models_end_of_turn_token_ends_a_generation_as_eos_does(llm, tmp_pat
     """A GGUF file whose `tokenizer.ggml.eot_token_id` names another token than its EOS (a Llama 3 file whose EOS
     is <|end_of_text|> and whose turns end with <|eot_id|>) stops there as at EOS, as llama.cpp does; ignore_eos
     goes past it. Here a copy of SmolLM2's file names a token of its own greedy answer."""
+    import re
+
+    from app.engine.structured import grammar_for
     from app.model.source import resolve_source
     from app.spec.schema import ModelSpec
     from tests.gguf_files import copy_gguf
@@ -152,5 +155,9 @@ def test_the_models_end_of_turn_token_ends_a_generation_as_eos_does(llm, tmp_pat
         assert stopped.token_ids == reference[:at + 1] and stopped.finish_reason == "stop"
         assert stopped.text == llm.tokenizer.decode(reference[:at])  # the end token adds no text, as EOS
         assert other.generate(prompt, params)[0].outputs[0].token_ids == reference
+        # held by a grammar to that text: where it is complete, the end token ends it as EOS would
+        held = other.generate(prompt, SamplingParams(temperature=0, max_tokens=12, grammar=grammar_for(
+            "regex", re.escape(stopped.text))))[0].outputs[0]
+        assert held.token_ids == reference[:at + 1] and held.finish_reason == "stop" and held.text == stopped.text
     finally:
         other.close()

@@ -133,3 +133,25 @@ def test_greedy_rows_under_grammars_take_the_general_paths_tokens(grammars, hf):
     token = Sampler(VOCAB)(logits, [new_state(SamplingParams(temperature=0), [], eos,
                                               grammars.matcher(digits, eos))]).tokens[0]
     assert allowed[int(token)] and token == int(logits[0].masked_fill(~torch.from_numpy(allowed), -1e9).argmax())
+
+
+@pytest.mark.parametrize("logprobs", [None, 0])  # the greedy argmax path and the general one
+def test_a_complete_grammar_lets_the_requests_stop_tokens_end_it_as_eos(grammars, hf, logprobs):
+    """llguidance allows its one EOS where a grammar is complete: a request's stop token ids (the model's other end
+    tokens among them: a Llama 3 file's <|eot_id|> where its EOS is <|end_of_text|>) are allowed there too, and only
+    there."""
+    matcher = grammars.matcher(grammar_for("regex", r"[0-9]{2}"), hf.eos_token_id)
+    complete = matcher.deep_copy()
+    assert all(complete.consume_token(t) for t in hf("42", add_special_tokens=False).input_ids)
+    [[eos]] = allowed_tokens([complete], VOCAB)[0].nonzero()[0].reshape(1, -1).tolist()  # llguidance's EOS, alone
+    stop = next(t for t in hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) if t != eos)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, stop] = 100.0
+
+    def sampled(stops: tuple[int, ...]) -> int:
+        params = SamplingParams(temperature=0, logprobs=logprobs, stop_token_ids=stops)
+        return int(Sampler(VOCAB)(logits, [new_state(params, [], eos, matcher)]).tokens[0])
+
+    assert hf.decode([sampled((stop,))]).isdigit()  # not complete yet: the stop token is refused
+    assert all(matcher.consume_token(t) for t in hf("42", add_special_tokens=False).input_ids)
+    assert sampled((stop,)) == stop and sampled(()) == eos

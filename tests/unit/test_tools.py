@@ -452,6 +452,7 @@ def test_llama3_plans_hold_one_call_object_and_auto_to_that_or_text():
         assert not allows(choice, paris.replace('"Paris"', "5")) and not allows(choice, query.replace('"x"', "5"))
         assert not allows(choice, f"{paris}; {query}")  # one call a turn, as the template renders them
     assert allows("auto", "Paris is sunny.") and not allows("auto", " {") and not allows("required", "Paris")
+    assert allows("auto", " Paris is sunny.") and not allows("auto", "  Paris") and not allows("auto", "\nParis")
     assert not allows("required", f"[{paris}]")
     named = {"type": "function", "function": {"name": "search"}}
     assert allows(named, query) and not allows(named, paris)
@@ -568,8 +569,9 @@ def test_end_of_generation_tokens_come_from_the_model_and_the_chat_formats(tmp_p
     assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (7, eot)  # EOS and ids past the vocabulary left out
     (model / "generation_config.json").write_text('{"eos_token_id": 5}')
     assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (5, eot)
-    (model / "generation_config.json").write_text("{not json")
-    assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (eot,)  # logged, not raised
+    for damaged in ("{not json", "[]", '{"eos_token_id": [true, "7"]}'):
+        (model / "generation_config.json").write_text(damaged)
+        assert end_token_ids(ModelSource(model, "hf", "m"), hf) == (eot,)  # logged or left out, not raised
     body = CompletionRequest.model_validate({"prompt": "x", "stop_token_ids": [9]})
     assert _sampling_params(body, None, (), None, (), (5, eot)).stop_token_ids == (9, 5, eot)
     ignoring = CompletionRequest.model_validate({"prompt": "x", "stop_token_ids": [9], "ignore_eos": True})
@@ -638,6 +640,8 @@ def test_mistral_history_ids_are_cut_to_nine_characters():
         "role": "tool", "tool_call_id": "chatcmpl-tool-0123456789abcdef", "content": "18 C"}])
     messages = conversation(body.messages, plan(body, "mistral"), True, "mistral")
     assert messages[1]["tool_calls"][0]["id"] == "789abcdef" and messages[2]["tool_call_id"] == "789abcdef"
+    later = conversation(body.messages, plan(body, "mistral_args"), True, "mistral_args")  # v11 renders ids too
+    assert later[1]["tool_calls"][0]["id"] == "789abcdef" and later[2]["tool_call_id"] == "789abcdef"
     kept = conversation(body.messages, plan(body, "hermes"), True, "hermes")
     assert kept[1]["tool_calls"][0]["id"] == "chatcmpl-tool-0123456789abcdef"
 
@@ -669,8 +673,11 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
         assert not allows(choice, '[TOOL_CALLS]get_weather[ARGS]{"q": "x"}')  # each name to its own schema
         assert not allows(choice, '[TOOL_CALLS]nothing[ARGS]{}')
     assert allows("auto", "Paris is sunny.") and not allows("auto", " [") and not allows("required", "Paris")
+    assert allows("auto", " Paris is sunny.") and not allows("auto", "  Paris")  # one space: SentencePiece's "▁Paris"
     named = {"type": "function", "function": {"name": "search"}}
     assert allows(named, query) and not allows(named, paris) and not allows(named, query + query)
+    with_id = '[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}'  # tokenizer v11's templates
+    assert allows("required", with_id) and not allows("required", with_id.replace("abcDEF123", "abcDEF12"))
 
     text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris [ARGS]\\"}", "days": [1]}[TOOL_CALLS]search[ARGS]{"q": "x"}'
     for cuts in ([], list(range(1, len(text))), [3, 13, 25, 60]):
@@ -683,6 +690,11 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
             streamed = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
             assert streamed == call["function"]["arguments"]
             assert len(call["id"]) == 9 and call["id"].isalnum()
+    own = ArgsReader(None)
+    own.feed('[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Rome"}[TOOL_CALLS]sea')
+    assert [c["id"] for c in own.calls()] == ["abcDEF123"] and not own.closed  # the model's id; a next call begun
+    own.feed('rch[ARGS]{"q": "x"}')
+    assert [c["function"]["name"] for c in own.calls()] == ["get_weather", "search"] and own.closed
     cut = ArgsReader(None)
     cut.feed('[TOOL_CALLS]search[ARGS]{"q": "a')
     assert [c["function"] for c in cut.calls()] == [{"name": "search", "arguments": '{"q": "a'}] and not cut.closed
