@@ -32,7 +32,8 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   of the history's ids (the history's longer ids are cut to their last 9 characters, as vLLM does).
 - "mistral_args": Mistral's later format, `[TOOL_CALLS]name[ARGS]{...}` a call (Devstral, Magistral, Mistral
   Small 3.1 and 3.2; `[CALL_ID]` and the model's own id before `[ARGS]` as tokenizer v11's templates write it):
-  held as "mistral" is, the tags as their special tokens where the tokenizer has them; history ids cut as there.
+  held as "mistral" is, the tags as their special tokens where the tokenizer has them; history ids cut as there;
+  "auto" may also be text followed by calls where `[TOOL_CALLS]` is a special token (ArgsReader's `then_calls`).
 - None: a template that renders tools in another format (Qwen3-Coder's XML, GLM's, ...): "auto" would need that
   format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
   `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
@@ -67,6 +68,7 @@ class ToolPlan:
     name: str | None = None  # the function a named choice forces
     constraint: tuple[str, Any, str] | None = None  # (kind, value, param), as SamplingFields.constraint()
     format: str | None = "array"  # how the model writes calls ("array", "hermes", None: see the module's doc)
+    text_then_calls: bool = False  # "auto" may be text followed by calls (Mistral's later format, its tag a token)
 
     @property
     def forced(self) -> bool:
@@ -83,7 +85,7 @@ class ToolPlan:
         if self.format == "mistral":
             return ToolCallReader(None, auto=self.mode == "auto", mistral=True)
         if self.format == "mistral_args":
-            return ArgsReader(None, auto=self.mode == "auto")
+            return ArgsReader(None, auto=self.mode == "auto", then_calls=self.text_then_calls)
         return ToolCallReader(self.name if self.mode == "named" else None, auto=self.mode == "auto")
 
     def finish_reason(self, reason: str | None, reader: ToolCallReader | HermesReader | ArgsReader) -> str | None:
@@ -221,16 +223,22 @@ def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: b
     heads = " | ".join(f"{json.dumps(t.function.name)} {call_id}{token(ARGS_TAG)} args_{j}"
                        for j, (_, t) in enumerate(chosen))
     many = "+" if parallel and tool is None else ""
-    lark = _calls_or_text(f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}", choice == "auto")
+    # where the tag is a special token, text cannot hold it: "auto" may then be text followed by calls, as these
+    # models write ("Let me check that.[TOOL_CALLS]...")
+    then_calls = choice == "auto" and MISTRAL_TAG in special
+    lark = _calls_or_text(f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}", choice == "auto",
+                          then_calls)
     return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
-                    ("grammar", lark, "tools"), format="mistral_args")
+                    ("grammar", lark, "tools"), format="mistral_args", text_then_calls=then_calls)
 
 
-def _calls_or_text(rules: str, auto: bool) -> str:
+def _calls_or_text(rules: str, auto: bool, then_calls: bool = False) -> str:
     """A Lark grammar whose `rules` define `calls`: the answer is those calls, or with `auto` either them or text
     that does not start with "[" (the calls' first character) or whitespace, but for one space (SentencePiece
-    tokenizers, Mistral 7B's, start a word with one)."""
-    return ("start: calls | TEXT\nTEXT: / ?[^\\[\\s](.|\\n)*/\n" if auto else "start: calls\n") + rules
+    tokenizers, Mistral 7B's, start a word with one); `then_calls`: or that text followed by calls."""
+    if not auto:
+        return "start: calls\n" + rules
+    return f"start: calls | TEXT{' | TEXT calls' if then_calls else ''}\nTEXT: / ?[^\\[\\s](.|\\n)*/\n" + rules
 
 
 MISTRAL_TAG = "[TOOL_CALLS]"  # Mistral's token before a turn's calls (before each call in the later format)
@@ -525,7 +533,28 @@ class ArgsReader(ToolCallReader):
     def _finished(self) -> bool:
         return False
 
+    then_calls: bool = False  # with `auto`: text may be followed by calls (content, then the calls read from the tag)
     _id: str | None = None  # the id the model wrote in the head just read (after [CALL_ID]), if it wrote one
+    _held: str = ""  # text that may begin the tag (then_calls)
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        if not (self.auto and self.then_calls) or self._is_text is False or (self._is_text is None and
+                                                                             piece.startswith("[")):
+            return super().feed(piece)
+        if not piece:
+            return "", []
+        self._is_text, text = True, self._held + piece
+        at = text.find(MISTRAL_TAG)
+        if at < 0:
+            keep = tag_start(text, MISTRAL_TAG)
+            self._held = text[len(text) - keep:] if keep else ""
+            return text[:len(text) - keep], []
+        self._is_text, self._held = False, ""
+        return text[:at], _merged(self._read(text[at:]))
+
+    def end(self) -> str:
+        held, self._held = self._held, ""
+        return held if self._is_text else super().end()
 
     def _new_id(self) -> str:
         return self._id or _mistral_id()

@@ -527,8 +527,15 @@ def test_tags_that_are_special_tokens_are_held_as_tokens_and_kept_in_the_text(tm
     assert allows(held_mistral, [mistral, *ids(array)])
     assert not allows(held_mistral, ids("[", "TOOL", "_CALLS", "]", array))
     held_args = tool_plan(body, "mistral_args", special_tags=text.special_tags).constraint[1]
-    assert allows(held_args, [mistral, *ids("get_weather"), args, *ids('{"city": "Paris"}')])
+    later_call = [mistral, *ids("get_weather"), args, *ids('{"city": "Paris"}')]
+    assert allows(held_args, later_call)
     assert not allows(held_args, [mistral, *ids("get_weather", "[", "ARGS", "]", '{"city": "Paris"}')])
+    # "auto" in the later format, its tag a token: text, calls, or text followed by calls (text cannot hold the tag)
+    auto = tool_plan(request(tools=[WEATHER]), "mistral_args", special_tags=text.special_tags)
+    assert auto.text_then_calls and auto.reader().then_calls
+    assert allows(auto.constraint[1], [*ids("Let me check."), *later_call]) and allows(auto.constraint[1], later_call)
+    assert allows(auto.constraint[1], ids("Sunny.")) and not allows(auto.constraint[1], [*later_call, *ids("Done.")])
+    assert not tool_plan(request(tools=[WEATHER]), "mistral_args").text_then_calls  # a tag text could hold
 
     # the answer's tokens to text, one at a time as they come, then read
     answer = [think, *hf("checking", add_special_tokens=False).input_ids, unthink, *as_tokens,
@@ -702,3 +709,16 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
     assert early.feed("[TOOL_CALLS]sea") == ("", []) and early.end() == "[TOOL_CALLS]sea"
     words = ArgsReader(None, auto=True)
     assert words.feed("Sunny [x]") == ("Sunny [x]", []) and not words.closed
+    assert words.feed("[TOOL_CALLS]search[ARGS]{}") == ("[TOOL_CALLS]search[ARGS]{}", [])  # text, where it cannot
+    then = 'Let me [look].[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]search[ARGS]{"q": "x"}'
+    for cuts in ([], list(range(1, len(then))), [8, 14, 16, 30]):
+        reader = ArgsReader(None, auto=True, then_calls=True)
+        content, deltas = "", []
+        for a, b in zip([0, *cuts], [*cuts, len(then)]):
+            more, got = reader.feed(then[a:b])
+            content, deltas = content + more, deltas + got
+        assert content + reader.end() == "Let me [look]." and reader.closed
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls()] == [
+            ("get_weather", {"city": "Rome"}), ("search", {"q": "x"})]
+    begun = ArgsReader(None, auto=True, then_calls=True)
+    assert begun.feed("Sunny [TOOL") == ("Sunny ", []) and begun.end() == "[TOOL" and begun.calls() == []
