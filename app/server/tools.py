@@ -186,8 +186,7 @@ def _llama_plan(choice, tools: list[Tool], tool: Tool | None) -> ToolPlan:
         lark = _or_text(call, SPACED, "{")
     else:
         lark = f"start: call\ncall: %json {json.dumps({**call, 'x-guidance': SPACED})}\n"
-    return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
-                    ("grammar", lark, "tools"), format="llama3_json")
+    return _held_plan(choice, tools, tool, lark, "llama3_json")
 
 
 def _mistral_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, special: dict[str, int]) -> ToolPlan:
@@ -200,11 +199,10 @@ def _mistral_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, 
                               "$defs": variants["$defs"]}
     if not parallel or tool is not None:
         schema["maxItems"] = 1
-    tag = f"<[{special[MISTRAL_TAG]}]>" if MISTRAL_TAG in special else json.dumps(MISTRAL_TAG)
+    tag = _token(MISTRAL_TAG, special)
     lark = _calls_or_text(f'calls: {tag} " "? array\narray: %json {json.dumps({**schema, "x-guidance": SPACED})}\n',
                           choice == "auto")
-    return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
-                    ("grammar", lark, "tools"), format="mistral")
+    return _held_plan(choice, tools, tool, lark, "mistral")
 
 
 def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool,
@@ -212,24 +210,32 @@ def _mistral_args_plan(choice, tools: list[Tool], tool: Tool | None, parallel: b
     """Mistral's later format: each call `[TOOL_CALLS]`, the function's name, `[ARGS]` and its arguments' JSON (spaced
     as `tojson` writes it, held to the function's schema); one call for a named function or without
     `parallel_tool_calls`; "auto" takes calls or text that does not start with "["."""
-    def token(tag: str) -> str:
-        return f"<[{special[tag]}]>" if tag in special else json.dumps(tag)
-
     chosen = [(i, t) for i, t in enumerate(tools) if tool is None or t is tool]
     schemas = [json.dumps({**parameters_schema(t, i), "x-guidance": SPACED}) for i, t in chosen]
     rules = "".join(f"args_{j}: %json {schema}\n" for j, schema in enumerate(schemas))
     # a v11 template's models write an id of their own between the name and the arguments
-    call_id = f"({token(CALL_ID_TAG)} /[A-Za-z0-9]{{9}}/)? "
-    heads = " | ".join(f"{json.dumps(t.function.name)} {call_id}{token(ARGS_TAG)} args_{j}"
+    call_id = f"({_token(CALL_ID_TAG, special)} /[A-Za-z0-9]{{9}}/)? "
+    heads = " | ".join(f"{json.dumps(t.function.name)} {call_id}{_token(ARGS_TAG, special)} args_{j}"
                        for j, (_, t) in enumerate(chosen))
     many = "+" if parallel and tool is None else ""
     # where the tag is a special token, text cannot hold it: "auto" may then be text followed by calls, as these
     # models write ("Let me check that.[TOOL_CALLS]...")
     then_calls = choice == "auto" and MISTRAL_TAG in special
-    lark = _calls_or_text(f"calls: call{many}\ncall: {token(MISTRAL_TAG)} ({heads})\n{rules}", choice == "auto",
-                          then_calls)
+    calls = f"calls: call{many}\ncall: {_token(MISTRAL_TAG, special)} ({heads})\n{rules}"
+    lark = _calls_or_text(calls, choice == "auto", then_calls)
+    return _held_plan(choice, tools, tool, lark, "mistral_args", text_then_calls=then_calls)
+
+
+def _held_plan(choice, tools: list[Tool], tool: Tool | None, lark: str, fmt: str, **more) -> ToolPlan:
+    """The plan of a choice held to `lark` in the model's own format `fmt` (a named `tool`'s, or `choice`'s)."""
     return ToolPlan("named" if tool is not None else choice, tools, None if tool is None else tool.function.name,
-                    ("grammar", lark, "tools"), format="mistral_args", text_then_calls=then_calls)
+                    ("grammar", lark, "tools"), format=fmt, **more)
+
+
+def _token(tag: str, special: dict[str, int]) -> str:
+    """A grammar's element for a format's tag: its special token (`<[id]>`) where the tokenizer has one (a literal
+    matches text, never a special token), else the literal."""
+    return f"<[{special[tag]}]>" if tag in special else json.dumps(tag)
 
 
 def _calls_or_text(rules: str, auto: bool, then_calls: bool = False) -> str:
@@ -530,12 +536,12 @@ class ArgsReader(ToolCallReader):
     name, `[ARGS]` and the arguments' JSON object (streamed as they come); with `auto`, text that does not start
     with "[" is content. `closed`: the last call's arguments ended (more may follow: then it is False again)."""
 
-    def _finished(self) -> bool:
-        return False
-
     then_calls: bool = False  # with `auto`: text may be followed by calls (content, then the calls read from the tag)
     _id: str | None = None  # the id the model wrote in the head just read (after [CALL_ID]), if it wrote one
     _held: str = ""  # text that may begin the tag (then_calls)
+
+    def _finished(self) -> bool:
+        return False
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         if not (self.auto and self.then_calls) or self._is_text is False or (self._is_text is None and

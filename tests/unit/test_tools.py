@@ -619,20 +619,26 @@ def test_mistral_plans_hold_the_tool_calls_token_and_an_array_and_auto_to_that_o
     assert not allows(named, f"[TOOL_CALLS] [{query}, {query}]")
 
 
+def _check_mistral_calls(reader, text: str, cuts: list[int], expected: list[tuple[str, dict]]) -> None:
+    """`text` fed to `reader` in the pieces `cuts` makes: the calls expected, closed, each one's streamed arguments
+    adding up to it, each id 9 letters and digits (as Mistral's templates demand of the history)."""
+    deltas = [d for a, b in zip([0, *cuts], [*cuts, len(text)]) for d in reader.feed(text[a:b])[1]]
+    calls = reader.calls()
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    assert reader.closed
+    for i, call in enumerate(calls):
+        streamed = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
+        assert streamed == call["function"]["arguments"]
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+
+
 def test_the_mistral_reader_at_any_piece_boundary_and_its_ids():
     text = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris \\"}, {\\"", "days": [1]}}, '
             '{"name": "search", "arguments": {"q": "x"}}]')
     for cuts in ([], list(range(1, len(text))), [1, 12, 13, 40]):
         reader = ToolCallReader(None, auto=True, mistral=True)
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        deltas = [d for piece in pieces for d in reader.feed(piece)[1]]
-        calls = reader.calls()
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-            ("get_weather", {"city": 'Paris "}, {"', "days": [1]}), ("search", {"q": "x"})] and reader.closed
-        for i, call in enumerate(calls):
-            streamed = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
-            assert streamed == call["function"]["arguments"]
-            assert len(call["id"]) == 9 and call["id"].isalnum()  # as Mistral's templates demand of the history
+        _check_mistral_calls(reader, text, cuts, [("get_weather", {"city": 'Paris "}, {"', "days": [1]}),
+                                                  ("search", {"q": "x"})])
     unspaced = ToolCallReader(None, mistral=True)
     unspaced.feed('[TOOL_CALLS][{"name": "search", "arguments": {"q": "y"}}]')
     assert [c["function"]["name"] for c in unspaced.calls()] == ["search"] and unspaced.closed
@@ -688,15 +694,8 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
 
     text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris [ARGS]\\"}", "days": [1]}[TOOL_CALLS]search[ARGS]{"q": "x"}'
     for cuts in ([], list(range(1, len(text))), [3, 13, 25, 60]):
-        reader = ArgsReader(None, auto=True)
-        deltas = [d for a, b in zip([0, *cuts], [*cuts, len(text)]) for d in reader.feed(text[a:b])[1]]
-        calls = reader.calls()
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-            ("get_weather", {"city": 'Paris [ARGS]"}', "days": [1]}), ("search", {"q": "x"})] and reader.closed
-        for i, call in enumerate(calls):
-            streamed = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
-            assert streamed == call["function"]["arguments"]
-            assert len(call["id"]) == 9 and call["id"].isalnum()
+        _check_mistral_calls(ArgsReader(None, auto=True), text, cuts, [
+            ("get_weather", {"city": 'Paris [ARGS]"}', "days": [1]}), ("search", {"q": "x"})])
     own = ArgsReader(None)
     own.feed('[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Rome"}[TOOL_CALLS]sea')
     assert [c["id"] for c in own.calls()] == ["abcDEF123"] and not own.closed  # the model's id; a next call begun
