@@ -39,6 +39,8 @@ class TokenDelta:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # SamplingParams.prompt_logprobs: with the first token, None for the prompt's first token, then one each
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class EngineCore:
                 continue
             reason = request.finish_reason if request_id in finished else None
             deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
-                                     len(request.prompt_ids), len(request.output_ids)))
+                                     len(request.prompt_ids), len(request.output_ids),
+                                     result.prompt_logprobs.get(request_id)))
         return deltas
 
     def _abort_unusable(self, request_ids: list[str]) -> list[TokenDelta]:

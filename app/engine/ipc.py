@@ -33,6 +33,9 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None
     prompt_tokens: int
     output_tokens: int
+    # with the first token of a request that asked for prompt logprobs: None for the prompt's first token, then
+    # (logprob, top, rank) for each next one
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -37,6 +37,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then each next one's given those before it
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 Prompt = str | Sequence[int]
@@ -127,6 +129,7 @@ class LLM:
                 if seq.finish_reason is None:
                     self.core.abort(request_id)
         for output, p in zip(outputs, params, strict=True):
+            output.prompt_logprobs = sequences[f"{output.request_id}-0"].prompt_logprobs
             for i in range(p.n):
                 seq = sequences[f"{output.request_id}-{i}"]
                 reason = seq.finish_reason.value if seq.finish_reason else None
@@ -139,6 +142,8 @@ class LLM:
                 seq = sequences.get(delta.request_id)
                 if seq is None:
                     continue
+                if delta.prompt_logprobs is not None:
+                    seq.prompt_logprobs = delta.prompt_logprobs
                 if seq.take(delta.token_id, delta.logprobs, delta.finish_reason) and delta.finish_reason is None:
                     self.core.abort(delta.request_id, FinishReason.STOP)  # a stop string matched
 

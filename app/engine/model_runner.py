@@ -8,7 +8,7 @@ it. Input staging buffers are allocated once at the largest step size and reused
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -27,6 +27,13 @@ from app.model.llama import LlamaForCausalLM
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, TokenLogprobs]  # for requests that asked
+    # request id -> its prompt's logprobs (SamplingState.prompt_logprobs), with its first sampled token
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
+# Prompt rows whose logits are taken at once for prompt logprobs: [rows, vocab] float32 twice (logits, log-softmax),
+# ~50 MB for a 49,152-token vocabulary
+PROMPT_LOGPROB_ROWS = 128
 
 
 class ModelRunner:
@@ -62,6 +69,8 @@ class ModelRunner:
                                                                                      new.eos_token_id)
             self.states[new.request_id] = new_state(new.params, list(new.prompt_ids), new.eos_token_id, matcher)
         batch, hidden = self.forward(output)
+        if any(r.prompt_rows and self.states[r.request_id].prompt_logprobs is not None for r in output.requests):
+            self._prompt_logprobs(output, hidden)
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
@@ -74,6 +83,33 @@ class ModelRunner:
         states = [self.states[output.requests[i].request_id] for i in rows]
         result = self.sampler(logits, states)
         return self._collect([output.requests[i].request_id for i in rows], states, result)
+
+    def _prompt_logprobs(self, output: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """For the requests that asked: the logprob of each prompt token after this step's prompt rows (row j of a
+        request holds position num_computed + j, whose logits are those of the next prompt token), kept in its
+        state. The model's own (raw) log-probabilities, as the sampled tokens' logprobs."""
+        start = 0
+        for r in output.requests:
+            row, start = start, start + len(r.token_ids)
+            state = self.states[r.request_id]
+            if state.prompt_logprobs is None:
+                continue
+            first = max(state.prompt_done - r.num_computed, 0)  # positions read before a preemption
+            end = min(r.prompt_rows, len(state.prompt_ids) - 1 - r.num_computed)  # the last position has no next
+            k = state.params.prompt_logprobs
+            for a in range(first, end, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, end)
+                logprobs = self.model.logits(hidden[row + a: row + b]).log_softmax(dim=-1)
+                targets = torch.tensor(state.prompt_ids[r.num_computed + a + 1: r.num_computed + b + 1])
+                chosen = logprobs.gather(1, targets.unsqueeze(1))
+                ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+                if k:
+                    values, ids = logprobs.topk(k, dim=-1)
+                    tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+                else:
+                    tops = [()] * len(ranks)
+                state.prompt_logprobs.extend(map(TokenLogprobs, chosen.squeeze(1).tolist(), tops, ranks))
+            state.prompt_done = max(state.prompt_done, r.num_computed + end)
 
     @torch.inference_mode()
     def forward(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
@@ -131,10 +167,12 @@ class ModelRunner:
     def _collect(self, request_ids: list[str], states: list[SamplingState], result) -> RunnerOutput:
         tokens = result.tokens.tolist()
         sampled = dict(zip(request_ids, tokens, strict=True))
-        logprobs = {}
+        logprobs, prompt_logprobs = {}, {}
         for row, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
             if tokens[row] < 0:  # NO_TOKEN: the engine aborts the request
                 continue
+            if state.prompt_logprobs is not None:  # the prompt is whole: its logprobs go out with this token
+                prompt_logprobs[request_id], state.prompt_logprobs = state.prompt_logprobs, None
             state.output_ids.append(tokens[row])
             if state.matcher is not None and tokens[row] not in state.params.stop_token_ids:
                 # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
@@ -144,7 +182,7 @@ class ModelRunner:
             if k is not None:
                 top = tuple(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else ()
                 logprobs[request_id] = TokenLogprobs(float(result.logprobs[row]), top)
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
 
 def calibration_step(count: int, num_computed: int, block_size: int, decodes: bool = False) -> SchedulerOutput:

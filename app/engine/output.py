@@ -18,8 +18,9 @@ _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequenc
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    logprob: float  # of the sampled token
+    logprob: float  # of the sampled token (of a prompt's logprobs: the prompt's token there)
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    rank: int | None = None  # the token's place in the vocabulary, 1 = the most likely (prompt logprobs have it)
 
 
 class Detokenizer:
@@ -84,6 +85,7 @@ class SequenceText:
     sent: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs, once they came
     finish_reason: FinishReason | None = None
 
     @classmethod

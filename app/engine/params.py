@@ -38,6 +38,10 @@ class SamplingParams:
     """Stop after sampling one of these token ids (the token is not returned in the text)."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of this many most likely tokens."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token after the first, given the tokens before it, and of this
+    many most likely tokens at its position (vLLM's prompt_logprobs; the first token has none). Such a request
+    computes its whole prompt: it takes no prefix-cache hit, whose tokens' logits were never computed."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
     keep_special_ids: tuple[int, ...] = ()
@@ -68,6 +72,8 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "logit_bias must map token ids (>= 0) to biases from -100 to 100"),

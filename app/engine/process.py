@@ -270,10 +270,11 @@ class EngineServer:
             worker = self.owner.get(d.request_id)
             if worker is None:
                 continue
-            lp = d.logprobs
+            lp, prompt = d.logprobs, d.prompt_logprobs
             by_worker.setdefault(worker, []).append(Delta(
                 d.request_id, d.token_id, lp.logprob if lp else None, [tuple(t) for t in lp.top] if lp else None,
-                d.finish_reason.value if d.finish_reason else None, d.num_prompt_tokens, d.num_output_tokens))
+                d.finish_reason.value if d.finish_reason else None, d.num_prompt_tokens, d.num_output_tokens,
+                None if prompt is None else [None if p is None else (p.logprob, list(p.top), p.rank) for p in prompt]))
             if d.finish_reason is not None:
                 del self.owner[d.request_id]
         for worker, batch in by_worker.items():

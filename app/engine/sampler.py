@@ -46,6 +46,11 @@ class SamplingState:
     prompt_tokens: torch.Tensor | None = None  # [n] int64: the prompt's distinct tokens, once asked for
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as ([n] int64 ids, [n] float32 biases)
     matcher: Any = None  # the grammar's llguidance matcher (params.grammar), advanced by each token sampled
+    # params.prompt_logprobs: the prompt's so far (None for its first token, then a TokenLogprobs for each next one),
+    # until they go out with the first sampled token; and how many prompt positions gave theirs (a preempted
+    # request recomputes its prompt: those are not read twice)
+    prompt_logprobs: list | None = None
+    prompt_done: int = 0
 
 
 def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int | None,
@@ -62,7 +67,8 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
     if params.logit_bias:
         ids, values = zip(*params.logit_bias)
         bias = (torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
-    return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias, matcher=matcher)
+    return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias, matcher=matcher,
+                         prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
 
 # What a row gets whose logits hold no usable distribution (NaN or infinite, or all -inf): not a token id.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from app.engine.kv_cache import KVCacheManager
+from app.engine.kv_cache import KVCacheManager, PrefixHit
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request, Status
 from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
@@ -212,7 +212,9 @@ class Scheduler:
             if request.wait_for in self.requests and self._prompt_pending(self.requests[request.wait_for]):
                 skipped.append(request)  # n > 1: let the first sibling cache the prompt first
                 continue
-            hit = self.kv.find_prefix(request)
+            # prompt logprobs need every prompt token's logits: such a request computes its prompt whole
+            looked_up = request.params.prompt_logprobs is None
+            hit = self.kv.find_prefix(request) if looked_up else PrefixHit((), 0)
             wanted = request.num_tokens - hit.num_tokens
             if not self.cfg.chunked_prefill and wanted > budget.tokens_left:
                 self.waiting.appendleft(request)
@@ -221,7 +223,8 @@ class Scheduler:
             if count <= 0 or not self.kv.allocate(request, count, hit):
                 self.waiting.appendleft(request)
                 break
-            self.kv.count_prefix(request, hit)
+            if looked_up:
+                self.kv.count_prefix(request, hit)
             request.num_computed_tokens, request.status = hit.num_tokens, Status.RUNNING
             self.running.append(request)
             self.peak_running = max(self.peak_running, len(self.running))

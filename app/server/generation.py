@@ -59,6 +59,7 @@ class Generation:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
+    prompt_only: bool = False  # echo with max_tokens 0: the one token generated is not shown (nor counted)
 
     def add_prompt(self, prompt_ids: list[int], n: int, max_tokens: int | None) -> None:
         """n sequences for this prompt, generating at most `max_tokens` each (ValueError if params clash)."""
@@ -67,7 +68,8 @@ class Generation:
         for j in range(n):
             index = len(self.sequences)
             request_id = f"{self.prefix}-{self.id}-{index}"
-            wait_for = self.sequences[index - j].request_id if j else None
+            # (a choice that scores its prompt computes the prompt whole: nothing to wait for)
+            wait_for = self.sequences[index - j].request_id if j and params.prompt_logprobs is None else None
             text = SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
             self.sequences.append(Sequence(index, request_id, prompt_ids, params.for_choice(j), text, engine, wait_for))
 
@@ -151,6 +153,9 @@ class Generation:
         if delta.token_id is not None:
             self._timing(seq, now)
         text = seq.text
+        if delta.prompt_logprobs is not None:
+            text.prompt_logprobs = [None if p is None else TokenLogprobs(p[0], tuple(map(tuple, p[1])), p[2])
+                                    for p in delta.prompt_logprobs]
         lp = TokenLogprobs(delta.logprob, tuple(delta.top or ())) if delta.logprob is not None else None
         before_tokens, before_lp = len(text.token_ids), len(text.logprobs)
         finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)

@@ -77,15 +77,17 @@ async def completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: CompletionRequest = await read_body(request, CompletionRequest)
     ctx.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo", "unsupported")
     prompts = await ctx.prompt_ids(body.prompt)
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
                        "invalid_value")
-    gen = await _generation(ctx, body, body.logprobs, "cmpl")
+    # echo with logprobs scores the prompt too (OpenAI's legacy API, vLLM's; lm-evaluation-harness asks this way)
+    scored = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    gen = await _generation(ctx, body, body.logprobs, "cmpl", prompt_logprobs=max(scored, default=None))
+    gen.prompt_only = body.max_tokens == 0  # (only with echo): the engine generates one token, not shown
     for ids in prompts:
-        _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.max_tokens, "max_tokens", "prompt"))
+        _add_prompt(gen, ids, body.n, ctx.output_limit(ids, 1 if gen.prompt_only else body.max_tokens, "max_tokens",
+                                                       "prompt"))
     echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
     await _start(gen)
     if body.stream:
@@ -93,10 +95,16 @@ async def completions(request: Request) -> Response:
     events = await _collect(gen, request)
     choices = []
     for seq in gen.sequences:
-        text = seq.text.text if echo is None else echo[seq.index // body.n] + seq.text.text
-        logprobs = _completion_logprobs(ctx.tokenizer, seq.text) if body.logprobs is not None else None
-        choices.append({"index": seq.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": _reason(seq)})
+        generated = "" if gen.prompt_only else seq.text.text
+        text = generated if echo is None else echo[seq.index // body.n] + generated
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _completion_logprobs_of(ctx.tokenizer, *_shown_logprobs(gen, seq, body.echo), body.logprobs)
+        choice = {"index": seq.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": "length" if gen.prompt_only else _reason(seq)}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, seq, body.prompt_logprobs)
+        choices.append(choice)
     return JSONResponse({"id": gen.response_id, "object": "text_completion", "created": int(time.time()),
                          "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
 
@@ -117,7 +125,7 @@ async def chat_completions(request: Request) -> Response:
     thinking = prompt.thinking if ctx.text.thinks and not held else None
     keep = ctx.text.kept_tags(forced.format if forced is not None else None, thinking is not None)
     try:
-        gen = await _generation(ctx, body, top, "chatcmpl", constraint, keep)
+        gen = await _generation(ctx, body, top, "chatcmpl", constraint, keep, body.prompt_logprobs)
     except APIError as exc:
         raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -133,8 +141,11 @@ async def chat_completions(request: Request) -> Response:
     choices = [{"index": s.index, **_chat_message(s, forced, reader()),
                 "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
                for s in gen.sequences]
-    return JSONResponse({"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
-                         "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
+    response = {"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
+                "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
+    if body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer: beside the choices
+        response["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, gen.sequences[0], body.prompt_logprobs)
+    return JSONResponse(response)
 
 
 class _AnswerReader:
@@ -187,7 +198,8 @@ async def _tool_error(ctx, tools: ToolPlan, error: APIError) -> APIError:
 
 
 async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: str,
-                      constraint: tuple[str, Any, str] | None = None, keep: tuple[int, ...] = ()) -> Generation:
+                      constraint: tuple[str, Any, str] | None = None, keep: tuple[int, ...] = (),
+                      prompt_logprobs: int | None = None) -> Generation:
     """The request's generation; `constraint` (a forced tool choice's) in place of the body's structured output;
     `keep`: special tokens the answer's readers need in the text (AsyncTokenizer.kept_tags)."""
     bias = body.bias()
@@ -196,14 +208,15 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
     constraint = constraint or body.constraint()
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
-        params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids)
+        params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
 
 
 def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
-                     grammar: str | None, keep: tuple[int, ...] = (), ends: tuple[int, ...] = ()) -> SamplingParams:
+                     grammar: str | None, keep: tuple[int, ...] = (), ends: tuple[int, ...] = (),
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     """`ends`: the model's end-of-generation tokens besides EOS, stop tokens of every request that does not ignore
     EOS (Context.end_token_ids)."""
     return SamplingParams(
@@ -213,6 +226,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens, keep_special_ids=keep, logit_bias=bias, grammar=grammar,
         max_tokens=None)
 
@@ -273,7 +287,7 @@ def _reason(seq) -> str | None:
 def _usage(gen: Generation, events: list[Event] | None = None) -> dict:
     prompts = {id(s.prompt_ids): len(s.prompt_ids) for s in gen.sequences}
     prompt_tokens = sum(prompts.values())
-    completion_tokens = sum(len(s.text.token_ids) for s in gen.sequences)
+    completion_tokens = 0 if gen.prompt_only else sum(len(s.text.token_ids) for s in gen.sequences)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -324,21 +338,27 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
     echoed: set[int] = set()
     offsets: dict[int, int] = {}  # text_offset continues across a choice's chunks
     async for event in gen.events():
-        text = event.text
-        if echo is not None and event.index not in echoed:
+        text, token_ids, token_logprobs = ("", [], []) if gen.prompt_only else \
+            (event.text, event.token_ids, event.logprobs)
+        if echo is not None and event.index not in echoed:  # the prompt, with its logprobs where asked, comes first
             echoed.add(event.index)
             text = echo[event.index // body.n] + text
-        with_logprobs = body.logprobs is not None and event.logprobs
-        if not text and event.finish_reason is None and not with_logprobs:
+            prompt = gen.sequences[event.index]
+            if body.logprobs is not None and prompt.text.prompt_logprobs is not None:
+                token_ids = [*prompt.prompt_ids, *token_ids]
+                token_logprobs = [*prompt.text.prompt_logprobs, *token_logprobs]
+        with_logprobs = body.logprobs is not None and token_logprobs
+        reason = "length" if gen.prompt_only and event.finish_reason else event.finish_reason
+        if not text and reason is None and not with_logprobs:
             continue
         logprobs = None
         if with_logprobs:
-            logprobs = _completion_logprobs_of(gen.tokenizer, event.token_ids, event.logprobs,
+            logprobs = _completion_logprobs_of(gen.tokenizer, token_ids, token_logprobs, body.logprobs,
                                                offsets.get(event.index, 0))
             offsets[event.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         yield _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                         "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": event.finish_reason}]}, gen, body)
+                                     "finish_reason": reason}]}, gen, body)
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                "choices": [], "usage": _usage(gen)}
@@ -369,21 +389,43 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
 # --- logprobs in OpenAI's two shapes ---
 
 
-def _completion_logprobs(tokenizer, text) -> dict:
-    return _completion_logprobs_of(tokenizer, text.token_ids, text.logprobs)
+def _shown_logprobs(gen: Generation, seq, echo: bool) -> tuple[list[int], list]:
+    """A non-streamed completion choice's tokens and their logprobs: with echo, the prompt's first (the first
+    token's None), then the generated ones (none with max_tokens 0)."""
+    token_ids, logprobs = ([], []) if gen.prompt_only else (seq.text.token_ids, seq.text.logprobs)
+    if echo and seq.text.prompt_logprobs is not None:
+        return [*seq.prompt_ids, *token_ids], [*seq.text.prompt_logprobs, *logprobs]
+    return token_ids, logprobs
 
 
-def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, start: int = 0) -> dict:
+def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, k: int, start: int = 0) -> dict:
+    """OpenAI's legacy shape, `k` most likely tokens at each position besides the token; a None entry (an echoed
+    prompt's first token) has a token and an offset only."""
     tokens = [tokenizer.decode([t]) for t in token_ids[: len(logprobs)]]
     offsets, at = [], start
     for token in tokens:
         offsets.append(at)
         at += len(token)
     # as OpenAI's and vLLM's: the sampled token is always among its position's top logprobs (up to logprobs + 1)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{**{tokenizer.decode([t]): p for t, p in lp.top}, token: lp.logprob}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else {**{tokenizer.decode([t]): p for t, p in lp.top[:k]}, token: lp.logprob}
                              for token, lp in zip(tokens, logprobs)],
             "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: {"logprob", "rank",
+    "decoded_token"}} for the token itself and the k most likely there (ranks 1 to k)."""
+    if seq.text.prompt_logprobs is None:  # the request ended before its prompt was computed
+        return None
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    return [None if lp is None else {str(token): entry(token, lp.logprob, lp.rank),
+                                     **{str(t): entry(t, p, i + 1) for i, (t, p) in enumerate(lp.top[:k])
+                                        if t != token}}
+            for token, lp in zip(seq.prompt_ids, seq.text.prompt_logprobs, strict=False)]
 
 
 def _chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:

@@ -124,6 +124,8 @@ class SamplingFields(_Body):
     # bounded: the engine checks each sampled token against them, and masks them all until min_tokens
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1024)] | None = None
     skip_special_tokens: bool = True
+    # each prompt token's logprob given those before it, and this many most likely tokens' (vLLM's shape, not streamed)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # structured outputs: OpenAI's response_format (both endpoints, as vLLM) or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -155,6 +157,8 @@ class SamplingFields(_Body):
             raise ValueError("give response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true (as vLLM)")
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -179,7 +183,7 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Annotated[int, Field(ge=0, lt=1 << 31)]] | \
         list[list[Annotated[int, Field(ge=0, lt=1 << 31)]]]
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=1 << 30)] | None = 16  # 0 with echo: the prompt alone, scored
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -193,6 +197,9 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of must equal n (or be left out)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo: true (the prompt returned, with its logprobs "
+                             "where logprobs is set, and nothing generated)")
         return self
 
 

@@ -245,3 +245,38 @@ def test_runner_refuses_a_block_table_short_of_its_tokens(loaded):
     short = ScheduledRequest("0", (1,) * 20, 0, (3,), sample=True)  # 20 tokens need two blocks of 16
     with pytest.raises(ValueError, match="does not cover"):
         runner._prepare(SchedulerOutput((short,)))
+
+
+def test_prompt_logprobs_of_a_prompt_preempted_halfway(loaded, prompts):
+    """A prompt scored in chunks, preempted after its first chunk and recomputed from the start with another request
+    in the step: each position's logprob is read once, and all come with the first sampled token as one pass gives
+    them (the same kernels: rows run each one's own way, however the step is cut)."""
+    from app.engine.scheduler import NewRequest
+
+    prompt = tuple(prompts[4][:40])  # the story's first 40 tokens
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3)
+    blocks = (5, 9, 2)
+
+    def step(runner, requests, new=()):
+        return runner.execute(SchedulerOutput(tuple(requests), new_requests=tuple(new)))
+
+    def part(start, end, sample=False, request_id="r"):
+        return ScheduledRequest(request_id, prompt[start:end], start, blocks, sample, end - start)
+
+    one = ModelRunner(loaded.model, KVCacheConfig(64, BLOCK), max_num_tokens=512, max_num_seqs=8)
+    alone = step(one, [part(0, 40, True)], [NewRequest("r", prompt, params, None)])
+    whole = alone.prompt_logprobs["r"]
+    cut = ModelRunner(loaded.model, KVCacheConfig(64, BLOCK), max_num_tokens=512, max_num_seqs=8)
+    first = step(cut, [part(0, 12)], [NewRequest("r", prompt, params, None)])
+    assert first.prompt_logprobs == {} and first.sampled == {}
+    other = ScheduledRequest("o", prompt[:7], 0, (11,), True, 7)  # a request without prompt logprobs beside it
+    again = step(cut, [other, part(0, 25)], [NewRequest("o", prompt[:7], SamplingParams(max_tokens=2), None)])
+    assert "r" not in again.prompt_logprobs and "o" not in again.prompt_logprobs
+    last = step(cut, [part(25, 40, True)])
+    scored = last.prompt_logprobs["r"]
+    assert last.sampled == alone.sampled
+    assert len(scored) == len(whole) == 40 and scored[0] is None and whole[0] is None
+    for a, b in zip(whole[1:], scored[1:], strict=True):
+        assert b.logprob == pytest.approx(a.logprob, abs=1e-4) and [t for t, _ in b.top] == [t for t, _ in a.top]
+        assert b.rank == a.rank
+    assert step(cut, [ScheduledRequest("r", (last.sampled["r"],), 40, blocks, True)]).prompt_logprobs == {}

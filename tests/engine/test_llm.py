@@ -161,3 +161,64 @@ def test_the_models_end_of_turn_token_ends_a_generation_as_eos_does(llm, tmp_pat
         assert held.token_ids == reference[:at + 1] and held.finish_reason == "stop" and held.text == stopped.text
     finally:
         other.close()
+
+
+SCORED = ["The capital of France is Paris, and the capital of Italy is Rome.",
+          "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    """The independent reference: transformers loading the same GGUF, dequantized by itself."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+
+    path = resolve_source(ModelSpec()).path
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                quantization_config=GgufConfig(gguf_file=path.name,
+                                                                               dequantize=True)).eval()
+
+
+def test_prompt_logprobs_are_transformers_log_probabilities(llm, transformers_model):
+    """vLLM's prompt_logprobs: None for the first prompt token, then each next token's log-probability given the ones
+    before it (the model's own, as transformers computes them for the same file), its rank, and the k most likely."""
+    outs = llm.generate(SCORED, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=4))
+    for out in outs:
+        ids, scored = out.prompt_token_ids, out.prompt_logprobs
+        assert len(scored) == len(ids) and scored[0] is None
+        with torch.no_grad():
+            reference = transformers_model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        want = reference[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        got = torch.tensor([lp.logprob for lp in scored[1:]])
+        assert (got - want).abs().max() < 0.02  # measured: 0.0004 under int16 activations
+        for position, (token, lp) in enumerate(zip(ids[1:], scored[1:], strict=True)):
+            top_ids = [t for t, _ in lp.top]
+            assert len(lp.top) == 4 and [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
+            # the top four are transformers' most likely there too (their log-probabilities, within the tolerance)
+            assert torch.tensor([p for _, p in lp.top]).sub(reference[position, top_ids]).abs().max() < 0.02
+            assert lp.rank == 1 + sum(p > lp.logprob for _, p in lp.top) if lp.rank <= 4 else token not in top_ids
+            # its rank: one more than the tokens transformers finds more likely, but for those within the tolerance
+            above = [int((reference[position] > want[position] + d).sum()) for d in (0.02, -0.02)]
+            assert 1 + above[0] <= lp.rank <= 1 + above[1]
+
+
+def test_prompt_logprobs_through_chunks_and_preemption(llm):
+    """A prompt prefilled in chunks of 16 tokens, and recomputed after a preemption, gives every position's logprob
+    once, as one pass does; a prompt-scoring request takes no prefix-cache hit (its tokens' logits are needed)."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=2)
+    whole = llm.generate(SCORED, params)
+    small = LLM(model={"dtype": "float32", "max_model_len": 128}, kv_cache={"memory": "7MiB", "dtype": "float32"},
+                scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 4, "step_time_budget": 0}, bind_threads=False)
+    try:
+        small.generate(SCORED[0], SamplingParams(temperature=0, max_tokens=1))  # its prompt's blocks now cached
+        hits = small.core.kv.hits
+        outs = small.generate(SCORED, params)
+        assert small.core.scheduler.num_preemptions > 0 and small.core.kv.hits == hits
+    finally:
+        small.close()
+    for one, other in zip(whole, outs, strict=True):
+        assert len(other.prompt_logprobs) == len(one.prompt_logprobs) and other.prompt_logprobs[0] is None
+        for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:], strict=True):
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-3) and [t for t, _ in b.top] == [t for t, _ in a.top]

@@ -82,19 +82,27 @@ def reference():
         ids = [llm.tokenizer(p).input_ids for p in PROMPTS]
         longer = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         return (ids, [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY)],
-                [o.outputs[0].token_ids for o in llm.generate(ids, longer)])
+                [o.outputs[0].token_ids for o in llm.generate(ids, longer)],
+                [o.prompt_logprobs for o in llm.generate(ids[:2], SCORING)])
+
+
+SCORING = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
 
 
 def test_offline_llm_at_tp2_gives_tp1s_greedy_tokens(reference):
-    ids, expected, _ = reference
+    """...and tp=1's prompt logprobs (rank 0 takes the prompt rows' logits from the whole hidden states)."""
+    ids, expected, _, scored = reference
     with LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB", "dtype": "float32"}, parallel={"tp": 2},
              bind_threads=False) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY)] == expected
+        for ours, theirs in zip([o.prompt_logprobs for o in llm.generate(ids[:2], SCORING)], scored, strict=True):
+            assert len(ours) == len(theirs) and ours[0] is theirs[0] is None
+            assert [a.logprob for a in ours[1:]] == pytest.approx([b.logprob for b in theirs[1:]], abs=1e-3)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("appliance-tp-")]
 
 
 def test_tp3_gives_tp1s_greedy_tokens(reference):
-    ids, expected, _ = reference
+    ids, expected, _, _ = reference
     core, _ = build_core(_replica(3), bind=False)
     try:
         assert _generate(core, ids, GREEDY)[0] == expected
@@ -106,7 +114,7 @@ def test_bfloat16_tp2_agrees_with_the_float32_reference(reference):
     """Teacher-forced: at each of 256 positions of the float32 greedy text, bf16's top-1 is the same token
     (but for near-ties: bf16 activations, then quantized to int16 for the kept Q4_1 weights, flip 5 of the 256
     at tp=1 on this model and 6 at tp=2, where the partial sums add in another order)."""
-    ids, _, expected = reference
+    ids, _, expected, _ = reference
     core, _ = build_core(_replica(2, "bfloat16"), bind=False)
     try:
         prefixes = [prompt + out[:k] for prompt, out in zip(ids, expected, strict=True) for k in range(len(out))]
@@ -119,7 +127,7 @@ def test_bfloat16_tp2_agrees_with_the_float32_reference(reference):
 
 
 def test_a_dead_worker_fails_the_engine_within_seconds(reference):
-    ids, _, _ = reference
+    ids, _, _, _ = reference
     core, _ = build_core(_replica(2), bind=False)
     worker = core.executor.workers[0]
     for i, prompt in enumerate(ids):

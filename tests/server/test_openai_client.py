@@ -494,6 +494,51 @@ def test_stop_sequences_and_echo(client):
     assert echoed.choices[0].text.startswith("Monday, Tuesday,")
 
 
+def test_echo_with_logprobs_scores_the_prompt(appliance, client):
+    """OpenAI's legacy way to score a text, as lm-evaluation-harness asks it (echo, logprobs, max_tokens 1 or 0):
+    the prompt's tokens come first, the first with no logprob, each later one with its log-probability given those
+    before it: the same number the model gives that token when it generates it there."""
+    prompt = "The capital of France is Paris"
+    ids = httpx.post(appliance.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert logprob < 0 and top[token] == logprob and 2 <= len(top) <= 3
+    generated = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                          logprobs=2).choices[0]
+    assert generated.text == " Paris" == lp.tokens[-1]
+    assert generated.logprobs.token_logprobs[0] == pytest.approx(lp.token_logprobs[-1], abs=1e-3)
+    # token-id prompts, two at once, n=2, one generated token each (lm-evaluation-harness' request); the stream the same
+    kwargs = dict(model=MODEL, prompt=[ids, ids[:4]], max_tokens=1, echo=True, logprobs=1, temperature=0, n=2)
+    both = client.completions.create(**kwargs)
+    assert [len(c.logprobs.tokens) for c in both.choices] == [len(ids) + 1] * 2 + [5] * 2
+    assert both.choices[0].logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs, abs=1e-3)
+    assert both.choices[1].logprobs.token_logprobs == pytest.approx(both.choices[0].logprobs.token_logprobs)
+    assert both.choices[2].logprobs.token_logprobs[:4] == pytest.approx(lp.token_logprobs[:4], abs=1e-3)
+    streamed: dict[int, list] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        streamed.setdefault(chunk.choices[0].index, []).extend(chunk.choices[0].logprobs.token_logprobs
+                                                              if chunk.choices[0].logprobs else [])
+    assert [streamed[c.index] for c in both.choices] == [c.logprobs.token_logprobs for c in both.choices]
+    # vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}}, the token's and the k most likely
+    vllm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 1}).choices[0].model_extra["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(ids)
+    for token, logprob, entry in zip(ids[1:], lp.token_logprobs[1:], vllm[1:], strict=True):
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(logprob, abs=1e-3) and mine["rank"] >= 1
+        assert 1 <= len(entry) <= 2 and min(e["rank"] for e in entry.values()) == 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    scored_chat = chat.model_extra["prompt_logprobs"]
+    assert len(scored_chat) == chat.usage.prompt_tokens and scored_chat[0] is None
+    assert all(len(e) == 1 and list(e.values())[0]["logprob"] <= 0 for e in scored_chat[1:])
+
+
 def test_models_tokenize_detokenize_version_openapi(appliance, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
