@@ -230,6 +230,26 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": await ctx.text.decode(body.tokens)})
 
 
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's /tokenizer_info: enough of the tokenizer for a client to stand in for it through /tokenize and
+    /detokenize (lm-evaluation-harness' `tokenizer_backend=remote`); `model_max_length` is the served context."""
+    ctx = request.app.state.ctx
+    tok = ctx.tokenizer
+
+    def text(name: str) -> str | None:
+        value = getattr(tok, name, None)
+        return None if value is None else str(value)
+
+    flags = {name: getattr(tok, name) for name in ("add_bos_token", "add_eos_token")
+             if isinstance(getattr(tok, name, None), bool)}
+    template = ctx.text.chat_template or getattr(tok, "chat_template", None)
+    return JSONResponse({"tokenizer_class": type(tok).__name__,
+                         **{name: text(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")},
+                         "additional_special_tokens": [str(t) for t in getattr(tok, "additional_special_tokens", [])],
+                         **flags, "model_max_length": ctx.max_model_len,
+                         "chat_template": template if isinstance(template, str) else None})
+
+
 async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
 
@@ -312,6 +332,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -16,6 +16,8 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("get", "/v1/models/{model}", "The served model by its id (404 for any other)", None, p.ModelCard),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse),
     ("post", "/detokenize", "Turn token ids back into text", p.DetokenizeRequest, p.DetokenizeResponse),
+    ("get", "/tokenizer_info", "The served tokenizer: class, special tokens, chat template (vLLM's)", None,
+     p.TokenizerInfoResponse),
 ]
 PLAIN = [("/version", "The server's version"), ("/health", "200 when every engine is ready, else 503"),
          ("/metrics", "Prometheus metrics (vLLM's names)")]

@@ -380,11 +380,16 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: {"logprob", "rank", "decoded_token"}}
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only where the request set prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -422,6 +427,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only where the request set prompt_logprobs
 
 
 class ModelCard(BaseModel):
@@ -445,3 +451,19 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's /tokenizer_info (what lm-evaluation-harness' remote tokenizer reads): the served tokenizer's class,
+    special tokens and chat template, so a client needs no copy of the tokenizer."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    additional_special_tokens: list[str] = []
+    add_bos_token: bool | None = None
+    add_eos_token: bool | None = None
+    model_max_length: int
+    chat_template: str | None = None

@@ -557,7 +557,19 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
     assert httpx.get(appliance.url + "/version").json()["version"]
     spec = httpx.get(appliance.url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
-            "/detokenize"} <= set(spec["paths"])
+            "/detokenize", "/tokenizer_info"} <= set(spec["paths"])
+    # vLLM's /tokenizer_info: with /tokenize and /detokenize, a client's stand-in for the tokenizer (lm-evaluation-
+    # harness' remote tokenizer): its EOS is one token, and its chat template renders what the server tokenizes
+    info = httpx.get(appliance.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 8192 and info["tokenizer_class"]
+    eos = httpx.post(appliance.url + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"] == [2]
+    import jinja2
+
+    rendered = jinja2.Environment().from_string(info["chat_template"]).render(
+        messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    ids = httpx.post(appliance.url + "/tokenize", json={"prompt": rendered, "add_special_tokens": False}).json()
+    assert ids["tokens"] == chat["tokens"]
 
 
 def test_metrics_use_vllm_names(appliance, client):
