@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -91,22 +92,27 @@ async def completions(request: Request) -> Response:
     echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
     await _start(gen)
     if body.stream:
-        return _sse(_completion_chunks(gen, body, ctx.served_name, echo))
+        return _sse(_completion_chunks(gen, body, ctx.served_name, echo, ctx.text.run))
     events = await _collect(gen, request)
-    choices = []
-    for seq in gen.sequences:
-        generated = "" if gen.prompt_only else seq.text.text
-        text = generated if echo is None else echo[seq.index // body.n] + generated
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = _completion_logprobs_of(ctx.tokenizer, *_shown_logprobs(gen, seq, body.echo), body.logprobs)
-        choice = {"index": seq.index, "text": text, "logprobs": logprobs,
-                  "finish_reason": "length" if gen.prompt_only else _reason(seq)}
-        if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, seq, body.prompt_logprobs)
-        choices.append(choice)
-    return JSONResponse({"id": gen.response_id, "object": "text_completion", "created": int(time.time()),
-                         "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)})
+
+    def answer() -> dict:
+        choices = []
+        for seq in gen.sequences:
+            generated = "" if gen.prompt_only else seq.text.text
+            text = generated if echo is None else echo[seq.index // body.n] + generated
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs_of(ctx.tokenizer, *_shown_logprobs(gen, seq, body.echo),
+                                                   body.logprobs)
+            choice = {"index": seq.index, "text": text, "logprobs": logprobs,
+                      "finish_reason": "length" if gen.prompt_only else _reason(seq)}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, seq, body.prompt_logprobs)
+            choices.append(choice)
+        return {"id": gen.response_id, "object": "text_completion", "created": int(time.time()),
+                "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
+
+    return await _json_answer(ctx, answer, gen.params.prompt_logprobs is not None)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -141,11 +147,26 @@ async def chat_completions(request: Request) -> Response:
     choices = [{"index": s.index, **_chat_message(s, forced, reader()),
                 "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
                for s in gen.sequences]
-    response = {"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
-                "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
-    if body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer: beside the choices
-        response["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, gen.sequences[0], body.prompt_logprobs)
-    return JSONResponse(response)
+
+    def answer() -> dict:
+        response = {"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
+        if body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer: beside the choices
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, gen.sequences[0], body.prompt_logprobs)
+        return response
+
+    return await _json_answer(ctx, answer, body.prompt_logprobs is not None)
+
+
+async def _json_answer(ctx, build: Callable[[], dict], scored: bool) -> Response:
+    """A JSON answer; one that scores prompts (a 6,000-token prompt's 20 most likely tokens a position are 8.5 MB of
+    JSON, seconds of Python) is built and encoded on the tokenizer's thread, and the event loop meanwhile serves the
+    other requests."""
+    if not scored:
+        return JSONResponse(build())
+    body = await ctx.text.run(lambda: json.dumps(build(), ensure_ascii=False, allow_nan=False,
+                                                 separators=(",", ":")).encode())
+    return Response(body, media_type="application/json")
 
 
 class _AnswerReader:
@@ -332,8 +353,9 @@ def _sse_error(error: APIError) -> bytes:
     return f"data: {json.dumps(error_body(error.status, error.message, error.param, error.code))}\n\n".encode()
 
 
-async def _completion_chunks(gen: Generation, body: CompletionRequest, model: str,
-                             echo: list[str] | None) -> AsyncIterator[dict]:
+async def _completion_chunks(gen: Generation, body: CompletionRequest, model: str, echo: list[str] | None,
+                             run: Callable) -> AsyncIterator[dict]:
+    """`run`: the tokenizer thread's runner (AsyncTokenizer.run), for the logprobs of an echoed prompt."""
     created = int(time.time())
     echoed: set[int] = set()
     offsets: dict[int, int] = {}  # text_offset continues across a choice's chunks
@@ -353,8 +375,9 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
             continue
         logprobs = None
         if with_logprobs:
-            logprobs = _completion_logprobs_of(gen.tokenizer, token_ids, token_logprobs, body.logprobs,
-                                               offsets.get(event.index, 0))
+            build = functools.partial(_completion_logprobs_of, gen.tokenizer, token_ids, token_logprobs,
+                                      body.logprobs, offsets.get(event.index, 0))
+            logprobs = await run(build) if len(token_logprobs) > 64 else build()  # a prompt's: off the event loop
             offsets[event.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         yield _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                         "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
@@ -398,17 +421,31 @@ def _shown_logprobs(gen: Generation, seq, echo: bool) -> tuple[list[int], list]:
     return token_ids, logprobs
 
 
+def _token_texts(tokenizer) -> Callable[[int], str]:
+    """Each token id's text, decoded once per answer (a scored prompt names each of its top tokens many times)."""
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        found = texts.get(token_id)
+        if found is None:
+            found = texts[token_id] = tokenizer.decode([token_id])
+        return found
+
+    return text
+
+
 def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, k: int, start: int = 0) -> dict:
     """OpenAI's legacy shape, `k` most likely tokens at each position besides the token; a None entry (an echoed
     prompt's first token) has a token and an offset only."""
-    tokens = [tokenizer.decode([t]) for t in token_ids[: len(logprobs)]]
+    decode = _token_texts(tokenizer)
+    tokens = [decode(t) for t in token_ids[: len(logprobs)]]
     offsets, at = [], start
     for token in tokens:
         offsets.append(at)
         at += len(token)
     # as OpenAI's and vLLM's: the sampled token is always among its position's top logprobs (up to logprobs + 1)
     return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
-            "top_logprobs": [None if lp is None else {**{tokenizer.decode([t]): p for t, p in lp.top[:k]}, token: lp.logprob}
+            "top_logprobs": [None if lp is None else {**{decode(t): p for t, p in lp.top[:k]}, token: lp.logprob}
                              for token, lp in zip(tokens, logprobs)],
             "text_offset": offsets}
 
@@ -418,9 +455,10 @@ def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
     "decoded_token"}} for the token itself and the k most likely there (ranks 1 to k)."""
     if seq.text.prompt_logprobs is None:  # the request ended before its prompt was computed
         return None
+    decode = _token_texts(tokenizer)
 
     def entry(token_id: int, logprob: float, rank: int | None) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+        return {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
 
     return [None if lp is None else {str(token): entry(token, lp.logprob, lp.rank),
                                      **{str(t): entry(t, p, i + 1) for i, (t, p) in enumerate(lp.top[:k])

@@ -78,6 +78,10 @@ class AsyncTokenizer:
     async def decode(self, ids: list[int]) -> str:
         return await self._run(lambda: self.tokenizer.decode(ids))
 
+    async def run(self, work):
+        """Other work that decodes much (a scored prompt's answer: each token's text), on the tokenizer's thread."""
+        return await self._run(work)
+
     async def grammar(self, kind: str, value, param: str) -> str:
         """The llguidance grammar of a structured output (app/engine/structured.py), checked against this model's
         tokenizer here, so that a schema, regex or grammar it cannot use is a 400 naming `param`."""
