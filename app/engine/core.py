@@ -124,7 +124,7 @@ class EngineCore:
         started = time.perf_counter()
         try:
             result = self.executor.execute(plan)
-            if self.cost is not None:
+            if self.cost is not None and not self._scores_prompts(plan):
                 self.cost.observe(plan.shape(), time.perf_counter() - started)
         except ExecutorFailed:  # no step can run any more: the engine ends (its supervisor restarts it)
             raise
@@ -143,6 +143,14 @@ class EngineCore:
                                      len(request.prompt_ids), len(request.output_ids),
                                      result.prompt_logprobs.get(request_id)))
         return deltas
+
+    def _scores_prompts(self, plan) -> bool:
+        """Whether a step has prompt rows that also take the head's logits (prompt_logprobs): ~27% more a row than
+        the step cost's fit knows, so such steps do not correct it (a steady scoring load would shrink every prompt's
+        chunks)."""
+        requests = self.scheduler.requests
+        return any(r.prompt_rows and (q := requests.get(r.request_id)) is not None and
+                   q.params.prompt_logprobs is not None for r in plan.requests)
 
     def _abort_unusable(self, request_ids: list[str]) -> list[TokenDelta]:
         """Requests that got no token (sampler.NO_TOKEN): their logits were NaN or infinite (the model is at fault,

@@ -121,7 +121,9 @@ class LLM:
                 self._next_id += 1
                 for i in range(p.n):
                     child = f"{request_id}-{i}"
-                    sequences[child] = self._add(child, prompt_ids, p, i, f"{request_id}-0" if i else None)
+                    # (siblings wait to share the prompt's blocks; one that scores its prompt computes it whole)
+                    first = f"{request_id}-0" if i and p.prompt_logprobs is None else None
+                    sequences[child] = self._add(child, prompt_ids, p, i, first)
                 outputs.append(RequestOutput(request_id, text, prompt_ids, []))
             self._loop(sequences)
         finally:  # a rejected prompt or an interrupt leaves nothing behind in the engine

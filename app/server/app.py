@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from app.model.source import ModelSource
 from app.model.tokenizer import end_token_ids
-from app.server import openai_api
+from app.server import openai_api, responses
 from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
@@ -328,6 +328,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     routes = [
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses.responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

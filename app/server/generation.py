@@ -32,6 +32,7 @@ class Sequence:
     text: SequenceText
     engine: EngineClient  # the replica serving it (all choices of a prompt share one, and its prompt blocks)
     wait_for: str | None = None
+    first_of_prompt: bool = True  # its prompt's first choice: the one that counts the prompt's tokens in the metrics
     first_token_at: float | None = None
     last_token_at: float | None = None
     tokens: int = 0
@@ -71,7 +72,8 @@ class Generation:
             # (a choice that scores its prompt computes the prompt whole: nothing to wait for)
             wait_for = self.sequences[index - j].request_id if j and params.prompt_logprobs is None else None
             text = SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
-            self.sequences.append(Sequence(index, request_id, prompt_ids, params.for_choice(j), text, engine, wait_for))
+            self.sequences.append(Sequence(index, request_id, prompt_ids, params.for_choice(j), text, engine, wait_for,
+                                           first_of_prompt=j == 0))
 
     @property
     def response_id(self) -> str:
@@ -161,8 +163,8 @@ class Generation:
         finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)
         reason = finished.value if finished is not None else None
         if reason is not None:
-            first_of_prompt = seq.wait_for is None  # count each prompt once, not once per choice
-            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if first_of_prompt else 0, seq.tokens)
+            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
+                                  seq.tokens)  # each prompt counted once, not once per choice
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],
                      reason)
 

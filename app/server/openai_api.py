@@ -7,9 +7,11 @@ import functools
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -93,7 +95,7 @@ async def completions(request: Request) -> Response:
     await _start(gen)
     if body.stream:
         return _sse(_completion_chunks(gen, body, ctx.served_name, echo, ctx.text.run))
-    events = await _collect(gen, request)
+    events = await collect(gen, request)
 
     def answer() -> dict:
         choices = []
@@ -119,6 +121,28 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
+    gen, forced, reader = await start_chat(ctx, body)
+    if body.stream:
+        return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
+    events = await collect(gen, request)
+    choices = [{"index": s.index, **chat_message(s, forced, reader()),
+                "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
+               for s in gen.sequences]
+
+    def answer() -> dict:
+        response = {"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
+        if body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer: beside the choices
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, gen.sequences[0], body.prompt_logprobs)
+        return response
+
+    return await _json_answer(ctx, answer, body.prompt_logprobs is not None)
+
+
+async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, ToolPlan | None,
+                                                                 Callable[[], AnswerReader]]:
+    """A chat request's generation, started: the conversation rendered, its tool plan and constraint, and a maker of
+    readers that split each choice's text into its fields (the chat endpoint's, and the Responses API's)."""
     structured = body.constraint() is not None
     tools = plan_tools(body, ctx.text.tool_format, structured, ctx.text.special_tags)
     prompt = await ctx.chat_prompt(body.messages, body, tools)
@@ -137,25 +161,7 @@ async def chat_completions(request: Request) -> Response:
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
     await _start(gen)
-
-    def reader() -> _AnswerReader:
-        return _AnswerReader(forced, thinking)
-
-    if body.stream:
-        return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
-    events = await _collect(gen, request)
-    choices = [{"index": s.index, **_chat_message(s, forced, reader()),
-                "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
-               for s in gen.sequences]
-
-    def answer() -> dict:
-        response = {"id": gen.response_id, "object": "chat.completion", "created": int(time.time()),
-                    "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
-        if body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer: beside the choices
-            response["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, gen.sequences[0], body.prompt_logprobs)
-        return response
-
-    return await _json_answer(ctx, answer, body.prompt_logprobs is not None)
+    return gen, forced, lambda: AnswerReader(forced, thinking)
 
 
 async def _json_answer(ctx, build: Callable[[], dict], scored: bool) -> Response:
@@ -164,12 +170,11 @@ async def _json_answer(ctx, build: Callable[[], dict], scored: bool) -> Response
     other requests."""
     if not scored:
         return JSONResponse(build())
-    body = await ctx.text.run(lambda: json.dumps(build(), ensure_ascii=False, allow_nan=False,
-                                                 separators=(",", ":")).encode())
-    return Response(body, media_type="application/json")
+    # msgspec: 0.03 s for 6 MB where json.dumps holds the GIL (and so the event loop) for 0.3 s
+    return Response(await ctx.text.run(lambda: msgspec.json.encode(build())), media_type="application/json")
 
 
-class _AnswerReader:
+class AnswerReader:
     """A chat choice's text as it grows, split into the message's fields: a thinking block's text (reasoning.py),
     the content, and tool calls (tools.py); `feed` gives a stream delta's fields (`last`: the answer ended)."""
 
@@ -191,7 +196,7 @@ class _AnswerReader:
         return {**fields, **({"content": text} if text else {}), **({"tool_calls": calls} if calls else {})}
 
 
-def _chat_message(seq, tools: ToolPlan | None, reader: _AnswerReader) -> dict:
+def chat_message(seq, tools: ToolPlan | None, reader: AnswerReader) -> dict:
     """A non-streamed choice's message and finish_reason: its text as content, tool calls and reasoning."""
     reason = _reason(seq)
     fields = reader.feed(seq.text.text, last=True)
@@ -269,7 +274,7 @@ async def _start(gen: Generation) -> None:
         raise _api_error(exc) from None
 
 
-async def _collect(gen: Generation, request: Request) -> list[Event]:
+async def collect(gen: Generation, request: Request) -> list[Event]:
     """All events of a non-streaming request; a client that hangs up aborts its sequences."""
     async def consume() -> list[Event]:
         return [event async for event in gen.events()]
@@ -328,15 +333,21 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def encode() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
-                yield f"data: {_sse_json(chunk)}\n\n".encode()
-        except (EngineRejected, EngineUnavailable) as exc:  # the same error as the JSON answer would carry
-            yield _sse_error(_api_error(exc))
-        except Exception:  # whatever happens, the client gets an error event and the end of the stream
-            log.exception("a stream failed")
-            yield _sse_error(APIError(500, "internal server error", None, "internal_error"))
+                yield f"data: {sse_json(chunk)}\n\n".encode()
+        except Exception as exc:  # whatever happens, the client gets an error event and the end of the stream
+            yield _sse_error(stream_error(exc))
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(encode(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def stream_error(exc: Exception) -> APIError:
+    """The error event of a stream that failed: an engine's refusal or absence as the JSON answer would carry it,
+    anything else an internal error (logged)."""
+    if isinstance(exc, (EngineRejected, EngineUnavailable)):
+        return _api_error(exc)
+    log.error("a stream failed", exc_info=exc)
+    return APIError(500, "internal server error", None, "internal_error")
 
 
 # Characters str.splitlines() breaks lines at that json.dumps leaves raw (it escapes those below U+0020). SSE
@@ -345,7 +356,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _sse_json(chunk: dict) -> str:
+def sse_json(chunk: dict) -> str:
     return json.dumps(chunk, ensure_ascii=False).translate(_LINE_BREAKS)
 
 
@@ -388,7 +399,7 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
 
 
 async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str, tools: ToolPlan | None,
-                       reader: Callable[[], _AnswerReader]) -> AsyncIterator[dict]:
+                       reader: Callable[[], AnswerReader]) -> AsyncIterator[dict]:
     created = int(time.time())
     base = {"id": gen.response_id, "object": "chat.completion.chunk", "created": created, "model": model}
     for seq in gen.sequences:  # the role comes first, as OpenAI sends it
@@ -421,9 +432,15 @@ def _shown_logprobs(gen: Generation, seq, echo: bool) -> tuple[list[int], list]:
     return token_ids, logprobs
 
 
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text}
+
+
 def _token_texts(tokenizer) -> Callable[[int], str]:
-    """Each token id's text, decoded once per answer (a scored prompt names each of its top tokens many times)."""
-    texts: dict[int, str] = {}
+    """Each token id's text (`decode([id])`), decoded once per tokenizer: logprobs name the same tokens over and
+    over (a scored prompt's top tokens at every position)."""
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TOKEN_TEXTS[tokenizer] = {}
 
     def text(token_id: int) -> str:
         found = texts.get(token_id)
@@ -444,10 +461,16 @@ def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, k: int, s
         offsets.append(at)
         at += len(token)
     # as OpenAI's and vLLM's: the sampled token is always among its position's top logprobs (up to logprobs + 1)
-    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
-            "top_logprobs": [None if lp is None else {**{decode(t): p for t, p in lp.top[:k]}, token: lp.logprob}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _clamped(lp.logprob) for lp in logprobs],
+            "top_logprobs": [None if lp is None else {**{decode(t): _clamped(p) for t, p in lp.top[:k]},
+                                                      token: _clamped(lp.logprob)}
                              for token, lp in zip(tokens, logprobs)],
             "text_offset": offsets}
+
+
+def _clamped(logprob: float) -> float:
+    """-inf (a token the model rules out entirely) as vLLM writes it: JSON has no infinity."""
+    return max(logprob, -9999.0)
 
 
 def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
@@ -458,7 +481,7 @@ def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
     decode = _token_texts(tokenizer)
 
     def entry(token_id: int, logprob: float, rank: int | None) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
+        return {"logprob": _clamped(logprob), "rank": rank, "decoded_token": decode(token_id)}
 
     return [None if lp is None else {str(token): entry(token, lp.logprob, lp.rank),
                                      **{str(t): entry(t, p, i + 1) for i, (t, p) in enumerate(lp.top[:k])

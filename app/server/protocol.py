@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 Stop = str | list[str] | None
 
@@ -138,6 +138,13 @@ class SamplingFields(_Body):
             raise ValueError("stop must be up to 16 non-empty strings")
         return value
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available with stream: true (as vLLM)")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -157,8 +164,6 @@ class SamplingFields(_Body):
             raise ValueError("give response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
-        if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs is not available with stream: true (as vLLM)")
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -467,3 +472,198 @@ class TokenizerInfoResponse(BaseModel):
     add_eos_token: bool | None = None
     model_max_length: int
     chat_template: str | None = None
+
+
+# --- the Responses API (POST /v1/responses), answered by the chat machinery ------------------------------------
+
+
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text", "text", "reasoning_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier (sent back with the conversation)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, value: str) -> str:
+        try:
+            json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"arguments must be JSON text: {exc}") from None
+        return value
+
+
+class FunctionCallOutput(BaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's thinking, sent back: the next assistant message's reasoning_content (what a chat template
+    does with it is the template's: most drop the thinking of earlier turns)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+    content: list[InputText | dict[str, Any]] | None = None
+    summary: list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary or []
+        return "".join(p.text if isinstance(p, InputText) else str(p.get("text", "")) for p in parts)
+
+
+def _item_kind(value) -> str:
+    """An input item's type; a message may leave it out (`{"role": "user", "content": ...}`)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind or "message"
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] |
+                      Annotated[FunctionCallOutput, Tag("function_call_output")] |
+                      Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_kind)]
+
+
+class ResponsesTool(BaseModel):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API, stateless: the conversation comes whole with each request (`store` is answered false,
+    as vLLM does without its store; `previous_response_id` is a 400)."""
+
+    model: str | None = None
+    input: Annotated[list[InputItem], Field(min_length=1)]  # a string is one user message
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    tools: Annotated[list[ResponsesTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    text: TextOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_input(cls, value):
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _stateless(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("not supported: this server keeps no responses; send the conversation in input")
+        return value
+
+    def chat_fields(self) -> dict:
+        """The same request as chat completion fields (ChatCompletionRequest validates them): the instructions as a
+        system message, input items as messages (function calls as an assistant's tool_calls, their outputs as tool
+        messages), tools and tool_choice in chat's nesting, text.format as response_format."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        reasoning = None  # a reasoning item's text, for the assistant message that follows it
+        for item in self.input:
+            if isinstance(item, ReasoningItem):
+                reasoning = item.text()
+            elif isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+                if item.role == "assistant" and reasoning:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, None
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and not reasoning:
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    if reasoning:
+                        messages[-1]["reasoning_content"], reasoning = reasoning, None
+            elif isinstance(item, FunctionCallOutput):
+                output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        fields: dict = {"model": self.model, "messages": messages, "stream": self.stream,
+                        "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+                        "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tools:
+            fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                               for t in self.tools]
+        if isinstance(self.tool_choice, ResponsesToolChoice):
+            fields["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice
+        form = self.text.format if self.text is not None else None
+        if form is not None and form.type == "json_schema":
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": form.name, "schema": form.json_schema if form.json_schema is not None else {},
+                "strict": form.strict}}
+        elif form is not None:
+            fields["response_format"] = {"type": form.type}
+        return fields
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int] | None = None
+    output_tokens_details: dict[str, int] | None = None
+
+
+class ResponseObject(BaseModel):
+    """A Responses API answer: `output` holds items of type "reasoning" (a thinking block's text), "message" (the
+    text, as one "output_text" part) and "function_call" (`call_id`, `name`, `arguments`), in the order written."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    incomplete_details: dict[str, str] | None = None
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None = None

@@ -111,6 +111,14 @@ CASES = [
     ("prompt-logprobs-streamed", "POST", CHAT, {"messages": MSG, "stream": True, "prompt_logprobs": 1}, 400,
      "invalid_value", "prompt_logprobs"),
     ("prompt-logprobs-21", "POST", C, {"prompt": "x", "prompt_logprobs": 21}, 400, "invalid_value", "prompt_logprobs"),
+    ("responses-empty-input", "POST", "/v1/responses", {"input": []}, 400, "invalid_value", "input"),
+    ("responses-previous-id", "POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400,
+     "invalid_value", "previous_response_id"),
+    ("responses-call-not-json", "POST", "/v1/responses", {"input": [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, 400, "invalid_value", "JSON"),
+    ("responses-unknown-function", "POST", "/v1/responses", {"input": "x", "tools": [
+        {"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, 400, "invalid_value",
+     "tool_choice"),
     ("echo-max-tokens-zero-min-tokens", "POST", C, {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 2},
      400, "invalid_value", "min_tokens"),
     ("suffix", "POST", C, {"prompt": "x", "suffix": "y"}, 400, "invalid_value", "suffix"),

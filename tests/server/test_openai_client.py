@@ -458,6 +458,22 @@ def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
     forced = qwen_like.chat.completions.create(**{**ask, "max_tokens": 120}, tools=TOOLS, tool_choice="required",
                                                extra_body={"chat_template_kwargs": {"open_thinking": True}}).choices[0]
     assert forced.finish_reason == "tool_calls" and _thought(forced.message) == (None, None)
+    # the Responses API: the history's thinking as reasoning items, the answer's as a reasoning item before the text
+    items = []
+    for message in shown:
+        if message["role"] == "assistant":
+            thought = message.get("reasoning_content") or message.get("reasoning")
+            items.append({"type": "reasoning", "id": "rs_1", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": thought}]})
+        items.append({"role": message["role"], "content": message["content"]})
+    answer = qwen_like.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=60)
+    reasoning, content = _thought(out.message)
+    assert [o.type for o in answer.output] == ["reasoning", "message"] and answer.output_text == content
+    assert answer.output[0].content[0].text == reasoning
+    events = list(qwen_like.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=60,
+                                             stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
 
 
 def test_continue_final_message_prefills_the_answer(appliance, client):
@@ -539,6 +555,71 @@ def test_echo_with_logprobs_scores_the_prompt(appliance, client):
     assert all(len(e) == 1 and list(e.values())[0]["logprob"] <= 0 for e in scored_chat[1:])
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def test_responses_api_answers_as_chat_does(client):
+    """OpenAI's Responses API on the chat machinery: the same conversation gives the chat endpoint's greedy text, its
+    usage, and a max_output_tokens cut leaves the response incomplete; streamed, the deltas add up to the whole."""
+    question = "What is the capital of France?"
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=80, messages=[
+        {"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": question}])
+    answer = client.responses.create(model=MODEL, instructions="You are a helpful assistant.", input=question,
+                                     temperature=0, max_output_tokens=80)
+    assert answer.status == "completed" and answer.output_text == chat.choices[0].message.content
+    assert [o.type for o in answer.output] == ["message"] and answer.output[0].role == "assistant"
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                       chat.usage.completion_tokens)
+    assert answer.store is False and answer.id.startswith("resp_")
+    cut = client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text",
+                                                                                      "text": question}]}],
+                                  temperature=0, max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and answer.output_text.startswith(cut.output_text)
+    events = list(client.responses.create(model=MODEL, instructions="You are a helpful assistant.", input=question,
+                                          temperature=0, max_output_tokens=80, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == answer.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer.output_text
+
+
+def test_responses_api_calls_functions_and_reads_their_outputs(client):
+    """Function tools in the Responses API's flat shape: a forced call comes back as a function_call item (streamed
+    through the SDK's own accumulator too), and its output sent back as a function_call_output item is read."""
+    kwargs = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], temperature=0,
+                  max_output_tokens=60, parallel_tool_calls=False)
+    required = client.responses.create(tool_choice="required", **kwargs)
+    call = required.output[0]
+    assert [o.type for o in required.output] == ["function_call"] and required.status == "completed"
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"} and call.call_id
+    named = client.responses.create(tool_choice={"type": "function", "name": "get_weather"}, **kwargs)
+    assert [(o.type, o.name) for o in named.output] == [("function_call", "get_weather")]
+    with client.responses.stream(tool_choice="required", **kwargs) as stream:
+        streamed = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in streamed.output] == [("function_call", call.name, call.arguments)]
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "22 C and sunny"}]
+    told = client.responses.create(model=MODEL, input=history, tools=[WEATHER], tool_choice="none", temperature=0,
+                                   max_output_tokens=40)
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, tool_choice="none", messages=[
+        history[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "22 C and sunny"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}])
+    assert told.status == "completed" and told.output_text == chat.choices[0].message.content
+    assert "sunny" in told.output_text  # the tool's result, read
+    shaped = client.responses.create(model=MODEL, input="Name a city as JSON.", temperature=0, max_output_tokens=40,
+                                     text={"format": {"type": "json_schema", "name": "city", "schema": {
+                                         "type": "object", "properties": {"name": {"type": "string"}},
+                                         "required": ["name"], "additionalProperties": False}}})
+    assert shaped.status == "completed" and set(json.loads(shaped.output_text)) == {"name"}
+
+
 def test_models_tokenize_detokenize_version_openapi(appliance, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -556,8 +637,8 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
     assert chat["count"] > 3
     assert httpx.get(appliance.url + "/version").json()["version"]
     spec = httpx.get(appliance.url + "/openapi.json").json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
-            "/detokenize", "/tokenizer_info"} <= set(spec["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/v1/models/{model}",
+            "/tokenize", "/detokenize", "/tokenizer_info"} <= set(spec["paths"])
     # vLLM's /tokenizer_info: with /tokenize and /detokenize, a client's stand-in for the tokenizer (lm-evaluation-
     # harness' remote tokenizer): its EOS is one token, and its chat template renders what the server tokenizes
     info = httpx.get(appliance.url + "/tokenizer_info").json()

@@ -69,7 +69,7 @@ def test_where_a_block_starts_is_read_from_the_prompt_and_the_template():
 def test_a_thinking_answer_with_hermes_calls_splits_the_same_at_every_piece_boundary():
     """Qwen3's way with tools: the block, then calls in tags; the calls are read from the content only (a tag inside
     the thinking is thought, not a call)."""
-    from app.server.openai_api import _AnswerReader
+    from app.server.openai_api import AnswerReader
     from app.server.protocol import ChatCompletionRequest
     from app.server.tools import plan
 
@@ -81,7 +81,7 @@ def test_a_thinking_answer_with_hermes_calls_splits_the_same_at_every_piece_boun
     rng = random.Random(1)
     for trial in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
-        reader, fields = _AnswerReader(tools, thinking=False), {}
+        reader, fields = AnswerReader(tools, thinking=False), {}
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         for i, piece in enumerate(pieces):
             for key, value in reader.feed(piece, last=i == len(pieces) - 1).items():

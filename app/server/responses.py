@@ -1,0 +1,236 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat machinery.
+
+A request becomes a chat completion request (`ResponsesRequest.chat_fields`): the same template, tool plan, grammar
+and readers run it, and the answer's fields (thinking, text, tool calls) become the Responses API's output items,
+whole or as its stream of typed events. Stateless: one answer a request (no `n`), nothing stored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app.server.errors import APIError, from_validation_error
+from app.server.generation import Generation
+from app.server.openai_api import (AnswerReader, chat_message, collect, read_body, sse_json, start_chat,
+                                   stream_error)
+from app.server.protocol import ChatCompletionRequest, ResponsesRequest
+
+
+async def responses(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    body: ResponsesRequest = await read_body(request, ResponsesRequest)
+    ctx.check_model(body.model)
+    try:
+        chat = ChatCompletionRequest.model_validate(body.chat_fields())
+    except ValidationError as exc:
+        raise _in_responses_terms(from_validation_error(exc)) from None
+    try:
+        gen, forced, reader = await start_chat(ctx, chat)
+    except APIError as exc:
+        raise _in_responses_terms(exc) from None
+    answer = _Answer(gen, body, ctx.served_name)
+    if body.stream:
+        return StreamingResponse(_encode(answer.events(reader())), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    await collect(gen, request)
+    seq = gen.sequences[0]
+    message = chat_message(seq, forced, reader())
+    fields = message["message"]
+    reasoning, text = fields.get("reasoning"), fields.get("content")
+    calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields.get("tool_calls") or ()]
+    answer.finished(seq.text.finish_reason.value if seq.text.finish_reason else None)
+    return JSONResponse(answer.response(answer.items(reasoning, text, calls)))
+
+
+def _in_responses_terms(error: APIError) -> APIError:
+    """A chat field's error under the Responses API's names: `input` for the messages (whose positions differ from
+    the input's items: the instructions come first, calls join their assistant message), `max_output_tokens`,
+    `text.format`; the tools' paths (`tools.<i>.function.parameters` -> `tools.<i>.parameters`)."""
+    names = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+             "response_format": "text.format", ".function.": "."}
+    param, message = error.param, error.message
+    if param is not None and param.startswith("messages"):
+        param = "input"
+    for chat_name, name in names.items():
+        param = param.replace(chat_name, name) if param is not None else None
+        message = message.replace(chat_name, name)
+    return APIError(error.status, message, param, error.code, error.headers)
+
+
+class _Answer:
+    """One response: its ids, its output items as they are made, and the response object around them."""
+
+    def __init__(self, gen: Generation, body: ResponsesRequest, model: str):
+        self.gen, self.body, self.model = gen, body, model
+        self.id = f"resp_{gen.id}"
+        self.created = int(time.time())
+        self.status, self.incomplete = "in_progress", None
+        self.sequence = 0
+
+    def finished(self, reason: str | None) -> None:
+        """The engine's finish reason: a cut by max_output_tokens leaves the response incomplete."""
+        self.status = "incomplete" if reason == "length" else "completed"
+        self.incomplete = {"reason": "max_output_tokens"} if reason == "length" else None
+
+    def response(self, output: list[dict]) -> dict:
+        body, seq = self.body, self.gen.sequences[0]
+        done = self.status != "in_progress"
+        usage = None
+        if done:
+            prompt, generated = len(seq.prompt_ids), len(seq.text.token_ids)
+            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": prompt + generated}
+        tool_choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+            "error": None, "incomplete_details": self.incomplete, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": None, "store": False,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if body.text is not None and body.text.format is not None else {"type": "text"}},
+            "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
+            "usage": usage, "user": body.user, "metadata": body.metadata or {},
+        }
+
+    def items(self, reasoning: str | None, text: str | None, calls: list[tuple[str, str, str]]) -> list[dict]:
+        """A whole answer's output items: its thinking, its text, then its function calls (the order it wrote them)."""
+        out = []
+        if reasoning:
+            out.append(_reasoning_item(self._item_id("rs"), reasoning))
+        if text:
+            out.append(_message_item(self._item_id("msg"), text))
+        out += [_call_item(self._item_id("fc"), call_id, name, arguments) for call_id, name, arguments in calls]
+        return out
+
+    def _item_id(self, kind: str) -> str:
+        return f"{kind}_{uuid.uuid4().hex}"
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    async def events(self, reader: AnswerReader) -> AsyncIterator[dict]:
+        """The stream: response.created, then each output item opened, its deltas, and closed, then
+        response.completed (or response.incomplete)."""
+        yield self._event("response.created", response=self.response([]))
+        yield self._event("response.in_progress", response=self.response([]))
+        output: list[dict] = []
+        item: dict | None = None  # the item being written
+        calls: dict[int, dict] = {}  # a stream's tool call index -> its item
+        async for event in self.gen.events():
+            last = event.finish_reason is not None
+            delta = reader.feed(event.text, last=last)
+            pieces = [("reasoning", delta["reasoning"])] if delta.get("reasoning") else []
+            pieces += [("text", delta["content"])] if delta.get("content") else []
+            pieces += [("call", call) for call in delta.get("tool_calls") or ()]
+            for kind, piece in pieces:
+                opened = kind == "call" and piece["index"] not in calls
+                if item is None or item["kind"] != kind or opened:
+                    for e in self._close(item, output):
+                        yield e
+                    item = self._open(kind, piece, len(output), calls)
+                    for e in item.pop("opening"):
+                        yield e
+                target = calls[piece["index"]] if kind == "call" else item
+                text = piece.get("function", {}).get("arguments", "") if kind == "call" else piece
+                if text:
+                    target["text"] += text
+                    yield self._event(target["delta"], item_id=target["item"]["id"], output_index=target["index"],
+                                      **({} if kind == "call" else {"content_index": 0}), delta=text,
+                                      **({"logprobs": []} if kind == "text" else {}))
+            if last:
+                for e in self._close(item, output):
+                    yield e
+                item = None
+                self.finished(event.finish_reason)
+        kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
+        yield self._event(kind, response=self.response(output))
+
+    def _open(self, kind: str, piece, index: int, calls: dict[int, dict]) -> dict:
+        if kind == "reasoning":
+            item = {**_reasoning_item(self._item_id("rs"), ""), "status": "in_progress"}
+            opening = [self._event("response.output_item.added", output_index=index, item=item)]
+            state = {"delta": "response.reasoning_text.delta"}
+        elif kind == "text":
+            item = {**_message_item(self._item_id("msg"), ""), "status": "in_progress", "content": []}
+            opening = [self._event("response.output_item.added", output_index=index, item=item),
+                       self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                   content_index=0, part=_text_part(""))]
+            state = {"delta": "response.output_text.delta"}
+        else:
+            function = piece.get("function", {})
+            item = {**_call_item(self._item_id("fc"), piece.get("id", ""), function.get("name", ""), ""),
+                    "status": "in_progress"}
+            opening = [self._event("response.output_item.added", output_index=index, item=item)]
+            state = {"delta": "response.function_call_arguments.delta"}
+        state.update(kind=kind, item=item, index=index, text="", opening=opening)
+        if kind == "call":
+            calls[piece["index"]] = state
+        return state
+
+    def _close(self, state: dict | None, output: list[dict]) -> list[dict]:
+        if state is None:
+            return []
+        item, index, text = state["item"], state["index"], state["text"]
+        events = []
+        if state["kind"] == "reasoning":
+            done = _reasoning_item(item["id"], text)
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=text))
+        elif state["kind"] == "text":
+            done = _message_item(item["id"], text)
+            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=text, logprobs=[]),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=_text_part(text))]
+        else:
+            done = _call_item(item["id"], item["call_id"], item["name"], text)
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=text))
+        events.append(self._event("response.output_item.done", output_index=index, item=done))
+        output.append(done)
+        return events
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str) -> dict:
+    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [_text_part(text)]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": "completed"}
+
+
+async def _encode(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Server-sent events as OpenAI sends the Responses API's: `event: <type>` and `data: <json>`; a failure is an
+    `error` event."""
+    try:
+        async for event in events:
+            yield f"event: {event['type']}\ndata: {sse_json(event)}\n\n".encode()
+    except Exception as exc:  # whatever happens, the client gets an error event (the chat stream's rules)
+        error = stream_error(exc)
+        payload = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+        yield f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
