@@ -534,14 +534,15 @@ class ReasoningItem(BaseModel):
 
 
 def _item_kind(value) -> str:
-    """An input item's type; a message may leave it out (`{"role": "user", "content": ...}`)."""
+    """An input item's type, as its union tag; a message may leave it out (`{"role": "user", "content": ...}`). The
+    tags are bracketed: errors.from_validation_error leaves such parts out of an error's `param`."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind or "message"
+    return f"[{kind or 'message'}]"
 
 
-InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] |
-                      Annotated[FunctionCallOutput, Tag("function_call_output")] |
-                      Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_kind)]
+InputItem = Annotated[Annotated[InputMessage, Tag("[message]")] | Annotated[FunctionCallItem, Tag("[function_call]")] |
+                      Annotated[FunctionCallOutput, Tag("[function_call_output]")] |
+                      Annotated[ReasoningItem, Tag("[reasoning]")], Discriminator(_item_kind)]
 
 
 class ResponsesTool(BaseModel):
@@ -563,6 +564,12 @@ class TextFormat(BaseModel):
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("text.format needs a schema exactly when its type is 'json_schema'")
+        return self
 
 
 class TextOptions(BaseModel):
@@ -586,6 +593,9 @@ class ResponsesRequest(_Body):
     text: TextOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -594,11 +604,19 @@ class ResponsesRequest(_Body):
     def _text_input(cls, value):
         return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
-    @field_validator("previous_response_id")
+    @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod
-    def _stateless(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("not supported: this server keeps no responses; send the conversation in input")
+    def _stateless(cls, value):
+        if value is not None:  # answering without what they name would be answering another question
+            raise ValueError("not supported: this server keeps no responses, conversations or prompts; send the "
+                             "conversation in input")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported: this server answers in the request (there is no GET /v1/responses/{id})")
         return value
 
     def chat_fields(self) -> dict:
@@ -610,7 +628,10 @@ class ResponsesRequest(_Body):
         for item in self.input:
             if isinstance(item, ReasoningItem):
                 reasoning = item.text()
-            elif isinstance(item, InputMessage):
+                continue
+            if (isinstance(item, InputMessage) and item.role != "assistant") or isinstance(item, FunctionCallOutput):
+                reasoning = None  # thinking that no answer of the assistant followed
+            if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
                 if item.role == "assistant" and reasoning:
                     messages[-1]["reasoning_content"], reasoning = reasoning, None

@@ -7,7 +7,6 @@ whole or as its stream of typed events. Stateless: one answer a request (no `n`)
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,7 +36,7 @@ async def responses(request: Request) -> Response:
         raise _in_responses_terms(exc) from None
     answer = _Answer(gen, body, ctx.served_name)
     if body.stream:
-        return StreamingResponse(_encode(answer.events(reader())), media_type="text/event-stream",
+        return StreamingResponse(_encode(answer, reader()), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     await collect(gen, request)
     seq = gen.sequences[0]
@@ -73,6 +72,7 @@ class _Answer:
         self.created = int(time.time())
         self.status, self.incomplete = "in_progress", None
         self.sequence = 0
+        self.output: list[dict] = []  # the items written whole so far (a stream's)
 
     def finished(self, reason: str | None) -> None:
         """The engine's finish reason: a cut by max_output_tokens leaves the response incomplete."""
@@ -88,7 +88,7 @@ class _Answer:
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt + generated}
-        tool_choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+        tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
             "error": None, "incomplete_details": self.incomplete, "instructions": body.instructions,
@@ -112,6 +112,8 @@ class _Answer:
         if text:
             out.append(_message_item(self._item_id("msg"), text))
         out += [_call_item(self._item_id("fc"), call_id, name, arguments) for call_id, name, arguments in calls]
+        if out and self.status == "incomplete":
+            out[-1]["status"] = "incomplete"  # the item the cut ended
         return out
 
     def _item_id(self, kind: str) -> str:
@@ -127,7 +129,7 @@ class _Answer:
         response.completed (or response.incomplete)."""
         yield self._event("response.created", response=self.response([]))
         yield self._event("response.in_progress", response=self.response([]))
-        output: list[dict] = []
+        output = self.output
         item: dict | None = None  # the item being written
         calls: dict[int, dict] = {}  # a stream's tool call index -> its item
         async for event in self.gen.events():
@@ -152,10 +154,10 @@ class _Answer:
                                       **({} if kind == "call" else {"content_index": 0}), delta=text,
                                       **({"logprobs": []} if kind == "text" else {}))
             if last:
-                for e in self._close(item, output):
+                self.finished(event.finish_reason)
+                for e in self._close(item, output, "incomplete" if self.status == "incomplete" else "completed"):
                     yield e
                 item = None
-                self.finished(event.finish_reason)
         kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
         yield self._event(kind, response=self.response(output))
 
@@ -181,7 +183,9 @@ class _Answer:
             calls[piece["index"]] = state
         return state
 
-    def _close(self, state: dict | None, output: list[dict]) -> list[dict]:
+    def _close(self, state: dict | None, output: list[dict], status: str = "completed") -> list[dict]:
+        """`status`: "incomplete" for the item a max_output_tokens cut ended (a call's arguments then are not
+        whole JSON)."""
         if state is None:
             return []
         item, index, text = state["item"], state["index"], state["text"]
@@ -200,6 +204,7 @@ class _Answer:
             done = _call_item(item["id"], item["call_id"], item["name"], text)
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, name=item["name"], arguments=text))
+        done["status"] = status
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         output.append(done)
         return events
@@ -224,13 +229,20 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:
             "status": "completed"}
 
 
-async def _encode(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+async def _encode(answer: _Answer, reader: AnswerReader) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI sends the Responses API's: `event: <type>` and `data: <json>`; a failure is an
-    `error` event."""
+    `error` event, then `response.failed`."""
     try:
-        async for event in events:
-            yield f"event: {event['type']}\ndata: {sse_json(event)}\n\n".encode()
+        async for event in answer.events(reader):
+            yield _sse(event)
     except Exception as exc:  # whatever happens, the client gets an error event (the chat stream's rules)
         error = stream_error(exc)
-        payload = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
-        yield f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
+        yield _sse(answer._event("error", code=error.code, message=error.message, param=error.param))
+        answer.status = "failed"
+        failed = {**answer.response(answer.output), "error": {"code": error.code or "server_error",
+                                                               "message": error.message}}
+        yield _sse(answer._event("response.failed", response=failed))
+
+
+def _sse(event: dict) -> bytes:
+    return f"event: {event['type']}\ndata: {sse_json(event)}\n\n".encode()

@@ -114,6 +114,13 @@ CASES = [
     ("responses-empty-input", "POST", "/v1/responses", {"input": []}, 400, "invalid_value", "input"),
     ("responses-previous-id", "POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400,
      "invalid_value", "previous_response_id"),
+    ("responses-background", "POST", "/v1/responses", {"input": "x", "background": True}, 400, "invalid_value",
+     "background"),
+    ("responses-conversation", "POST", "/v1/responses", {"input": "x", "conversation": "conv_1"}, 400,
+     "invalid_value", "conversation"),
+    ("responses-schema-missing", "POST", "/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema",
+                                                                                             "name": "x"}}}, 400,
+     "invalid_value", "schema"),
     ("responses-call-not-json", "POST", "/v1/responses", {"input": [
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, 400, "invalid_value", "JSON"),
     ("responses-unknown-function", "POST", "/v1/responses", {"input": "x", "tools": [

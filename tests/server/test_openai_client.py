@@ -578,6 +578,11 @@ def test_responses_api_answers_as_chat_does(client):
                                   temperature=0, max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and answer.output_text.startswith(cut.output_text)
+    assert cut.output[-1].status == "incomplete"  # the item the cut ended
+    streamed_cut = list(client.responses.create(model=MODEL, input=question, temperature=0, max_output_tokens=3,
+                                                stream=True))
+    assert streamed_cut[-1].type == "response.incomplete" and streamed_cut[-1].response.output_text == cut.output_text
+    assert [e.item.status for e in streamed_cut if e.type == "response.output_item.done"] == ["incomplete"]
     events = list(client.responses.create(model=MODEL, instructions="You are a helpful assistant.", input=question,
                                           temperature=0, max_output_tokens=80, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
