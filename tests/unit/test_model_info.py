@@ -94,6 +94,17 @@ def test_not_a_gguf_file(tmp_path):
         read_gguf_header(truncated)
 
 
+def test_a_file_cut_inside_its_vocabulary_is_a_format_error(tmp_path, smollm2_path):
+    header = read_gguf_header(smollm2_path)
+    assert header.metadata["tokenizer.ggml.tokens"] == 49152  # the scan counts the vocabulary it steps over
+    data = open(smollm2_path, "rb").read(400_000)  # the tokens' array: from the first KiB to ~760 KB
+    for end in (2_000, 300_000):  # inside a string's length, or between strings, somewhere in the vocabulary
+        cut = tmp_path / f"cut{end}.gguf"
+        cut.write_bytes(data[:end])
+        with pytest.raises(GGUFFormatError, match="ends inside"):
+            read_gguf_header(cut)
+
+
 def test_hugging_face_directory_footprint(tmp_path):
     from safetensors.numpy import save_file
 
