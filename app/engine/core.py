@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from app.engine.kv_cache import KVCacheConfig, KVCacheManager
 from app.engine.output import TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request
+from app.engine.sampler import GRAMMAR_FAILED
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.step_cost import StepCost
 
@@ -87,7 +89,10 @@ class EngineCore:
         if request_id in self.scheduler.requests:
             raise RequestRejected(f"request id {request_id!r} is already in the engine")
         self._check(prompt_ids, params)
-        self.scheduler.add(Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for))
+        request = Request(request_id, list(prompt_ids), params, eos_token_id, time.monotonic(), wait_for)
+        if params.grammar is not None:  # compiled beside the steps; the scheduler admits the request after
+            request.compiling = self.executor.grammars.prepare(params.grammar, eos_token_id)
+        self.scheduler.add(request)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -120,6 +125,7 @@ class EngineCore:
     def step(self) -> list[TokenDelta]:
         plan = self.scheduler.schedule()
         if plan.empty:
+            self._wait_for_grammars()
             return []
         started = time.perf_counter()
         try:
@@ -132,8 +138,9 @@ class EngineCore:
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
             return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
         sampled = {request_id: token for request_id, token in result.sampled.items() if token >= 0}
-        deltas = self._abort_unusable([request_id for request_id in result.sampled if request_id not in sampled])
-        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}
+        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}  # (the KV of all is cached)
+        deltas = self._abort_unusable({request_id: token for request_id, token in result.sampled.items()
+                                       if token < 0})
         for request_id, token in sampled.items():
             request = finished.get(request_id) or self.scheduler.requests.get(request_id)
             if request is None:
@@ -144,6 +151,13 @@ class EngineCore:
                                      result.prompt_logprobs.get(request_id)))
         return deltas
 
+    def _wait_for_grammars(self, timeout: float = 0.01) -> None:
+        """Where nothing could run because requests wait for their grammars: wait for the first of them (at most
+        `timeout`, so that the loop still hears of new requests and aborts), rather than spin on empty steps."""
+        compiling = [r.compiling for r in self.scheduler.waiting if r.compiling is not None and not r.compiling.done()]
+        if compiling:
+            futures.wait(compiling, timeout, return_when=futures.FIRST_COMPLETED)
+
     def _scores_prompts(self, plan) -> bool:
         """Whether a step has prompt rows that also take the head's logits (prompt_logprobs): ~27% more a row than
         the step cost's fit knows, so such steps do not correct it (a steady scoring load would shrink every prompt's
@@ -152,19 +166,19 @@ class EngineCore:
         return any(r.prompt_rows and (q := requests.get(r.request_id)) is not None and
                    q.params.prompt_logprobs is not None for r in plan.requests)
 
-    def _abort_unusable(self, request_ids: list[str]) -> list[TokenDelta]:
-        """Requests that got no token (sampler.NO_TOKEN): their logits were NaN or infinite (the model is at fault,
-        not the request), or their structured output's grammar failed; the others go on. Aborted before the step's
-        update, and out of the prefix cache, so that no later request reuses the keys and values they computed."""
-        if not request_ids:
-            return []
-        log.error("no token could be sampled for request(s) %s (the model's logits were not finite numbers, NaN or "
-                  "infinite: check the model file; or a structured output's grammar failed); aborting them",
-                  ", ".join(request_ids))
-        for request_id in request_ids:
+    def _abort_unusable(self, unusable: dict[str, int]) -> list[TokenDelta]:
+        """Requests that got no token, the others go on: NO_TOKEN, their logits were NaN or infinite (the model is at
+        fault, not the request), or GRAMMAR_FAILED, their structured output's grammar allows no further token (the
+        sampler said why). Aborted after the step's update; the first kind's blocks leave the prefix cache, so that no
+        later request reuses the keys and values they computed (a failed grammar's are sound: they stay)."""
+        broken = [request_id for request_id, token in unusable.items() if token != GRAMMAR_FAILED]
+        if broken:
+            log.error("no token could be sampled for request(s) %s (the model's logits were not finite numbers, NaN "
+                      "or infinite: check the model file); aborting them", ", ".join(broken))
+        for request_id in broken:
             if (request := self.scheduler.requests.get(request_id)) is not None:
                 self.kv.forget(request)
-        return [d for request_id in request_ids if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
+        return [d for request_id in unusable if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
 
     def close(self) -> None:
         self.executor.close()

@@ -11,10 +11,12 @@ from typing import Protocol
 
 from app.engine.kv_cache import KVCacheConfig
 from app.engine.scheduler import SchedulerOutput
+from app.engine.structured import Grammars
 
 
 class Executor(Protocol):
     vocab_size: int
+    grammars: Grammars  # rank 0's: where structured outputs' grammars are compiled (its runner samples)
 
     def execute(self, output: SchedulerOutput):
         """Run one step; returns a RunnerOutput (sampled tokens and logprobs by request id)."""
@@ -35,7 +37,7 @@ class LocalExecutor:
     """The whole model in this process."""
 
     def __init__(self, runner):
-        self.runner = runner
+        self.runner, self.grammars = runner, runner.grammars
         self.vocab_size = runner.vocab_size
 
     def execute(self, output: SchedulerOutput):
@@ -45,7 +47,7 @@ class LocalExecutor:
         self.runner.time_forward(count, num_computed, decodes)
 
     def close(self) -> None:
-        pass
+        self.grammars.close()
 
 
 class TPExecutor:
@@ -57,7 +59,7 @@ class TPExecutor:
 
     def __init__(self, runner, group, workers: list):
         self.runner, self.group, self.workers = runner, group, workers
-        self.vocab_size = runner.vocab_size
+        self.vocab_size, self.grammars = runner.vocab_size, runner.grammars
 
     def execute(self, output: SchedulerOutput):
         return self._step(output, lambda: self.runner.execute(output))
@@ -82,6 +84,7 @@ class TPExecutor:
     def close(self) -> None:
         from app.parallel.worker import Stop, encoder
 
+        self.grammars.close()
         try:
             self.group.broadcast(encoder.encode(Stop()), 5.0)
         except Exception:  # a group that already failed: the workers are stopping anyway

@@ -51,10 +51,27 @@ def run_engine(launches: list[RankLaunch]) -> None:
     # Full collections over torch's objects were ~3% of a loaded step's samples (perf, offline engine).
     gc.freeze()
     try:
-        EngineServer(core, launch.address, launch.max_waiting_requests, beacon, drain).serve_forever()
+        EngineServer(core, launch.address, launch.max_waiting_requests, beacon, drain,
+                     on_ready=partial(warm_grammars, core, launch)).serve_forever()
     finally:
         beacon.close()
         core.close()
+
+
+def warm_grammars(core, launch: RankLaunch) -> None:
+    """Build structured outputs' tokenizer (app/engine/structured.py `Grammars`) once the engine is ready and said
+    so (its first heartbeat is out, so the wait holds up no start), beside the first steps, from
+    the tokenizer the bootstrap exported: the first request with a grammar would otherwise have it built then, and
+    every stream of the engine would wait for it (~0.35 s for SmolLM2's vocabulary, holding the GIL). Where the
+    cache has no export, nothing is converted here: it is built for the first grammar, as before."""
+    from app.model.source import ModelSource
+    from app.model.tokenizer import cached_export
+
+    m = launch.model
+    exported = cached_export(ModelSource(Path(m.path), m.format, m.served_name))
+    if exported is not None:
+        text, eos_token_id = exported
+        core.executor.grammars.warm(eos_token_id, lambda: text, "as the engine started")
 
 
 def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = False,
@@ -183,10 +200,11 @@ def _wait_for_workers(group, workers, timeout: float = 120) -> None:
 class EngineServer:
     """The loop: receive new and aborted requests -> step -> send each worker its tokens; heartbeat."""
 
-    def __init__(self, core, address: str, max_waiting: int, beacon: Beacon, drain: threading.Event | None = None):
+    def __init__(self, core, address: str, max_waiting: int, beacon: Beacon, drain: threading.Event | None = None,
+                 on_ready: Callable[[], None] | None = None):
         import zmq
 
-        self.core, self.max_waiting, self.beacon = core, max_waiting, beacon
+        self.core, self.max_waiting, self.beacon, self.on_ready = core, max_waiting, beacon, on_ready
         self.drain = drain or threading.Event()  # set: announce draining, finish what comes, then return
         self.drain_started: float | None = None
         self.last_busy = time.monotonic()
@@ -201,6 +219,8 @@ class EngineServer:
         cfg = self.core.scheduler.cfg
         log.info("engine ready: %d KV blocks of %d tokens; max_num_seqs %d, max_num_batched_tokens %d",
                  self.core.kv.num_blocks, self.core.kv.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        if self.on_ready is not None:  # (after the heartbeat that says so)
+            self.on_ready()
         while not self._drained():
             self._receive(timeout_ms=0 if self.core.has_work() else int(HEARTBEAT_SECONDS * 1000))
             if self.core.has_work():

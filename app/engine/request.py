@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from app.engine.params import SamplingParams
@@ -29,6 +30,7 @@ class Request:
     eos_token_id: int | None = None
     arrival: float = 0.0
     wait_for: str | None = None  # n > 1: start after this sibling's prompt is cached, to share its blocks
+    compiling: Future | None = None  # its grammar's compilation (structured outputs): admitted once it is done
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING

@@ -73,11 +73,14 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
 
 # What a row gets whose logits hold no usable distribution (NaN or infinite, or all -inf): not a token id.
 NO_TOKEN = -1
+# ... and one whose logits are fine but whose grammar failed (it allows no further token): its keys and values are
+# sound, so the engine aborts the request without dropping its blocks from the prefix cache.
+GRAMMAR_FAILED = -2
 
 
 @dataclass(frozen=True)
 class SampleOutput:
-    tokens: torch.Tensor  # [S] int64: the sampled token of each row, NO_TOKEN where its logits are unusable
+    tokens: torch.Tensor  # [S] int64: the sampled token of each row, NO_TOKEN / GRAMMAR_FAILED where none
     logprobs: torch.Tensor | None  # [S] float32: its log-prob (None if no row asked for logprobs)
     top_ids: torch.Tensor | None  # [S, K] int64, K = most logprobs any row asked for; extra columns are junk
     top_logprobs: torch.Tensor | None  # [S, K] float32, descending
@@ -103,8 +106,9 @@ class Sampler:
         if undrawn.any():     # logit infinite makes that token certain; NaN or +inf comes first, as in torch)
             tokens[undrawn] = greedy_tokens(shaped[undrawn])
         tokens = _usable(raw, tokens)
-        if failed:
-            tokens[failed] = NO_TOKEN
+        for s in failed:
+            if tokens[s] != NO_TOKEN:  # (NaN logits are the model's fault, whatever the grammar says)
+                tokens[s] = GRAMMAR_FAILED
         return _with_logprobs(raw, tokens, states)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -191,14 +195,15 @@ def _greedy_output(raw: torch.Tensor, states: Sequence[SamplingState] = ()) -> S
 
 
 def _grammar_argmax(row: torch.Tensor, best: int, state: SamplingState) -> int:
-    """`row`'s argmax among the tokens its grammar allows next (`best`: its argmax among all), or NO_TOKEN where the
-    grammar failed (allowed_tokens' rule: in an error state, or allowing no token)."""
+    """`row`'s argmax among the tokens its grammar allows next (`best`: its argmax among all), or GRAMMAR_FAILED
+    where the grammar failed (allowed_tokens' rule: in an error state, or allowing no token); `_usable` makes that
+    NO_TOKEN where the row's logits are not finite."""
     from app.engine.structured import mask_bits
 
     bits = mask_bits(state.matcher, state.eos_token_id, state.params.stop_token_ids)
     if bits is None:
         log.warning("structured output of a sequence failed (%s); its request is aborted", state.matcher.get_error())
-        return NO_TOKEN
+        return GRAMMAR_FAILED
     if best >> 3 < len(bits) and bits[best >> 3] >> (best & 7) & 1:
         return best
     values = row.contiguous().numpy()
@@ -207,7 +212,7 @@ def _grammar_argmax(row: torch.Tensor, best: int, state: SamplingState) -> int:
     allowed[:unpacked.shape[0]] = unpacked
     if not allowed.any():
         log.warning("structured output of a sequence failed (its grammar allows no token); its request is aborted")
-        return NO_TOKEN
+        return GRAMMAR_FAILED
     return int(np.where(allowed, values, -np.inf).argmax())
 
 
@@ -215,11 +220,12 @@ def _usable(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """tokens, but NO_TOKEN where the model's own logit for the token chosen is not a finite number: its row was
     NaN or infinite (or all -inf), a broken model, not a token; the engine aborts the request.
 
-    raw: [S, V] float32; tokens: [S] int64 >= 0. In numpy: each torch op on these few values costs 10-40 us right
-    after a step has streamed the weights through the caches (a plain greedy batch's half dozen of them were
-    ~0.15 ms of a ~5 ms batch-1 decode step on Zen 4)."""
+    raw: [S, V] float32; tokens: [S] int64, >= 0 or GRAMMAR_FAILED (such a row's first logit tells whether the
+    row is finite: a broken model's is NaN or infinite throughout). In numpy: each torch op on these few values
+    costs 10-40 us right after a step has streamed the weights through the caches (a plain greedy batch's half
+    dozen of them were ~0.15 ms of a ~5 ms batch-1 decode step on Zen 4)."""
     chosen = tokens.numpy()
-    picked = raw.contiguous().numpy()[np.arange(chosen.shape[0]), chosen]
+    picked = raw.contiguous().numpy()[np.arange(chosen.shape[0]), np.maximum(chosen, 0)]
     return torch.from_numpy(np.where(np.isfinite(picked), chosen, NO_TOKEN).astype(np.int64, copy=False))
 
 

@@ -212,6 +212,9 @@ class Scheduler:
             if request.wait_for in self.requests and self._prompt_pending(self.requests[request.wait_for]):
                 skipped.append(request)  # n > 1: let the first sibling cache the prompt first
                 continue
+            if request.compiling is not None and not request.compiling.done():
+                skipped.append(request)  # its grammar is still being compiled (the others go on meanwhile)
+                continue
             # prompt logprobs need every prompt token's logits: such a request computes its prompt whole
             looked_up = request.params.prompt_logprobs is None
             hit = self.kv.find_prefix(request) if looked_up else PrefixHit((), 0)

@@ -141,6 +141,30 @@ def tokenizer_json(source: ModelSource) -> str:
         return (Path(directory) / "tokenizer.json").read_text(encoding="utf-8")
 
 
+def cached_export(source: ModelSource) -> tuple[str, int | None] | None:
+    """The cached export's tokenizer.json text and its EOS token id (tokenizer_config.json's `eos_token`, as
+    transformers reads it), without converting anything: None where the cache has no export of `source`."""
+    import json
+
+    entry = cache_entry(source)
+    if not _complete(entry):
+        return None
+    try:
+        text = (entry / "tokenizer.json").read_text(encoding="utf-8")
+        config = json.loads((entry / "tokenizer_config.json").read_text(encoding="utf-8"))
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if not isinstance(eos, str):
+            return text, None
+        spec = json.loads(text)
+        added = {t.get("content"): t.get("id") for t in spec.get("added_tokens") or ()}
+        vocab = (spec.get("model") or {}).get("vocab")  # a dict in BPE and WordPiece models, a list in Unigram
+        eos_id = added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None)
+        return text, eos_id if isinstance(eos_id, int) else None
+    except (OSError, ValueError, AttributeError):  # replaced meanwhile, or not what an export writes
+        return None
+
+
 def cache_entry(source: ModelSource) -> Path | None:
     """Where the export of `source`'s tokenizer is cached (None: no cache, e.g. no home directory)."""
     folder = cache_dir("tokenizers")

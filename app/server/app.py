@@ -312,6 +312,15 @@ def _tokenizer(cfg: FrontendConfig):
     return tokenizer.load_tokenizer(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name))
 
 
+async def _warm_grammars(ctx: Context, settle: float = 1.0) -> None:
+    """llguidance's view of the tokenizer (AsyncTokenizer.warm_grammars), built a second after an engine is first
+    ready: not during the engine's load, whose CPUs it would share, nor while /health tells the bootstrap so."""
+    while not ctx.engine.ready():
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(settle)
+    ctx.text.warm_grammars()
+
+
 def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     if tokenizer is None:
         tokenizer = _tokenizer(cfg)
@@ -320,8 +329,10 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await ctx.engine.start()
+        warming = asyncio.create_task(_warm_grammars(ctx))
         gc.freeze()  # the modules and the tokenizer live as long as the process: the collector stops walking them
         yield
+        warming.cancel()
         await ctx.engine.close()
         ctx.text.close()
 

@@ -29,7 +29,7 @@ class AsyncTokenizer:
         longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
         self.max_text_chars = max(longest, 1) * max_model_len
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made for the first structured output
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer (`warm_grammars`), on the pool's thread
         # grammars already checked, most recently used last: a client sends the same schema or tools every turn
         # (128 functions' schemas take ~25 ms to check on this thread)
         self._checked: OrderedDict[str, None] = OrderedDict()
@@ -63,6 +63,20 @@ class AsyncTokenizer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def warm_grammars(self) -> None:
+        """Build llguidance's view of the tokenizer now (the server's start), on the tokenizer's thread, rather than
+        for the first structured output: ~0.4 s for SmolLM2, holding the GIL, which every request of the worker,
+        `/health` included, would wait for then."""
+        self._pool.submit(self._grammar_tokenizer_built)
+
+    def _grammar_tokenizer_built(self):
+        from app.engine.structured import tokenizer_from_json
+
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = tokenizer_from_json(self.tokenizer.backend_tokenizer.to_str(), self.vocab_size,
+                                                          self.eos_token_id)
+        return self._grammar_tokenizer
+
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self.check_length(len(text), param)
         return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
@@ -88,17 +102,14 @@ class AsyncTokenizer:
         return await self._run(lambda: self._grammar(kind, value, param))
 
     def _grammar(self, kind: str, value, param: str) -> str:
-        from app.engine.structured import check_grammar, grammar_for, tokenizer_from_json
+        from app.engine.structured import check_grammar, grammar_for
 
         try:
             grammar = grammar_for(kind, value)
             if grammar in self._checked:
                 self._checked.move_to_end(grammar)
                 return grammar
-            if self._grammar_tokenizer is None:  # ~0.4 s for SmolLM2, once a worker
-                self._grammar_tokenizer = tokenizer_from_json(self.tokenizer.backend_tokenizer.to_str(),
-                                                              self.vocab_size, self.eos_token_id)
-            error = check_grammar(grammar, self._grammar_tokenizer)
+            error = check_grammar(grammar, self._grammar_tokenizer_built())
         except Exception as exc:  # noqa: BLE001 (whatever the library says of this input is the client's 400)
             error = str(exc) or type(exc).__name__
         if error is not None:

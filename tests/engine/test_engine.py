@@ -216,6 +216,65 @@ def test_structured_outputs_keep_their_grammar_through_batching_and_preemption(l
     assert core.kv.usage() == 0.0
 
 
+def test_a_request_waits_for_its_grammar_while_others_run_and_a_failed_grammar_keeps_its_prefix(loaded, prompts):
+    """A request whose grammar is still being compiled (app/engine/structured.py: on the grammar thread) is not
+    admitted: another request runs to its end meanwhile, and the held one starts once its compilation is done,
+    giving the tokens it gives with nothing held. A grammar that fails (it allows no token) aborts its request alone,
+    and its prompt's blocks stay in the prefix cache (its keys and values are sound): the same prompt finds them."""
+    from concurrent.futures import Future
+
+    from app.engine.structured import grammar_for
+    from app.model.tokenizer import tokenizer_json
+
+    source = resolve_source(ModelSpec())
+    eos = loaded.tokenizer.eos_token_id
+    regex = SamplingParams(temperature=0, max_tokens=12, grammar=grammar_for("regex", r" ?[A-Za-z]+( [A-Za-z]+){2,5}\."))
+    plain = SamplingParams(temperature=0, max_tokens=4)
+
+    def engine():
+        return local_engine(loaded.model, KVCacheConfig(256, BLOCK), SchedulerConfig(8, 64, 4096, True), "m",
+                            tokenizer_json=lambda: tokenizer_json(source))
+
+    def drain(core, until=lambda: False):
+        out, reasons = {}, {}
+        while core.has_work() and not until():
+            for d in core.step():
+                out.setdefault(d.request_id, []).extend([] if d.token_id is None else [d.token_id])
+                if d.finish_reason is not None:
+                    reasons[d.request_id] = d.finish_reason
+        return out, reasons
+
+    core = engine()  # nothing held: the two side by side
+    core.add_request("held", prompts[1], regex, eos)
+    core.add_request("plain", prompts[3], plain, eos)
+    expected, _ = drain(core)
+
+    core = engine()
+    compiling = Future()
+    core.executor.grammars.prepare = lambda grammar, eos_token_id: compiling  # a compilation that takes its time
+    core.add_request("held", prompts[1], regex, eos)
+    core.add_request("plain", prompts[3], plain, eos)
+    first, reasons = drain(core, until=lambda: "plain" not in core.scheduler.requests)
+    assert reasons == {"plain": FinishReason.LENGTH} and first == {"plain": expected["plain"]}
+    held = core.scheduler.requests["held"]
+    assert held in core.scheduler.waiting and held.num_computed_tokens == 0 and core.step() == []
+    compiling.set_result(None)
+    rest, reasons = drain(core)
+    assert rest == {"held": expected["held"]} and reasons == {"held": FinishReason.STOP}
+
+    del core.executor.grammars.prepare
+    never = SamplingParams(temperature=0, max_tokens=4, grammar=grammar_for("regex", r"[^\s\S]"))
+    story = prompts[4]  # several full blocks
+    core.add_request("never", story, never, eos)
+    out, reasons = drain(core)
+    assert reasons == {"never": FinishReason.ABORT} and out == {"never": []}
+    assert core.kv.pool.by_hash  # its prompt's blocks are still there to be found ...
+    hits = core.kv.hits  # (tokens found in the cache)
+    core.add_request("again", story, plain, eos)
+    drain(core)
+    assert core.kv.hits - hits >= (len(story) - 1) // BLOCK * BLOCK > 0  # ... and are
+
+
 def test_runner_stages_a_step_as_make_batch_does(loaded):
     """The runner's vectorised staging gives the same batch as the plain per-token reference, also when a
     narrower step follows a wider one in the same buffers."""

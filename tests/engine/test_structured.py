@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.engine.params import SamplingParams
-from app.engine.sampler import NO_TOKEN, Sampler, new_state
+from app.engine.sampler import GRAMMAR_FAILED, Sampler, new_state
 from app.engine.structured import Grammars, allowed_tokens, grammar_for
 from app.model.source import resolve_source
 from app.model.tokenizer import load_exported, tokenizer_json
@@ -50,7 +50,7 @@ def test_masks_keep_each_row_to_its_grammar_and_a_failed_grammar_gets_no_token(g
     out = Sampler(VOCAB)(logits, states)
     assert torch.equal(logits, raw)  # the masks never touch the model's logits
     expected = logits[1].masked_fill(~torch.from_numpy(allowed[0]), float("-inf")).argmax()
-    assert out.tokens.tolist() == [int(raw[0].argmax()), int(expected), NO_TOKEN]
+    assert out.tokens.tolist() == [int(raw[0].argmax()), int(expected), GRAMMAR_FAILED]
     assert torch.allclose(out.logprobs[:2], torch.log_softmax(raw, -1)[[0, 1], out.tokens[:2]])
 
 
@@ -65,6 +65,63 @@ def test_each_sequence_gets_its_own_matcher_of_a_grammar_compiled_once(grammars,
     assert not second.is_accepting()  # untouched by its sibling
     assert not grammars.matcher(grammar, hf.eos_token_id).consume_tokens(hf("a+b (c)", add_special_tokens=False)
                                                                           .input_ids[:1] + [hf("z").input_ids[0]])
+
+
+def test_the_tokenizer_and_the_grammars_are_made_on_the_grammar_thread(text, hf):
+    """`warm` builds the tokenizer on the grammar thread, not the caller's (the engine's step loop), and `prepare`
+    compiles there too: once its future is done, `matcher` copies the compiled grammar without compiling again."""
+    import threading
+
+    threads = []
+    grammars = Grammars(lambda: threads.append(threading.current_thread().name) or text, VOCAB)
+    try:
+        grammars.warm(hf.eos_token_id)
+        grammar = grammar_for("regex", "[0-9]+")
+        compiling = grammars.prepare(grammar, hf.eos_token_id)
+        compiling.result(timeout=60)
+        assert len(threads) == 1 and threads[0].startswith("grammar") and threads[0] != threading.current_thread().name
+        compiled = grammars._compiled[grammar]
+        matcher = grammars.matcher(grammar, hf.eos_token_id)
+        assert grammars._compiled[grammar] is compiled and matcher is not compiled
+        assert matcher.consume_tokens(hf("42", add_special_tokens=False).input_ids) and matcher.is_accepting()
+        # a grammar that cannot be compiled: a failed matcher for its requests, the next grammar unharmed
+        bad = grammars.prepare("%% not a grammar", hf.eos_token_id).result(timeout=60)
+        assert grammars.matcher("%% not a grammar", hf.eos_token_id).is_error() and bad.is_error()
+        assert not grammars.matcher(grammar_for("regex", "a"), hf.eos_token_id).is_error()
+    finally:
+        grammars.close()
+
+
+def test_the_frontend_builds_its_grammar_tokenizer_on_its_thread_when_warmed(hf):
+    """AsyncTokenizer.warm_grammars (the server's start) builds llguidance's tokenizer on the tokenizer's thread,
+    without holding up the caller; the grammar checks then use it, not a new one."""
+    import asyncio
+
+    from app.server.tokenizer import AsyncTokenizer
+
+    text = AsyncTokenizer(hf, 8192, None)
+    try:
+        assert text._grammar_tokenizer is None
+        text.warm_grammars()
+        built = text._pool.submit(lambda: text._grammar_tokenizer).result(timeout=60)  # (queued after the build)
+        assert built is not None and built.vocab_size == VOCAB
+        asyncio.run(text.grammar("regex", "[ab]+", "structured_outputs"))
+        assert text._grammar_tokenizer is built
+    finally:
+        text.close()
+
+
+def test_the_engines_warm_start_reads_the_cached_export_and_its_eos_as_transformers_does(text):
+    """What the serving engine builds its grammar tokenizer from (app/engine/process.py `warm_grammars`): the
+    cached export's tokenizer.json and the EOS id transformers reads from it (SmolLM2's <|im_end|>, 2), or nothing
+    where the cache has no export (then nothing is converted)."""
+    from app.model.source import ModelSource
+    from app.model.tokenizer import cache_entry, cached_export
+
+    source = resolve_source(ModelSpec())
+    exported, eos = cached_export(source)  # (the text fixture's export went into the cache)
+    assert exported == text and eos == load_exported(cache_entry(source)).eos_token_id == 2
+    assert cached_export(ModelSource(source.path.parent / "elsewhere.gguf", "gguf", "x")) is None
 
 
 def test_an_engine_without_a_tokenizer_fails_the_request_once_and_says_why():
@@ -119,7 +176,7 @@ def test_greedy_rows_under_grammars_take_the_general_paths_tokens(grammars, hf):
                                       for matcher in (None, fast, never)])
         expected = Sampler(VOCAB)(logits, [new_state(SamplingParams(temperature=0, logprobs=0), [], eos, matcher)
                                            for matcher in (None, slow, never)])
-        assert out.tokens.tolist() == expected.tokens.tolist() and out.tokens[2] == NO_TOKEN
+        assert out.tokens.tolist() == expected.tokens.tolist() and out.tokens[2] == GRAMMAR_FAILED
         assert out.logprobs is None and out.tokens[0] == int(logits[0].argmax())
         on_top += int(out.tokens[1] == int(logits[1].argmax()))
         assert fast.consume_token(int(out.tokens[1])) and slow.consume_token(int(expected.tokens[1]))
