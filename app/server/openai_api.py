@@ -191,7 +191,9 @@ class AnswerReader:
                 reasoning, text = reasoning + more, text + rest
         if self.tools is not None:
             text, calls = self.tools.feed(text)
-            text += self.tools.end() if last else ""
+            if last:
+                more, rest = self.tools.finish()
+                text, calls = text + more, calls + rest
         fields: dict = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
         return {**fields, **({"content": text} if text else {}), **({"tool_calls": calls} if calls else {})}
 

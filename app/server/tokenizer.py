@@ -50,7 +50,7 @@ class AsyncTokenizer:
     def kept_tags(self, tool_format: str | None, thinking: bool) -> tuple[int, ...]:
         """The special token ids of the tags an answer's readers look for (SamplingParams.keep_special_ids): the
         tool calls' of the format they are read in (None: no calls read), and the thinking block's."""
-        tags = {"hermes": HERMES_TAGS, "mistral": (MISTRAL_TAG,),
+        tags = {"hermes": HERMES_TAGS, "qwen3_xml": HERMES_TAGS, "mistral": (MISTRAL_TAG,),
                 "mistral_args": (MISTRAL_TAG, ARGS_TAG, CALL_ID_TAG)}.get(tool_format or "", ())
         tags = (*tags, *((OPEN, CLOSE) if thinking else ()))
         return tuple(self.special_tags[tag] for tag in tags if tag in self.special_tags)
@@ -147,13 +147,15 @@ def tool_format(template: str | dict | None, knows_tools: bool) -> str | None:
     3, Hermes), "llama3_json" where it asks for one `{"name": ..., "parameters": ...}` object (Llama 3.1 to 3.3),
     "mistral" where it writes calls after `[TOOL_CALLS]` as a JSON array (Mistral 7B v0.3, Nemo, Small 3),
     "mistral_args" where it writes each as `[TOOL_CALLS]name[ARGS]{...}` (Devstral, Magistral, Mistral Small 3.2),
-    None for a format this server cannot read: other templates that render tools, those that put XML in the tags
-    (Qwen3-Coder's and Qwen3.5's `<function=...>`, GLM's `<arg_key>`)."""
+    "qwen3_xml" where it puts XML in the tags (`<function=...>` and `<parameter=...>`: Qwen3-Coder, Qwen3.5), None
+    for a format this server cannot read: other templates that render tools (GLM's `<arg_key>` in the tags, ...)."""
     if not knows_tools:
         return "array"
     texts = template.values() if isinstance(template, dict) else [template or ""]
     if any("<tool_call>" in text and "<function=" not in text and "<arg_key>" not in text for text in texts):
         return "hermes"
+    if any("<tool_call>" in text and "<function=" in text and "<parameter=" in text for text in texts):
+        return "qwen3_xml"
     if any(LLAMA3_JSON in text for text in texts):
         return "llama3_json"
     if any(MISTRAL_TAG in text and ARGS_TAG in text for text in texts):  # Mistral's later format

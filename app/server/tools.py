@@ -34,19 +34,27 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
   Small 3.1 and 3.2; `[CALL_ID]` and the model's own id before `[ARGS]` as tokenizer v11's templates write it):
   held as "mistral" is, the tags as their special tokens where the tokenizer has them; history ids cut as there;
   "auto" may also be text followed by calls where `[TOOL_CALLS]` is a special token (ArgsReader's `then_calls`).
-- None: a template that renders tools in another format (Qwen3-Coder's XML, GLM's, ...): "auto" would need that
-  format's parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without
-  `--tool-call-parser`; "required" and named choices are held to the "array" shapes.
+- "qwen3_xml": the template asks for XML in Hermes' tags, `<tool_call><function=NAME><parameter=KEY>VALUE
+  </parameter>...</function></tool_call>` (Qwen3-Coder, Qwen3.5): "auto" is not held, as Hermes' is, and
+  `HermesReader` reads the calls with `xml_call`, each value typed by its parameter's schema (vLLM's
+  `--tool-call-parser qwen3_coder`); "required" and a named choice are held to the "array" shapes (no grammar of
+  the XML here).
+- None: a template that renders tools in another format (GLM's `<arg_key>`, ...): "auto" would need that format's
+  parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without `--tool-call-parser`;
+  "required" and named choices are held to the "array" shapes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from app.engine.structured import JSON_OPTIONS
@@ -80,6 +88,9 @@ class ToolPlan:
     def reader(self) -> ToolCallReader | HermesReader | ArgsReader:
         if self.format == "hermes":
             return HermesReader(held=self.mode != "auto")
+        if self.format == "qwen3_xml":  # "auto" alone: the forced choices are held to the "array" shapes
+            properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in self.tools}
+            return HermesReader(parse=partial(xml_call, properties=properties))
         if self.format == "llama3_json":
             return ToolCallReader(None, auto=self.mode == "auto", single=True)
         if self.format == "mistral":
@@ -137,16 +148,20 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if choice == "auto" and tool_format is None:
         raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s '
                             "own tool-call format; this chat template asks for one this server cannot read (it "
-                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, Llama 3's JSON and Mistral's "
-                            "[TOOL_CALLS]): ask for "
+                            "reads Hermes' <tool_call> tags, as Qwen's templates ask, Qwen3-Coder's XML in them, "
+                            "Llama 3's JSON and Mistral's [TOOL_CALLS]): ask for "
                             '"required" (one or more calls), a named function ({"type": "function", "function": '
                             '{"name": ...}}) or "none"', "tool_choice", "invalid_value")
-    fmt = tool_format if tool_format in ("hermes", "llama3_json", "mistral", "mistral_args") else "array"
+    fmt = tool_format if tool_format in ("hermes", "llama3_json", "mistral", "mistral_args", "qwen3_xml") else "array"
     if choice == "none":
         return ToolPlan("none", body.tools, format=fmt)
     if constrained:  # Hermes' "auto" is not held, but a structured output would be: it would forbid the tags
         raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
+    if fmt == "qwen3_xml":  # "auto" read out of the free text, as Hermes'; the forced choices in the "array" shapes
+        if choice == "auto":
+            return ToolPlan("auto", body.tools, format=fmt)
+        fmt = "array"
     tool = None if choice in ("required", "auto") else _named(choice, body.tools)
     if fmt == "hermes":
         return _hermes_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
@@ -476,6 +491,10 @@ class ToolCallReader:
         """An answer cut before its first call's name (max_tokens, a stop string): its text, as content."""
         return self._text if not self._calls else ""
 
+    def finish(self) -> tuple[str, list[dict]]:
+        """The answer ended: what is left of it, as content and call deltas (here, `end`'s content)."""
+        return self.end(), []
+
     def _read(self, piece: str):
         if self._finished():  # what follows the calls (EOS text under min_tokens, say) is no call's
             return
@@ -592,6 +611,7 @@ class HermesReader:
     begin a tag is held back until it is known not to; whitespace after a call is no content."""
 
     held: bool = False
+    parse: Callable[[str], tuple[str, str] | None] = field(default=None)  # a free block's call (default: JSON's)
     _calls: list[_Call] = field(default_factory=list)
     _whole: int = 0  # calls that ended whole
     _text: str = ""
@@ -621,6 +641,19 @@ class HermesReader:
         if self._state == "head":
             return self._content(_OPEN + rest)
         return ""  # the rest of a call cut short
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The answer ended: `end`'s content, or, where it ended inside a free block that is a call (its closing tag
+        left out, as models do at the end of an answer; vLLM's hermes and qwen3_coder parsers read such a call too),
+        that call."""
+        if self._state == "head" and not self.held:
+            call = (self.parse or _whole_call)(self._text[self._at:])
+            if call is not None:
+                self._at, self._state = len(self._text), "text"
+                self._calls.append(_Call(_call_id(), call[0]))
+                self._whole += 1
+                return "", _merged([_start(self._calls, len(self._calls) - 1), _more(self._calls, call[1])])
+        return self.end(), []
 
     def calls(self) -> list[dict]:
         return _listed(self._calls)
@@ -656,10 +689,11 @@ class HermesReader:
                     self._search = max(self._at, len(text) - len(_CLOSE) + 1)
                     return  # more to come (or, at the end, text)
                 after = close + len(_CLOSE)
-                call = _whole_call(text[self._at:close])
+                parse = self.parse or _whole_call
+                call = parse(text[self._at:close])
                 inner = text.find(_OPEN, self._at, close)
                 if call is None and inner >= 0:  # a call whose closing tag was left out before the next one's?
-                    call = _whole_call(text[self._at:inner])
+                    call = parse(text[self._at:inner])
                     after = inner if call is not None else after
                 if call is None:
                     content.append(self._content(text[self._at - len(_OPEN):after]))
@@ -699,6 +733,82 @@ def _whole_call(block: str) -> tuple[str, str] | None:
         return call
     except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, a lone surrogate
         return None
+
+
+# Qwen3-Coder's and Qwen3.5's calls (format "qwen3_xml"), each in Hermes' tags: the function, then its arguments,
+# one block each, the value as text (`<parameter=city>\nParis\n</parameter>`); a value whose closing tag was left
+# out ends where the next one or the function's end begins
+_XML_FUNCTION = re.compile(r"\s*<function=([^<>\n]{1,64})>")
+_XML_PARAMETER = re.compile(r"<parameter=([^<>\n]{1,256})>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+_XML_END = "</function>"
+_INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
+
+
+def xml_call(block: str, properties: dict[str, dict]) -> tuple[str, str] | None:
+    """A free block's call in Qwen3-Coder's XML, (name, arguments' JSON text), where it is one: `<function=NAME>`,
+    then `<parameter=KEY>VALUE</parameter>` for each argument, then `</function>` (left out: the block's end), with
+    nothing but whitespace around them. `properties`: each function's parameters' schemas, by function name; a value
+    becomes what its schema says (`xml_value`)."""
+    head = _XML_FUNCTION.match(block)
+    if head is None:
+        return None
+    name, body = head.group(1).strip(), block[head.end():]
+    end = body.rfind(_XML_END)
+    if end >= 0:
+        if body[end + len(_XML_END):].strip():
+            return None
+        body = body[:end]
+    schemas, arguments, at = properties.get(name) or {}, {}, 0
+    for parameter in _XML_PARAMETER.finditer(body):
+        if body[at:parameter.start()].strip():
+            return None  # text between the arguments: no call
+        key = parameter.group(1).strip()
+        arguments[key] = xml_value(parameter.group(2), schemas.get(key))
+        at = parameter.end()
+    if body[at:].strip() or not name:
+        return None
+    call = name, _dump(arguments)
+    try:
+        "".join(call).encode()  # a lone surrogate (from an argument's JSON, "\\ud83d") is no text a response carries
+    except UnicodeEncodeError:
+        return None
+    return call
+
+
+def xml_value(text: str, schema: Any) -> Any:
+    """An XML argument's value: its text less the newline the template writes on each side, as its schema's type
+    says (vLLM's qwen3_coder parser's reading): "integer" and "number" numbers, "boolean" true or false, "object" and
+    "array" JSON, "null" (any type's text `null`, unless the schema allows strings alone) None; text that is none of
+    the types the schema allows, and any value of a parameter the schema does not type (a string, most often), stays
+    the text."""
+    text = text[1:] if text.startswith("\n") else text
+    text = text[:-1] if text.endswith("\n") else text
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds if isinstance(k, str)] if isinstance(
+        kinds, list) else []
+    bare = text.strip()
+    if bare.lower() == "null" and kinds != ["string"]:
+        return None
+    for kind in kinds:
+        if kind in ("integer", "number") and _INTEGER.fullmatch(bare):
+            return int(bare)
+        if kind == "number":
+            try:
+                value = float(bare)
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                return value
+        elif kind == "boolean" and bare.lower() in ("true", "false"):
+            return bare.lower() == "true"
+        elif kind in ("object", "array"):
+            try:
+                value = json.loads(bare)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(value, dict if kind == "object" else list):
+                return value
+    return text
 
 
 def _start(calls: list[_Call], index: int) -> dict:

@@ -393,6 +393,28 @@ def test_a_llama3_template_gets_one_call_object(tmp_path):
     assert app.stop() == 0, app.logs()[-3000:]
 
 
+def test_a_qwen3_coder_template_gets_auto_calls_read_out_of_its_xml(tmp_path):
+    """With a chat template that asks for calls as Qwen3-Coder's and Qwen3.5's do (XML in <tool_call> tags,
+    tests/qwen_xml_chat_template.jinja), the history's calls are rendered in it, and "auto" is not held: SmolLM2,
+    shown two earlier calls, writes the third in the XML by itself (and stops before the closing tag: still a call,
+    as vLLM's qwen3_coder parser reads it), which comes back as a tool call typed by the function's schema;
+    "required" and a named function give the same call (held to this server's JSON shapes); a question without a
+    call stays text."""
+    from tests.conftest import REPO
+    from tests.server.conftest import Appliance
+
+    app = Appliance(tmp_path, sets=(f"model.chat_template={REPO / 'tests' / 'qwen_xml_chat_template.jinja'}",))
+    qwen = openai.OpenAI(base_url=app.wait_ready().url + "/v1", api_key="unused", max_retries=0)
+    shown, outs = _rome_after_two_calls(qwen, lambda i: f"c{i}")
+    assert json.loads(outs[0].message.tool_calls[0].function.arguments) == {"city": "Rome", "unit": "celsius"}
+    prompt = qwen.post("/../tokenize", cast_to=object, body={"messages": shown, "tools": TOOLS})["tokens"]
+    rendered = qwen.post("/../detokenize", cast_to=object, body={"tokens": prompt})["prompt"]
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>\n<parameter=unit>\n"
+            "celsius\n</parameter>\n</function>\n</tool_call>") in rendered
+    _a_question_stays_text(qwen)
+    assert app.stop() == 0, app.logs()[-3000:]
+
+
 def test_a_mistral_template_gets_its_tool_calls_token_and_array(tmp_path):
     """With a chat template that asks for calls as Mistral's do (`[TOOL_CALLS]` and a JSON array of
     `{"name", "arguments"}`, 9-character ids; tests/mistral_chat_template.jinja): the history's longer ids are cut

@@ -308,7 +308,8 @@ def test_the_tool_format_is_read_from_the_template():
     assert tool_format({"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"}, True) == "hermes"
     assert tool_format("{{ messages }}", False) == "array"
     xml = "{{ tools }}<tool_call>\n<function=example_function_name>\n<parameter=x>1</parameter></function></tool_call>"
-    assert tool_format(xml, True) is None  # Qwen3-Coder's XML in the tags: no parser here
+    assert tool_format(xml, True) == "qwen3_xml"  # Qwen3-Coder's and Qwen3.5's XML in the tags
+    assert tool_format(XML_TEMPLATE, "tools" in template_variables(XML_TEMPLATE)) == "qwen3_xml"
     assert tool_format("{{ tools }}<tool_call>{{ name }}<arg_key>k</arg_key></tool_call>", True) is None  # GLM's
 
 
@@ -721,3 +722,117 @@ def test_mistral_args_plans_hold_each_call_to_its_function_and_the_reader_stream
             ("get_weather", {"city": "Rome"}), ("search", {"q": "x"})]
     begun = ArgsReader(None, auto=True, then_calls=True)
     assert begun.feed("Sunny [TOOL") == ("Sunny ", []) and begun.end() == "[TOOL" and begun.calls() == []
+
+
+XML_TEMPLATE = (Path(__file__).parent.parent / "qwen_xml_chat_template.jinja").read_text()
+XML_PROPERTIES = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "search": {"q": {"type": "string"}, "limit": {"type": ["integer", "null"]}, "exact": {"type": "boolean"},
+                             "filters": {"type": "object"}, "tags": {"type": "array"}, "score": {"type": "number"}}}
+XML_ANSWER = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n"
+              "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n"
+              "</tool_call>\n<tool_call>\n<function=search>\n<parameter=q>\nx < 5 and <b>bold</b>\n\n</parameter>\n"
+              "<parameter=limit>\nnull\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n<parameter=filters>\n"
+              '{"a": [1, {"b": "<x>"}]}\n</parameter>\n<parameter=tags>\n["x", "y"]\n</parameter>\n'
+              "<parameter=score>\n2.5e0\n</parameter>\n</function>\n</tool_call><tool_call>\n<function=search>\n"
+              "<parameter=q>\nno closing tags\n<parameter=limit>\nmany\n</function>\n</tool_call>\n"
+              "<tool_call>\n<function=search>\nstray text\n<parameter=q>\ny\n</parameter>\n</function>\n</tool_call>"
+              "<tool_call>\n<function=search>\n<parameter=score>\n7\n</parameter>\n<tool_call>\n<function=get_weather>"
+              "<parameter=city>Rome</parameter></function></tool_call>\nDone <tool_c")
+
+
+def test_the_xml_reader_takes_qwen3_coder_calls_out_of_free_text_as_their_schemas_type_them():
+    """Qwen3-Coder's and Qwen3.5's format (the "qwen3_xml" plan's reader): a block `<function=NAME>` of
+    `<parameter=KEY>VALUE</parameter>` blocks is a call once whole, at any piece boundary; each value less the
+    template's newline on each side, typed by its parameter's schema (strings as they are, whatever they hold, an
+    integer, null, a boolean, JSON objects and arrays, a number; text that is not of the type stays text); a value's
+    closing tag left out ends it at the next one, a call's closing tag left out at the next call; a block with text
+    between its arguments stays text; a compact call (no newlines) reads the same."""
+    from functools import partial
+
+    from app.server.tools import xml_call
+
+    rng = random.Random(1)
+    for trial in range(200):
+        text = XML_ANSWER
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 40))) if trial else list(range(1, len(text)))
+        reader = HermesReader(parse=partial(xml_call, properties=XML_PROPERTIES))
+        content, streamed = _read_hermes(reader, text, cuts)
+        assert content == ("I will check.\n<tool_call>\n<function=search>\nstray text\n<parameter=q>\ny\n</parameter>"
+                           "\n</function>\n</tool_call>Done <tool_c")
+        whole = reader.calls()
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
+            ("get_weather", {"city": "São Paulo", "days": 3, "unit": "celsius"}),
+            ("search", {"q": "x < 5 and <b>bold</b>\n", "limit": None, "exact": True,
+                        "filters": {"a": [1, {"b": "<x>"}]}, "tags": ["x", "y"], "score": 2.5}),
+            ("search", {"q": "no closing tags", "limit": "many"}),
+            ("search", {"score": 7}), ("get_weather", {"city": "Rome"})]
+        assert [streamed[i] for i in range(5)] == [
+            {"arguments": c["function"]["arguments"], "id": c["id"], "name": c["function"]["name"]} for c in whole]
+        assert reader.closed
+
+
+def test_xml_plans_read_auto_from_free_text_and_hold_forced_choices_to_this_servers_shapes():
+    """The "qwen3_xml" format: "auto" is not held (the model writes its XML, or text) and its reader types the values
+    by the request's own schemas; "required" and a named function are held to the "array" shapes (no grammar of the
+    XML here), read by the plain reader; with a structured output, a 400 as for every format."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    auto = plan(request(tools=[weather, SEARCH]), "qwen3_xml")
+    assert (auto.mode, auto.constraint, auto.format) == ("auto", None, "qwen3_xml")
+    reader = auto.reader()
+    assert isinstance(reader, HermesReader) and reader.feed(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n7\n</parameter>\n<parameter=days>\n7\n</parameter>\n"
+        "</function>\n</tool_call>") == ("", [{"index": 0, "id": reader.calls()[0]["id"], "type": "function",
+                                              "function": {"name": "get_weather",
+                                                           "arguments": '{"city": "7", "days": 7}'}}])
+    required = plan(request(tools=[weather, SEARCH], tool_choice="required"), "qwen3_xml")
+    assert required.format == "array" and required.constraint[0] == "json"
+    assert isinstance(required.reader(), ToolCallReader)
+    named = plan(request(tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                 "qwen3_xml")
+    assert (named.mode, named.name, named.format) == ("named", "get_weather", "array")
+    refused("tool_choice", "not both", "qwen3_xml", tools=[weather], response_format={"type": "json_object"})
+
+
+def test_xml_values_take_their_schemas_type_or_stay_text():
+    from app.server.tools import xml_call, xml_value
+
+    assert xml_value("\n42\n", {"type": "integer"}) == 42 and xml_value("42", {"type": "string"}) == "42"
+    assert xml_value("4.0", {"type": "integer"}) == "4.0" and xml_value("4", {"type": "number"}) == 4
+    assert xml_value("1e999", {"type": "number"}) == "1e999"  # infinite: no JSON number
+    assert xml_value("nan", {"type": "number"}) == "nan" and xml_value("FALSE", {"type": "boolean"}) is False
+    assert xml_value("null", {"type": "string"}) == "null" and xml_value("null", {"type": ["string", "null"]}) is None
+    assert xml_value("null", None) is None and xml_value(" spaced \n\n", None) == " spaced \n"
+    assert xml_value('{"a": 1}', {"type": "array"}) == '{"a": 1}' and xml_value("[1]", {"type": ["object", "array"]}) == [1]
+    assert xml_value("3", {"type": ["boolean", "integer"]}) == 3 and xml_value("x", {"anyOf": [{"type": "integer"}]}) == "x"
+    assert xml_call("\n<function=f>\n</function>\n", {}) == ("f", "{}")  # no arguments
+    assert xml_call("<function=f>\n<parameter=s>\n[\"\\ud83d\"]\n</parameter>", {"f": {"s": {"type": "array"}}}) is None
+    assert xml_call('{"name": "f", "arguments": {}}', {}) is None  # Hermes' JSON is not this format's
+
+
+def test_a_free_block_the_answer_ended_in_is_a_call_where_it_is_one():
+    """A model may stop (EOS) after a call without its closing tag: under "auto", such a last block is a call, in
+    Hermes' JSON and in Qwen3-Coder's XML (as vLLM's parsers read it), and the answer's calls ended whole; a last
+    block that is no call stays text."""
+    from functools import partial
+
+    from app.server.tools import xml_call
+
+    for reader, block, arguments in (
+            (HermesReader(), '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n', '{"city": "Rome"}'),
+            (HermesReader(parse=partial(xml_call, properties=XML_PROPERTIES)),
+             "<tool_call>\n<function=get_time>\n<parameter=city>\nRome\n</parameter>\n</function>", '{"city": "Rome"}')):
+        content, deltas = reader.feed("Sure.\n" + block)
+        assert (content, deltas) == ("Sure.\n", []) and not reader.closed
+        rest, deltas = reader.finish()
+        [call] = reader.calls()
+        assert rest == "" and reader.closed and (call["function"]["name"], call["function"]["arguments"]) == (
+            "get_time", arguments)
+        assert deltas == [{"index": 0, "id": call["id"], "type": "function",
+                           "function": {"name": "get_time", "arguments": arguments}}]
+    text = HermesReader()
+    assert text.feed("<tool_call>not a call") == ("", []) and text.finish() == ("<tool_call>not a call", [])
+    held = HermesReader(held=True)
+    held.feed('<tool_call>\n{"name": "search", "arguments": {"q": "a')
+    assert held.finish() == ("", []) and not held.closed  # a held answer cut short: its call so far, not closed
