@@ -37,8 +37,8 @@ How the model writes calls (`tool_format`, from its chat template: AsyncTokenize
 - "qwen3_xml": the template asks for XML in Hermes' tags, `<tool_call><function=NAME><parameter=KEY>VALUE
   </parameter>...</function></tool_call>` (Qwen3-Coder, Qwen3.5): "auto" is not held, as Hermes' is, and
   `HermesReader` reads the calls with `xml_call`, each value typed by its parameter's schema (vLLM's
-  `--tool-call-parser qwen3_coder`); "required" and a named choice are held to the "array" shapes (no grammar of
-  the XML here).
+  `--tool-call-parser qwen3_coder`); "required" and a named choice are held to calls in that XML
+  (`_xml_grammar`), read the same way.
 - None: a template that renders tools in another format (GLM's `<arg_key>`, ...): "auto" would need that format's
   parser, which this server does not have: a 400 naming `tool_choice`, as vLLM's without `--tool-call-parser`;
   "required" and named choices are held to the "array" shapes.
@@ -88,7 +88,7 @@ class ToolPlan:
     def reader(self) -> ToolCallReader | HermesReader | ArgsReader:
         if self.format == "hermes":
             return HermesReader(held=self.mode != "auto")
-        if self.format == "qwen3_xml":  # "auto" alone: the forced choices are held to the "array" shapes
+        if self.format == "qwen3_xml":  # held or not, each call read whole at its closing tag
             properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in self.tools}
             return HermesReader(parse=partial(xml_call, properties=properties))
         if self.format == "llama3_json":
@@ -158,11 +158,13 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if constrained:  # Hermes' "auto" is not held, but a structured output would be: it would forbid the tags
         raise APIError(400, "give tools (with tool_choice other than \"none\") or structured outputs "
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
-    if fmt == "qwen3_xml":  # "auto" read out of the free text, as Hermes'; the forced choices in the "array" shapes
+    tool = None if choice in ("required", "auto") else _named(choice, body.tools)
+    if fmt == "qwen3_xml":  # "auto" read out of the free text, as Hermes'; the forced choices held to the XML
         if choice == "auto":
             return ToolPlan("auto", body.tools, format=fmt)
-        fmt = "array"
-    tool = None if choice in ("required", "auto") else _named(choice, body.tools)
+        chosen, first = ([tool], body.tools.index(tool)) if tool is not None else (body.tools, 0)
+        lark = _xml_grammar(chosen, first, body.parallel_tool_calls and tool is None, special_tags or {})
+        return _held_plan(choice, body.tools, tool, lark, fmt)
     if fmt == "hermes":
         return _hermes_plan(choice, body.tools, tool, body.parallel_tool_calls, special_tags or {})
     if fmt == "llama3_json":
@@ -332,6 +334,49 @@ def _hermes_grammar(call: dict, parallel: bool, special: dict[str, int] | None =
     opening = f'<[{special[_OPEN]}]> "\\n"' if _OPEN in special else f'"{_OPEN}\\n"'
     closing = f'"\\n" <[{special[_CLOSE]}]>' if _CLOSE in special else f'"\\n{_CLOSE}"'
     return f'start: call{more}\ncall: {opening} body {closing}\nbody: %json {schema}\n'
+
+
+_XML_STOP = "\n</parameter>\n"  # what ends a value in Qwen3-Coder's XML, as its templates write calls
+_JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
+
+
+def _xml_grammar(tools: list[Tool], first: int, parallel: bool, special: dict[str, int]) -> str:
+    """A Lark grammar (llguidance's) of one or more calls in Qwen3-Coder's XML, as its templates write them (one
+    call where `parallel` is false): each function's parameters in its schema's order, the required ones present,
+    no others; each value as `_xml_value_rule` holds it. The tags as their special tokens where they are."""
+    rules, functions = [], []
+    for i, tool in enumerate(tools, first):
+        schema = parameters_schema(tool, i)
+        required = set(schema.get("required") or ())
+        defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
+        parts = []
+        for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+            rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} v{i}_{j}\n")
+            rules.append(_xml_value_rule(f"v{i}_{j}", sub, defs))
+            parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+        rules.append(f"f{i}: {json.dumps(f'<function={tool.function.name}>' + chr(10))} {' '.join(parts)}\n")
+        functions.append(f"f{i}")
+    more = ' ("\\n" call)*' if parallel else ""
+    return (f'start: call{more}\ncall: {_token(_OPEN, special)} "\\n" ({" | ".join(functions)}) '
+            f'"</function>\\n" {_token(_CLOSE, special)}\n' + "".join(rules))
+
+
+def _xml_value_rule(name: str, schema: Any, defs: dict) -> str:
+    """The rule of one value in Qwen3-Coder's XML, up to its closing tag: a parameter whose schema's type is a JSON
+    one (integer, number, boolean, object, array, null, or a list of them) JSON that its schema allows (its `$defs`
+    the function's), spaced as the templates' `tojson`; an enum of strings one of them; anything else (a string, a
+    parameter of no type) any text up to the closing tag (a string's length and pattern are not held)."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind, enum = schema.get("type"), schema.get("enum")
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    refs = re.findall(r'"\$ref": "([^"]*)"', json.dumps(schema))
+    local = all(ref.startswith(("#/$defs/", "#/definitions/")) for ref in refs)  # ("#/properties/..." is the root's)
+    if kind in (None, "string") and isinstance(enum, list) and enum and all(
+            isinstance(v, str) and "</parameter>" not in v for v in enum):
+        return f"{name}: " + " | ".join(json.dumps(v + _XML_STOP) for v in enum) + "\n"
+    if kind is not None and kinds <= _JSON_TYPES and local:
+        return f"{name}: %json {json.dumps({**schema, **defs, 'x-guidance': SPACED})} {json.dumps(_XML_STOP)}\n"
+    return f"{name}[stop={json.dumps(_XML_STOP)}]: /(?s:.*)/\n"
 
 
 _DATA = {"const", "enum", "default", "examples"}  # keywords whose values are data, not schemas

@@ -398,8 +398,7 @@ def test_a_qwen3_coder_template_gets_auto_calls_read_out_of_its_xml(tmp_path):
     tests/qwen_xml_chat_template.jinja), the history's calls are rendered in it, and "auto" is not held: SmolLM2,
     shown two earlier calls, writes the third in the XML by itself (and stops before the closing tag: still a call,
     as vLLM's qwen3_coder parser reads it), which comes back as a tool call typed by the function's schema;
-    "required" and a named function give the same call (held to this server's JSON shapes); a question without a
-    call stays text."""
+    "required" and a named function give the same call, held to the XML; a question without a call stays text."""
     from tests.conftest import REPO
     from tests.server.conftest import Appliance
 

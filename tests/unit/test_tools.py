@@ -772,12 +772,20 @@ def test_the_xml_reader_takes_qwen3_coder_calls_out_of_free_text_as_their_schema
         assert reader.closed
 
 
-def test_xml_plans_read_auto_from_free_text_and_hold_forced_choices_to_this_servers_shapes():
+def test_xml_plans_read_auto_from_free_text_and_hold_forced_choices_to_the_xml():
     """The "qwen3_xml" format: "auto" is not held (the model writes its XML, or text) and its reader types the values
-    by the request's own schemas; "required" and a named function are held to the "array" shapes (no grammar of the
-    XML here), read by the plain reader; with a structured output, a 400 as for every format."""
+    by the request's own schemas; "required" and a named function are held to calls in the XML as the templates
+    write them: each function's parameters in its schema's order, the required ones present, an enum one of its
+    strings, a typed value JSON its schema allows, a string any text but the closing tag; read by the same reader.
+    With a structured output, a 400 as for every format."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
+            "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
     auto = plan(request(tools=[weather, SEARCH]), "qwen3_xml")
     assert (auto.mode, auto.constraint, auto.format) == ("auto", None, "qwen3_xml")
     reader = auto.reader()
@@ -786,12 +794,31 @@ def test_xml_plans_read_auto_from_free_text_and_hold_forced_choices_to_this_serv
         "</function>\n</tool_call>") == ("", [{"index": 0, "id": reader.calls()[0]["id"], "type": "function",
                                               "function": {"name": "get_weather",
                                                            "arguments": '{"city": "7", "days": 7}'}}])
-    required = plan(request(tools=[weather, SEARCH], tool_choice="required"), "qwen3_xml")
-    assert required.format == "array" and required.constraint[0] == "json"
-    assert isinstance(required.reader(), ToolCallReader)
-    named = plan(request(tools=[weather], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-                 "qwen3_xml")
-    assert (named.mode, named.name, named.format) == ("named", "get_weather", "array")
+    byte_tokenizer = LLTokenizer("byte")
+
+    def allows(choice, text: str, parallel: bool = True) -> bool:
+        held = plan(request(tools=[weather, SEARCH], tool_choice=choice, parallel_tool_calls=parallel), "qwen3_xml")
+        assert held.format == "qwen3_xml" and held.mode == ("named" if isinstance(choice, dict) else choice)
+        kind, value, _ = held.constraint
+        matcher = LLMatcher(byte_tokenizer, grammar_for(kind, value), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    paris = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>, \"x\"\n</parameter>\n<parameter=days>\n3"
+             "\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+    query = "<tool_call>\n<function=search>\n<parameter=q>\nx\n</parameter>\n</function>\n</tool_call>"
+    assert allows("required", paris) and allows("required", f"{paris}\n{query}") and allows("required", query)
+    assert not allows("required", f"{paris}\n{query}", parallel=False) and allows("required", paris, parallel=False)
+    assert not allows("required", "Sure. " + paris) and not allows("required", "")
+    assert not allows("required", paris.replace("\n3\n", "\n0\n"))  # days: an integer of at least 1
+    assert not allows("required", paris.replace("celsius", "kelvin"))  # unit: one of its enum
+    assert not allows("required", paris.replace("<parameter=city>\nParis <b>, \"x\"\n</parameter>\n", ""))  # required
+    assert not allows("required", paris.replace("<parameter=days>", "<parameter=weeks>"))  # no other parameter
+    assert allows("required", paris.replace("<parameter=days>\n3\n</parameter>\n", ""))  # an optional one left out
+    named = {"type": "function", "function": {"name": "search"}}
+    assert allows(named, query) and not allows(named, paris) and not allows(named, f"{query}\n{query}")
+    whole = plan(request(tools=[weather, SEARCH], tool_choice="required"), "qwen3_xml").reader()
+    assert whole.feed(f"{paris}\n{query}")[0] == "" and [json.loads(c["function"]["arguments"]) for c in whole.calls()] == [
+        {"city": 'Paris <b>, "x"', "days": 3, "unit": "celsius"}, {"q": "x"}] and whole.closed
     refused("tool_choice", "not both", "qwen3_xml", tools=[weather], response_format={"type": "json_object"})
 
 
