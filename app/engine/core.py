@@ -164,7 +164,7 @@ class EngineCore:
         chunks)."""
         requests = self.scheduler.requests
         return any(r.prompt_rows and (q := requests.get(r.request_id)) is not None and
-                   q.params.prompt_logprobs is not None for r in plan.requests)
+                   q.params.scores_prompt for r in plan.requests)
 
     def _abort_unusable(self, unusable: dict[str, int]) -> list[TokenDelta]:
         """Requests that got no token, the others go on: NO_TOKEN, their logits were NaN or infinite (the model is at

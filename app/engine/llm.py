@@ -122,7 +122,7 @@ class LLM:
                 for i in range(p.n):
                     child = f"{request_id}-{i}"
                     # (siblings wait to share the prompt's blocks; one that scores its prompt computes it whole)
-                    first = f"{request_id}-0" if i and p.prompt_logprobs is None else None
+                    first = f"{request_id}-0" if i and not p.scores_prompt else None
                     sequences[child] = self._add(child, prompt_ids, p, i, first)
                 outputs.append(RequestOutput(request_id, text, prompt_ids, []))
             self._loop(sequences)

@@ -92,6 +92,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's tokens get their logprobs (prompt_logprobs, 0 included): the whole prompt is
+        computed (no prefix-cache hit) and the head's logits taken for every prompt row."""
+        return self.prompt_logprobs is not None
+
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice `index` (0 to n-1) of one prompt: with a seed, each choice gets its own
         (seed + index), so the n choices differ and every one is reproducible, offline and served alike."""

@@ -68,7 +68,7 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
         ids, values = zip(*params.logit_bias)
         bias = (torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
     return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias, matcher=matcher,
-                         prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                         prompt_logprobs=[None] if params.scores_prompt else None)
 
 
 # What a row gets whose logits hold no usable distribution (NaN or infinite, or all -inf): not a token id.

@@ -216,7 +216,7 @@ class Scheduler:
                 skipped.append(request)  # its grammar is still being compiled (the others go on meanwhile)
                 continue
             # prompt logprobs need every prompt token's logits: such a request computes its prompt whole
-            looked_up = request.params.prompt_logprobs is None
+            looked_up = not request.params.scores_prompt
             hit = self.kv.find_prefix(request) if looked_up else PrefixHit((), 0)
             wanted = request.num_tokens - hit.num_tokens
             if not self.cfg.chunked_prefill and wanted > budget.tokens_left:

@@ -70,7 +70,7 @@ class Generation:
             index = len(self.sequences)
             request_id = f"{self.prefix}-{self.id}-{index}"
             # (a choice that scores its prompt computes the prompt whole: nothing to wait for)
-            wait_for = self.sequences[index - j].request_id if j and params.prompt_logprobs is None else None
+            wait_for = self.sequences[index - j].request_id if j and not params.scores_prompt else None
             text = SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
             self.sequences.append(Sequence(index, request_id, prompt_ids, params.for_choice(j), text, engine, wait_for,
                                            first_of_prompt=j == 0))

@@ -114,7 +114,7 @@ async def completions(request: Request) -> Response:
         return {"id": gen.response_id, "object": "text_completion", "created": int(time.time()),
                 "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
 
-    return await _json_answer(ctx, answer, gen.params.prompt_logprobs is not None)
+    return await _json_answer(ctx, answer, gen.params.scores_prompt)
 
 
 async def chat_completions(request: Request) -> Response:
