@@ -334,8 +334,8 @@ def _counted(chunk: dict, gen: Generation, body: SamplingFields) -> dict:
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def encode() -> AsyncIterator[bytes]:
         try:
-            async for chunk in chunks:
-                yield f"data: {sse_json(chunk)}\n\n".encode()
+            async for chunk in chunks:  # (a chunk already encoded, as bytes, is an event as it is)
+                yield chunk if isinstance(chunk, bytes) else sse_event(chunk)
         except Exception as exc:  # whatever happens, the client gets an error event and the end of the stream
             yield _sse_error(stream_error(exc))
         yield b"data: [DONE]\n\n"
@@ -356,10 +356,23 @@ def stream_error(exc: Exception) -> APIError:
 # lines end at CR or LF only, but clients split with splitlines-like decoders (httpx's aiter_lines is one): a
 # sampled token holding U+2028 cut our own benchmark's JSON in two. Escaped, the event is the same JSON.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_LINE_BREAK_BYTES = [(char.encode(), escaped.encode()) for char, escaped in (
+    ("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))]  # (UTF-8: no other character holds these)
 
 
 def sse_json(chunk: dict) -> str:
     return json.dumps(chunk, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
+def sse_event(chunk: dict, fast: bool = False) -> bytes:
+    """`chunk` as one server-sent event; `fast`: encoded with msgspec (a big chunk, on the tokenizer's thread: 10x
+    json.dumps' speed, holding the GIL a tenth as long), the same JSON."""
+    if not fast:
+        return f"data: {sse_json(chunk)}\n\n".encode()
+    encoded = msgspec.json.encode(chunk)
+    for raw, escaped in _LINE_BREAK_BYTES:
+        encoded = encoded.replace(raw, escaped)
+    return b"data: " + encoded + b"\n\n"
 
 
 def _sse_error(error: APIError) -> bytes:
@@ -386,15 +399,16 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
         reason = "length" if gen.prompt_only and event.finish_reason else event.finish_reason
         if not text and reason is None and not with_logprobs:
             continue
-        logprobs = None
+        logprobs, big = None, with_logprobs and len(token_logprobs) > 64  # a prompt's: MBs of JSON
         if with_logprobs:
             build = functools.partial(_completion_logprobs_of, gen.tokenizer, token_ids, token_logprobs,
                                       body.logprobs, offsets.get(event.index, 0))
-            logprobs = await run(build) if len(token_logprobs) > 64 else build()  # a prompt's: off the event loop
+            logprobs = await run(build) if big else build()  # (a big one off the event loop)
             offsets[event.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        yield _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": reason}]}, gen, body)
+        chunk = _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
+                          "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
+                                       "finish_reason": reason}]}, gen, body)
+        yield await run(lambda chunk=chunk: sse_event(chunk, fast=True)) if big else chunk  # encoded there too
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                "choices": [], "usage": _usage(gen)}

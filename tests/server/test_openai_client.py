@@ -707,11 +707,18 @@ def test_streamed_logprobs_cover_every_token_even_when_text_is_held_back(client)
 
 def test_stream_lines_survive_unicode_line_separators(appliance):
     """Echoed text holding U+2028, U+2029 and U+0085 (which a sampled token can hold too) arrives escaped: a
-    client that splits lines as str.splitlines does (httpx's aiter_lines) still reads whole JSON events."""
-    prompt = "one\u2028two\u2029three\x85four"
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True}
-    with httpx.stream("POST", appliance.url + "/v1/completions", json=body, timeout=60) as response:
-        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
-    events = [json.loads(line[6:]) for line in lines]  # each line a whole event
-    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).startswith(prompt)
+    client that splits lines as str.splitlines does (httpx's aiter_lines) still reads whole JSON events; so does
+    the first event of a long prompt echoed with its logprobs (encoded off the event loop, with msgspec)."""
+    for prompt, logprobs in (("one\u2028two\u2029three\x85four", None), ("one\u2028two\u2029three\x85four " * 30, 1)):
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "stream": True,
+                "logprobs": logprobs}
+        with httpx.stream("POST", appliance.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in lines]  # each line a whole event
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).startswith(prompt)
+        if logprobs:
+            first = events[0]["choices"][0]["logprobs"]
+            assert len(first["tokens"]) > 64 and "".join(first["tokens"]).startswith("one")  # (a separator's three
+            # bytes are tokens of their own, each "\ufffd" alone, as OpenAI's token strings show them)
+            assert first["token_logprobs"][0] is None and all(v <= 0 for v in first["token_logprobs"][1:])
 
