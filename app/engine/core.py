@@ -43,6 +43,7 @@ class TokenDelta:
     num_output_tokens: int
     # SamplingParams.prompt_logprobs: with the first token, None for the prompt's first token, then one each
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.embed: with the first token
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class EngineCore:
             reason = request.finish_reason if request_id in finished else None
             deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
                                      len(request.prompt_ids), len(request.output_ids),
-                                     result.prompt_logprobs.get(request_id)))
+                                     result.prompt_logprobs.get(request_id), result.embeddings.get(request_id)))
         return deltas
 
     def _wait_for_grammars(self, timeout: float = 0.01) -> None:

@@ -36,6 +36,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     # with the first token of a request that asked for prompt logprobs: None for the prompt's first token, then
     # (logprob, top, rank) for each next one
     prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
+    embedding: list[float] | None = None  # with the first token of a request that asked for its embedding
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -39,6 +39,7 @@ class RequestOutput:
     finished: bool = True
     # SamplingParams.prompt_logprobs: None for the first prompt token, then each next one's given those before it
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.embed: the prompt's embedding
 
 
 Prompt = str | Sequence[int]
@@ -94,6 +95,12 @@ class LLM:
         ids = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in batch]
         return self._run(texts, ids, self._params_for(params, len(batch)))
 
+    def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[list[float]]:
+        """Each prompt's embedding (text or token ids): its last token's final hidden state, L2-normalized
+        (SamplingParams.embed; vLLM's `LLM.embed` pools the same way for a decoder model by default)."""
+        outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1, embed=True))
+        return [output.embedding for output in outputs]
+
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
@@ -132,6 +139,7 @@ class LLM:
                     self.core.abort(request_id)
         for output, p in zip(outputs, params, strict=True):
             output.prompt_logprobs = sequences[f"{output.request_id}-0"].prompt_logprobs
+            output.embedding = sequences[f"{output.request_id}-0"].embedding
             for i in range(p.n):
                 seq = sequences[f"{output.request_id}-{i}"]
                 reason = seq.finish_reason.value if seq.finish_reason else None
@@ -146,6 +154,8 @@ class LLM:
                     continue
                 if delta.prompt_logprobs is not None:
                     seq.prompt_logprobs = delta.prompt_logprobs
+                if delta.embedding is not None:
+                    seq.embedding = delta.embedding
                 if seq.take(delta.token_id, delta.logprobs, delta.finish_reason) and delta.finish_reason is None:
                     self.core.abort(delta.request_id, FinishReason.STOP)  # a stop string matched
 

@@ -29,6 +29,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]  # for requests that asked
     # request id -> its prompt's logprobs (SamplingState.prompt_logprobs), with its first sampled token
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # request id -> its prompt's embedding (SamplingParams.embed), with its first sampled token
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 # Prompt rows whose logits are taken at once for prompt logprobs: [rows, vocab] float32 twice (logits, log-softmax),
@@ -82,7 +84,14 @@ class ModelRunner:
         logits = self.model.logits(last)
         states = [self.states[output.requests[i].request_id] for i in rows]
         result = self.sampler(logits, states)
-        return self._collect([output.requests[i].request_id for i in rows], states, result)
+        collected = self._collect([output.requests[i].request_id for i in rows], states, result)
+        # the prompt is whole, its first token out just now: its last row is its embedding (SamplingParams.embed)
+        embed = [k for k, state in enumerate(states) if state.params.embed and len(state.output_ids) == 1]
+        if embed:
+            vectors = torch.nn.functional.normalize(last[embed].float(), dim=-1).tolist()
+            for k, vector in zip(embed, vectors, strict=True):
+                collected.embeddings[output.requests[rows[k]].request_id] = vector
+        return collected
 
     def _prompt_logprobs(self, output: SchedulerOutput, hidden: torch.Tensor) -> None:
         """For the requests that asked: the logprob of each prompt token after this step's prompt rows (row j of a

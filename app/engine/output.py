@@ -86,6 +86,7 @@ class SequenceText:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs, once they came
+    embedding: list[float] | None = None  # SamplingParams.embed, once it came
     finish_reason: FinishReason | None = None
 
     @classmethod

@@ -54,6 +54,9 @@ class SamplingParams:
     grammar: str | None = None
     """An llguidance grammar the output must follow (app/engine/structured.py `grammar_for` makes one from a JSON
     schema, a regular expression, a list of choices or a Lark grammar); it ends where the grammar is complete."""
+    embed: bool = False
+    """Give the prompt's embedding with the first token: the last prompt token's final hidden state (after the
+    model's last norm), L2-normalized (vLLM's default pooling for a decoder model); the /v1/embeddings endpoint's."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

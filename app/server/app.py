@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from app.model.source import ModelSource
 from app.model.tokenizer import end_token_ids
-from app.server import openai_api, responses
+from app.server import embeddings, openai_api, responses
 from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
@@ -62,15 +62,15 @@ class Context:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.served_name}`.",
                            "model", "model_not_found")
 
-    async def prompt_ids(self, prompt) -> list[list[int]]:
+    async def prompt_ids(self, prompt, param: str = "prompt") -> list[list[int]]:
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         for p in prompts:  # refuse a hopeless text before tokenizing any of them
             if isinstance(p, str):
-                self.text.check_length(len(p), "prompt")
+                self.text.check_length(len(p), param)
         out = []
         for p in prompts:
-            ids = await self.text.encode(p, "prompt") if isinstance(p, str) else list(p)
-            self._check_ids(ids, "prompt")
+            ids = await self.text.encode(p, param) if isinstance(p, str) else list(p)
+            self._check_ids(ids, param)
             out.append(ids)
         return out
 
@@ -340,6 +340,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -158,6 +158,8 @@ class Generation:
         if delta.prompt_logprobs is not None:
             text.prompt_logprobs = [None if p is None else TokenLogprobs(p[0], tuple(map(tuple, p[1])), p[2])
                                     for p in delta.prompt_logprobs]
+        if delta.embedding is not None:
+            text.embedding = delta.embedding
         lp = TokenLogprobs(delta.logprob, tuple(delta.top or ())) if delta.logprob is not None else None
         before_tokens, before_lp = len(text.token_ids), len(text.logprobs)
         finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)

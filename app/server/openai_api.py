@@ -89,10 +89,10 @@ async def completions(request: Request) -> Response:
     gen = await _generation(ctx, body, body.logprobs, "cmpl", prompt_logprobs=max(scored, default=None))
     gen.prompt_only = body.max_tokens == 0  # (only with echo): the engine generates one token, not shown
     for ids in prompts:
-        _add_prompt(gen, ids, body.n, ctx.output_limit(ids, 1 if gen.prompt_only else body.max_tokens, "max_tokens",
+        add_prompt(gen, ids, body.n, ctx.output_limit(ids, 1 if gen.prompt_only else body.max_tokens, "max_tokens",
                                                        "prompt"))
     echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
-    await _start(gen)
+    await start_generation(gen)
     if body.stream:
         return _sse(_completion_chunks(gen, body, ctx.served_name, echo, ctx.text.run))
     events = await collect(gen, request)
@@ -114,7 +114,7 @@ async def completions(request: Request) -> Response:
         return {"id": gen.response_id, "object": "text_completion", "created": int(time.time()),
                 "model": ctx.served_name, "choices": choices, "usage": _usage(gen, events)}
 
-    return await _json_answer(ctx, answer, gen.params.scores_prompt)
+    return await json_answer(ctx, answer, gen.params.scores_prompt)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -136,7 +136,7 @@ async def chat_completions(request: Request) -> Response:
             response["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, gen.sequences[0], body.prompt_logprobs)
         return response
 
-    return await _json_answer(ctx, answer, body.prompt_logprobs is not None)
+    return await json_answer(ctx, answer, body.prompt_logprobs is not None)
 
 
 async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, ToolPlan | None,
@@ -159,16 +159,16 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
     except APIError as exc:
         raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    _add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
-    await _start(gen)
+    add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
+    await start_generation(gen)
     return gen, forced, lambda: AnswerReader(forced, thinking)
 
 
-async def _json_answer(ctx, build: Callable[[], dict], scored: bool) -> Response:
-    """A JSON answer; one that scores prompts (a 6,000-token prompt's 20 most likely tokens a position are 8.5 MB of
-    JSON, seconds of Python) is built and encoded on the tokenizer's thread, and the event loop meanwhile serves the
-    other requests."""
-    if not scored:
+async def json_answer(ctx, build: Callable[[], dict], big: bool) -> Response:
+    """A JSON answer; a `big` one (a scored prompt's: a 6,000-token prompt's 20 most likely tokens a position are
+    8.5 MB of JSON, seconds of Python; many embeddings) is built and encoded on the tokenizer's thread, and the
+    event loop meanwhile serves the other requests."""
+    if not big:
         return JSONResponse(build())
     # msgspec: 0.03 s for 6 MB where json.dumps holds the GIL (and so the event loop) for 0.3 s
     return Response(await ctx.text.run(lambda: msgspec.json.encode(build())), media_type="application/json")
@@ -259,7 +259,8 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         max_tokens=None)
 
 
-def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:
+def add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None:
+    """`n` sequences of a prompt in `gen`; a clash of parameters or no ready replica is the client's error."""
     try:
         gen.add_prompt(ids, n, max_tokens)
     except ValueError as exc:  # parameters that clash with each other, e.g. min_tokens > max_tokens
@@ -268,7 +269,7 @@ def _add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> Non
         raise _api_error(exc) from None
 
 
-async def _start(gen: Generation) -> None:
+async def start_generation(gen: Generation) -> None:
     """Queue the sequences in the engine before answering, so that refusals get their own status."""
     try:
         await gen.start()

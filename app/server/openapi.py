@@ -14,6 +14,8 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("post", "/v1/chat/completions", "Create a chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse),
     ("post", "/v1/responses", "Create a response (OpenAI's Responses API, stateless)", p.ResponsesRequest,
      p.ResponseObject),
+    ("post", "/v1/embeddings", "Create embeddings (the last token's final hidden state, L2-normalized)",
+     p.EmbeddingRequest, p.EmbeddingResponse),
     ("get", "/v1/models", "List the served model", None, p.ModelList),
     ("get", "/v1/models/{model}", "The served model by its id (404 for any other)", None, p.ModelCard),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse),

@@ -458,6 +458,44 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI's /v1/embeddings: each input's embedding (app/server/embeddings.py)."""
+
+    input: str | list[str] | list[Annotated[int, Field(ge=0, lt=1 << 31)]] | \
+        list[list[Annotated[int, Field(ge=0, lt=1 << 31)]]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None  # only the model's own size (no Matryoshka model here)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _some_but_not_too_many(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be empty")
+        if isinstance(value, list) and len(value) > 2048:
+            raise ValueError("input holds at most 2048 texts or token lists (OpenAI's limit)")
+        return value
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class TokenizerInfoResponse(BaseModel):
     """vLLM's /tokenizer_info (what lm-evaluation-harness' remote tokenizer reads): the served tokenizer's class,
     special tokens and chat template, so a client needs no copy of the tokenizer."""

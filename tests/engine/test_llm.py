@@ -205,6 +205,23 @@ def test_prompt_logprobs_are_transformers_log_probabilities(llm, transformers_mo
             assert 1 + above[0] <= lp.rank <= 1 + above[1]
 
 
+def test_embeddings_are_transformers_last_hidden_states_normalized(llm, transformers_model):
+    """LLM.embed (SamplingParams.embed, what /v1/embeddings asks): each prompt's last token's final hidden state
+    (after the model's last norm), L2-normalized, as transformers computes it for the same file; a prompt whose
+    prefix is cached (the second time) gives the same; two different prompts are different vectors."""
+    embedded = llm.embed(SCORED)
+    again = llm.embed(SCORED[0])[0]  # its blocks are in the prefix cache now: only the last token is computed
+    for ids, vector in zip([llm.tokenizer(t).input_ids for t in SCORED], embedded, strict=True):
+        with torch.no_grad():
+            hidden = transformers_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=0)
+        got = torch.tensor(vector)
+        assert got.shape == want.shape == (576,) and abs(float(got.norm()) - 1) < 1e-5
+        assert float(got @ want) > 0.999, float(got @ want)  # cosine similarity to transformers'
+    assert float(torch.tensor(again) @ torch.tensor(embedded[0])) > 0.9999
+    assert float(torch.tensor(embedded[0]) @ torch.tensor(embedded[1])) < 0.99
+
+
 def test_prompt_logprobs_through_chunks_and_preemption(llm):
     """A prompt prefilled in chunks of 16 tokens, under preemptions (here after the prompts; one halfway through a
     prompt: test_engine's runner test), gives every position's logprob once, as one pass does; a prompt-scoring

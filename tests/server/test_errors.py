@@ -126,6 +126,16 @@ CASES = [
     ("responses-unknown-function", "POST", "/v1/responses", {"input": "x", "tools": [
         {"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, 400, "invalid_value",
      "tool_choice"),
+    ("embeddings-empty-input", "POST", "/v1/embeddings", {"input": []}, 400, "invalid_value", "input"),
+    ("embeddings-empty-text", "POST", "/v1/embeddings", {"input": ""}, 400, "empty_prompt", "empty"),
+    ("embeddings-dimensions", "POST", "/v1/embeddings", {"input": "x", "dimensions": 64}, 400, "invalid_value",
+     "dimensions"),
+    ("embeddings-outside-vocab", "POST", "/v1/embeddings", {"input": [[1, 999999]]}, 400, "invalid_value",
+     "outside the vocabulary"),
+    ("embeddings-format", "POST", "/v1/embeddings", {"input": "x", "encoding_format": "int8"}, 400, "invalid_value",
+     "encoding_format"),
+    ("embeddings-wrong-model", "POST", "/v1/embeddings", {"input": "x", "model": "other"}, 404, "model_not_found",
+     "other"),
     ("echo-max-tokens-zero-min-tokens", "POST", C, {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 2},
      400, "invalid_value", "min_tokens"),
     ("suffix", "POST", C, {"prompt": "x", "suffix": "y"}, 400, "invalid_value", "suffix"),
@@ -199,6 +209,7 @@ def test_param_names_the_field_path(appliance, body, param):
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),  # max_tokens not even sent
     (CHAT, {"messages": [{"role": "user", "content": LONG}], "max_completion_tokens": 5}, "messages"),
     (CHAT, {"messages": MSG, "max_completion_tokens": 100000}, "max_completion_tokens"),
+    ("/v1/embeddings", {"input": ["x", LONG]}, "input"),
 ])
 def test_context_errors_name_the_field_that_overflowed(appliance, path, body, param):
     error = httpx.post(appliance.url + path, json=body, timeout=60).json()["error"]
@@ -251,7 +262,8 @@ def test_api_key_is_required_when_configured(keyed):
 
 KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
                 ("GET", "/openapi.json", None), ("GET", "/version", None), ("GET", "/v1/models", None),
-                ("GET", "/v1/models/smollm2", None), ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1})]
+                ("GET", "/v1/models/smollm2", None), ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1}),
+                ("POST", "/v1/embeddings", {"input": "Hi"})]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), KEYED_ROUTES, ids=[r[1] for r in KEYED_ROUTES])

@@ -722,3 +722,39 @@ def test_stream_lines_survive_unicode_line_separators(appliance):
             # bytes are tokens of their own, each "\ufffd" alone, as OpenAI's token strings show them)
             assert first["token_logprobs"][0] is None and all(v <= 0 for v in first["token_logprobs"][1:])
 
+
+
+def test_embeddings_are_the_models_normalized_last_hidden_states(client):
+    """/v1/embeddings with the official client: each input's vector is the last token's final hidden state,
+    L2-normalized, as transformers computes it for the same file (cosine > 0.99: the default spec's int16
+    activations and bfloat16 KV cache); the client's default base64 encoding decodes to the float one; token ids
+    give the text's vector; usage counts the inputs' tokens; a near paraphrase is nearer than an unrelated text."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+
+    texts = ["The cat sat on the mat.", "A cat was sitting on a rug.", "Stock markets fell sharply today."]
+    got = client.embeddings.create(model=MODEL, input=texts)  # base64, decoded by the client
+    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    vectors = np.array([d.embedding for d in got.data])
+    assert [d.index for d in got.data] == [0, 1, 2] and vectors.shape == (3, 576)
+    assert np.allclose(vectors, np.array([d.embedding for d in floats.data]), atol=1e-7)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    path = resolve_source(ModelSpec()).path
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(gguf_file=path.name,
+                                                                                dequantize=True)).eval()
+    ids = [tokenizer(t).input_ids for t in texts]
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
+    for row, prompt in zip(vectors, ids, strict=True):
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+        assert float(np.dot(row, torch.nn.functional.normalize(hidden, dim=0).numpy())) > 0.99
+    by_ids = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float").data[0].embedding
+    assert float(np.dot(by_ids, vectors[0])) > 0.9999
+    similarity = vectors @ vectors.T
+    assert similarity[0, 1] > similarity[0, 2] and similarity[0, 1] > similarity[1, 2]

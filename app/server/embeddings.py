@@ -1,0 +1,66 @@
+"""POST /v1/embeddings: OpenAI's embeddings endpoint (llama.cpp's server has it; vLLM serves it for models it runs as
+pooling models), on the generative model this appliance serves.
+
+Each input's embedding is its last token's final hidden state, after the model's last norm, L2-normalized: vLLM's
+default pooling for a decoder model (`LAST`, normalized), and what llama.cpp's `--pooling last` gives. The engine
+computes the prompt as for a completion of one token (SamplingParams.embed) and sends the vector with that token,
+which is not shown; a prompt whose blocks are in the prefix cache computes its last token alone, and gives the same
+vector. An instruction-tuned chat model is no trained embedding model: its vectors serve retrieval less well than a
+model made for it would.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.engine.params import SamplingParams
+from app.server.errors import APIError
+from app.server.generation import Generation
+from app.server.openai_api import add_prompt, collect, json_answer, read_body, start_generation
+from app.server.protocol import EmbeddingRequest
+
+# More inputs than this are encoded off the event loop (2,048 inputs of SmolLM2's 576 floats are ~14 MB of JSON)
+BIG_ANSWER = 16
+
+
+async def embeddings(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    body: EmbeddingRequest = await read_body(request, EmbeddingRequest)
+    ctx.check_model(body.model)
+    if body.dimensions is not None:  # vLLM's answer too, for a model that was not trained to be cut (Matryoshka)
+        raise APIError(400, "dimensions: this model's embeddings cannot be shortened (it is no Matryoshka "
+                            "embedding model); leave dimensions out", "dimensions", "invalid_value")
+    prompts = await ctx.prompt_ids(body.input, "input")
+    gen = Generation(ctx.engine, ctx.metrics, ctx.tokenizer, SamplingParams(temperature=0, max_tokens=1, embed=True),
+                     ctx.eos_token_id, "embd")
+    for ids in prompts:
+        ctx.output_limit(ids, None, "input", "input")  # a 400 where the input fills the context
+        add_prompt(gen, ids, 1, 1)
+    await start_generation(gen)
+    await collect(gen, request)
+    missing = [seq.index for seq in gen.sequences if seq.text.embedding is None]
+    if missing:  # the engine ended it without one (its logits were not finite numbers: a broken model)
+        raise APIError(500, f"the engine could not compute the embedding of input {missing[0]}", "input",
+                       "internal_error")
+
+    def answer() -> dict:
+        data = [{"object": "embedding", "index": seq.index, "embedding": _encoded(seq.text.embedding,
+                                                                                body.encoding_format)}
+                for seq in gen.sequences]
+        tokens = sum(len(ids) for ids in prompts)
+        return {"object": "list", "data": data, "model": ctx.served_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return await json_answer(ctx, answer, len(prompts) > BIG_ANSWER)
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's two encodings: the floats, or base64 of their little-endian float32 bytes (the openai client asks
+    for this one by default and decodes it with numpy)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector
