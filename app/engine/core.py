@@ -19,7 +19,7 @@ from app.engine.kv_cache import KVCacheConfig, KVCacheManager
 from app.engine.output import TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request
-from app.engine.sampler import GRAMMAR_FAILED
+from app.engine.sampler import GRAMMAR_FAILED, NO_TOKEN
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.step_cost import StepCost
 
@@ -118,6 +118,8 @@ class EngineCore:
         request = self.scheduler.finish(request_id, reason)
         if request is None:
             return None
+        if request.compiling is not None:  # a grammar still queued for compiling: not for a request that is gone
+            request.compiling.cancel()
         return TokenDelta(request_id, None, None, reason, len(request.prompt_ids), len(request.output_ids))
 
     def has_work(self) -> bool:
@@ -139,9 +141,11 @@ class EngineCore:
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
             return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
         sampled = {request_id: token for request_id, token in result.sampled.items() if token >= 0}
-        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}  # (the KV of all is cached)
-        deltas = self._abort_unusable({request_id: token for request_id, token in result.sampled.items()
-                                       if token < 0})
+        # a broken model's requests go before the update (their blocks never cached, nor any hash they would claim
+        # from a sound request of the same prompt), a failed grammar's after it (its blocks are sound: cached)
+        deltas = self._abort_unusable([r for r, token in result.sampled.items() if token == NO_TOKEN], broken=True)
+        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}
+        deltas += self._abort_unusable([r for r, token in result.sampled.items() if token == GRAMMAR_FAILED])
         for request_id, token in sampled.items():
             request = finished.get(request_id) or self.scheduler.requests.get(request_id)
             if request is None:
@@ -167,19 +171,18 @@ class EngineCore:
         return any(r.prompt_rows and (q := requests.get(r.request_id)) is not None and
                    q.params.scores_prompt for r in plan.requests)
 
-    def _abort_unusable(self, unusable: dict[str, int]) -> list[TokenDelta]:
-        """Requests that got no token, the others go on: NO_TOKEN, their logits were NaN or infinite (the model is at
-        fault, not the request), or GRAMMAR_FAILED, their structured output's grammar allows no further token (the
-        sampler said why). Aborted after the step's update; the first kind's blocks leave the prefix cache, so that no
-        later request reuses the keys and values they computed (a failed grammar's are sound: they stay)."""
-        broken = [request_id for request_id, token in unusable.items() if token != GRAMMAR_FAILED]
-        if broken:
+    def _abort_unusable(self, request_ids: list[str], broken: bool = False) -> list[TokenDelta]:
+        """Requests that got no token; the others go on. `broken`: NO_TOKEN, their logits were NaN or infinite (the
+        model is at fault, not the request), and their blocks leave the prefix cache, so that no later request
+        reuses the keys and values they computed; else GRAMMAR_FAILED, their structured output's grammar allows no
+        further token (the sampler said why), and their blocks, sound, stay."""
+        if broken and request_ids:
             log.error("no token could be sampled for request(s) %s (the model's logits were not finite numbers, NaN "
-                      "or infinite: check the model file); aborting them", ", ".join(broken))
-        for request_id in broken:
-            if (request := self.scheduler.requests.get(request_id)) is not None:
-                self.kv.forget(request)
-        return [d for request_id in unusable if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
+                      "or infinite: check the model file); aborting them", ", ".join(request_ids))
+            for request_id in request_ids:
+                if (request := self.scheduler.requests.get(request_id)) is not None:
+                    self.kv.forget(request)
+        return [d for request_id in request_ids if (d := self.abort(request_id, FinishReason.ABORT)) is not None]
 
     def close(self) -> None:
         self.executor.close()

@@ -59,19 +59,19 @@ def run_engine(launches: list[RankLaunch]) -> None:
 
 
 def warm_grammars(core, launch: RankLaunch) -> None:
-    """Build structured outputs' tokenizer (app/engine/structured.py `Grammars`) once the engine is ready and said
-    so (its first heartbeat is out, so the wait holds up no start), beside the first steps, from
-    the tokenizer the bootstrap exported: the first request with a grammar would otherwise have it built then, and
-    every stream of the engine would wait for it (~0.35 s for SmolLM2's vocabulary, holding the GIL). Where the
-    cache has no export, nothing is converted here: it is built for the first grammar, as before."""
+    """Build structured outputs' tokenizer (app/engine/structured.py `Grammars`) on the grammar thread once the engine
+    is ready and said so (its first heartbeat is out), from the tokenizer the bootstrap exported: the first request
+    with a grammar would otherwise have it built then, and every stream of the engine would wait for it. The build
+    still holds the GIL (~0.35 s for SmolLM2's vocabulary) just after ready, once a process. Where the cache has no
+    export, nothing is converted here: it is built for the first grammar, as before."""
     from app.model.source import ModelSource
-    from app.model.tokenizer import cached_export
+    from app.model.tokenizer import cache_entry, cached_export
 
     m = launch.model
-    exported = cached_export(ModelSource(Path(m.path), m.format, m.served_name))
-    if exported is not None:
-        text, eos_token_id = exported
-        core.executor.grammars.warm(eos_token_id, lambda: text, "as the engine started")
+    source = ModelSource(Path(m.path), m.format, m.served_name)
+    entry = cache_entry(source)
+    if entry is not None and (entry / "tokenizer.json").is_file():  # (read on the grammar thread)
+        core.executor.grammars.warm_from(partial(cached_export, source), "as the engine started")
 
 
 def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = False,

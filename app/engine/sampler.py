@@ -106,9 +106,8 @@ class Sampler:
         if undrawn.any():     # logit infinite makes that token certain; NaN or +inf comes first, as in torch)
             tokens[undrawn] = greedy_tokens(shaped[undrawn])
         tokens = _usable(raw, tokens)
-        for s in failed:
-            if tokens[s] != NO_TOKEN:  # (NaN logits are the model's fault, whatever the grammar says)
-                tokens[s] = GRAMMAR_FAILED
+        for s in failed:  # (NaN logits are the model's fault, whatever the grammar says)
+            tokens[s] = GRAMMAR_FAILED if _sound(raw[s].numpy()) else NO_TOKEN
         return _with_logprobs(raw, tokens, states)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -220,13 +219,20 @@ def _usable(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """tokens, but NO_TOKEN where the model's own logit for the token chosen is not a finite number: its row was
     NaN or infinite (or all -inf), a broken model, not a token; the engine aborts the request.
 
-    raw: [S, V] float32; tokens: [S] int64, >= 0 or GRAMMAR_FAILED (such a row's first logit tells whether the
-    row is finite: a broken model's is NaN or infinite throughout). In numpy: each torch op on these few values
-    costs 10-40 us right after a step has streamed the weights through the caches (a plain greedy batch's half
-    dozen of them were ~0.15 ms of a ~5 ms batch-1 decode step on Zen 4)."""
-    chosen = tokens.numpy()
-    picked = raw.contiguous().numpy()[np.arange(chosen.shape[0]), np.maximum(chosen, 0)]
-    return torch.from_numpy(np.where(np.isfinite(picked), chosen, NO_TOKEN).astype(np.int64, copy=False))
+    raw: [S, V] float32; tokens: [S] int64, >= 0 or GRAMMAR_FAILED (kept where the row is `_sound`). In numpy:
+    each torch op on these few values costs 10-40 us right after a step has streamed the weights through the caches
+    (a plain greedy batch's half dozen of them were ~0.15 ms of a ~5 ms batch-1 decode step on Zen 4)."""
+    chosen, rows = tokens.numpy(), raw.contiguous().numpy()
+    usable = np.isfinite(rows[np.arange(chosen.shape[0]), np.maximum(chosen, 0)])
+    for s in np.flatnonzero(chosen < 0):  # (rare: a failed grammar's rows)
+        usable[s] = _sound(rows[s])
+    return torch.from_numpy(np.where(usable, chosen, NO_TOKEN).astype(np.int64, copy=False))
+
+
+def _sound(row: np.ndarray) -> bool:
+    """Whether a row of logits is a model's (no NaN, some finite logit), not a broken model's: where its grammar
+    failed, the row's keys and values are sound (GRAMMAR_FAILED) or not (NO_TOKEN)."""
+    return not np.isnan(row).any() and bool(np.isfinite(row).any())
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,7 @@ class Grammars:
         self._tokenizer: Future | None = None  # the LLTokenizer, being built or built (or why it cannot be)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._fallback_lock, self._fallback_built = threading.Lock(), None  # `_fallback`'s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     def warm(self, eos_token_id: int | None, tokenizer_json: Callable[[], str] | None = None,
@@ -102,6 +103,34 @@ class Grammars:
             if self._tokenizer is None:
                 self._tokenizer = self._thread.submit(self._build, tokenizer_json or self._tokenizer_json,
                                                       eos_token_id, when)
+
+    def warm_from(self, exported: Callable[[], tuple[str, int | None] | None], when: str) -> None:
+        """`warm`, with the tokenizer's text and EOS id read on the grammar thread too (`exported`: the cached
+        export's, app/model/tokenizer.py `cached_export`; where it gives None, the tokenizer is built for the first
+        grammar instead, as without this)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._thread.submit(self._build_exported, exported, when)
+
+    def _build_exported(self, exported: Callable[[], tuple[str, int | None] | None], when: str):
+        got = exported()
+        if got is None:  # (the export went away since the engine looked): the first grammar builds it (`_fallback`)
+            return None
+        text, eos_token_id = got
+        return self._build(lambda: text, eos_token_id, when)
+
+    def _fallback(self, eos_token_id: int | None):
+        """The tokenizer built from the engine's own source, for the first grammar, where a warm start found no
+        export to build it from (built once; a failure, once, is every grammar's)."""
+        with self._fallback_lock:
+            if self._fallback_built is None:
+                try:
+                    self._fallback_built = self._build(self._tokenizer_json, eos_token_id, "for the first grammar")
+                except Exception as exc:  # noqa: BLE001 (the requests fail, not the engine)
+                    self._fallback_built = exc
+        if isinstance(self._fallback_built, Exception):
+            raise self._fallback_built
+        return self._fallback_built
 
     def _build(self, tokenizer_json: Callable[[], str] | None, eos_token_id: int | None, when: str):
         if tokenizer_json is None:
@@ -115,17 +144,17 @@ class Grammars:
         """Compile `grammar` on the grammar thread (after the tokenizer); the future is done when `matcher` can
         copy it without waiting. It never raises: a grammar that cannot be compiled gives a failed matcher."""
         self.warm(eos_token_id)
-        return self._thread.submit(self._compile, grammar)
+        return self._thread.submit(self._compile, grammar, eos_token_id)
 
     def matcher(self, grammar: str, eos_token_id: int | None):
         """A matcher at the start of `grammar` (compiled here if `prepare` was not asked to, or its compilation
         fell out of the cache meanwhile); where it cannot be built, one in llguidance's error state (the sampler
         then gives its sequence no token, and the engine aborts that request alone)."""
         self.warm(eos_token_id)
-        compiled = self._compile(grammar)
+        compiled = self._compile(grammar, eos_token_id)
         return compiled if isinstance(compiled, FailedMatcher) else compiled.deep_copy()
 
-    def _compile(self, grammar: str):
+    def _compile(self, grammar: str, eos_token_id: int | None):
         from llguidance import LLMatcher
 
         with self._lock:
@@ -134,7 +163,7 @@ class Grammars:
                 self._compiled.move_to_end(grammar)
                 return compiled
         try:
-            tokenizer = self._tokenizer.result()
+            tokenizer = self._tokenizer.result() or self._fallback(eos_token_id)
         except Exception as exc:  # noqa: BLE001 (the requests fail, not the engine)
             return FailedMatcher(f"no tokenizer for structured outputs: {exc}")
         try:

@@ -133,7 +133,7 @@ class _Scanner:
             try:                                                        # small model: 0.3 s for SmolLM2's arrays)
                 for _ in range(count):
                     pos += 8 + length(buf, pos)[0]
-            except struct.error:
+            except (struct.error, OverflowError):  # (a corrupt length past any offset: the latter)
                 raise GGUFFormatError("the file ends inside its header") from None
             self.pos = pos
         else:

@@ -161,7 +161,7 @@ def cached_export(source: ModelSource) -> tuple[str, int | None] | None:
         vocab = (spec.get("model") or {}).get("vocab")  # a dict in BPE and WordPiece models, a list in Unigram
         eos_id = added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None)
         return text, eos_id if isinstance(eos_id, int) else None
-    except (OSError, ValueError, AttributeError):  # replaced meanwhile, or not what an export writes
+    except (OSError, ValueError, AttributeError, TypeError):  # replaced meanwhile, or not what an export writes
         return None
 
 

@@ -89,7 +89,7 @@ class ToolPlan:
         if self.format == "hermes":
             return HermesReader(held=self.mode != "auto")
         if self.format == "qwen3_xml":  # held or not, each call read whole at its closing tag
-            properties = {t.function.name: (t.function.parameters or {}).get("properties") or {} for t in self.tools}
+            properties = {t.function.name: (t.function.parameters or {}).get("properties") for t in self.tools}
             return HermesReader(parse=partial(xml_call, properties=properties))
         if self.format == "llama3_json":
             return ToolCallReader(None, auto=self.mode == "auto", single=True)
@@ -656,7 +656,7 @@ class HermesReader:
     begin a tag is held back until it is known not to; whitespace after a call is no content."""
 
     held: bool = False
-    parse: Callable[[str], tuple[str, str] | None] = field(default=None)  # a free block's call (default: JSON's)
+    parse: Callable[[str], Any] = field(default=None)  # a free block's call (default: JSON's; xml_call's UNFINISHED)
     _calls: list[_Call] = field(default_factory=list)
     _whole: int = 0  # calls that ended whole
     _text: str = ""
@@ -693,7 +693,7 @@ class HermesReader:
         that call."""
         if self._state == "head" and not self.held:
             call = (self.parse or _whole_call)(self._text[self._at:])
-            if call is not None:
+            if call is not None and call is not UNFINISHED:
                 self._at, self._state = len(self._text), "text"
                 self._calls.append(_Call(_call_id(), call[0]))
                 self._whole += 1
@@ -736,9 +736,12 @@ class HermesReader:
                 after = close + len(_CLOSE)
                 parse = self.parse or _whole_call
                 call = parse(text[self._at:close])
+                if call is UNFINISHED:  # (the closing tag was a value's text: the block ends at a later one)
+                    self._search = close + len(_CLOSE)
+                    continue
                 inner = text.find(_OPEN, self._at, close)
                 if call is None and inner >= 0:  # a call whose closing tag was left out before the next one's?
-                    call = parse(text[self._at:inner])
+                    call = parse(text[self._at:inner], ended=True)
                     after = inner if call is not None else after
                 if call is None:
                     content.append(self._content(text[self._at - len(_OPEN):after]))
@@ -764,8 +767,9 @@ class HermesReader:
                 self._whole, self._after_call = self._whole + 1, True
 
 
-def _whole_call(block: str) -> tuple[str, str] | None:
-    """A free block's call, (name, arguments' JSON text), where it is one."""
+def _whole_call(block: str, ended: bool = False) -> tuple[str, str] | None:
+    """A free block's call, (name, arguments' JSON text), where it is one (`ended`: as xml_call's; JSON ends
+    itself)."""
     try:
         call = json.loads(block)
         arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
@@ -781,36 +785,50 @@ def _whole_call(block: str) -> tuple[str, str] | None:
 
 
 # Qwen3-Coder's and Qwen3.5's calls (format "qwen3_xml"), each in Hermes' tags: the function, then its arguments,
-# one block each, the value as text (`<parameter=city>\nParis\n</parameter>`); a value whose closing tag was left
-# out ends where the next one or the function's end begins
-_XML_FUNCTION = re.compile(r"\s*<function=([^<>\n]{1,64})>")
-_XML_PARAMETER = re.compile(r"<parameter=([^<>\n]{1,256})>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+# one block each, the value as text (`<parameter=city>\nParis\n</parameter>`). A value ends at a closing tag that
+# the next argument, the function's end or another call follows (so a value may hold the tag itself: code, docs),
+# or, its closing tag left out, where the next one begins.
+_XML_FUNCTION = re.compile(r"\s*<function=\s*([A-Za-z0-9_-]{1,64})\s*>")  # a name as the API allows it
+_XML_PARAMETER = re.compile(r"<parameter=([^<>\n]{1,256})>(.*?)(?:</parameter>\s*(?=<parameter=|<tool_call>|<function="
+                            r"|\Z)|(?=<parameter=)|\Z)", re.S)
 _XML_END = "</function>"
 _INTEGER = re.compile(r"-?(?:0|[1-9][0-9]*)")
 
 
-def xml_call(block: str, properties: dict[str, dict]) -> tuple[str, str] | None:
+class _Unfinished:
+    """`xml_call`'s answer for a block whose function has not ended yet: the `</tool_call>` that ended the block may
+    be a value's text, and the block goes on to the next one."""
+
+
+UNFINISHED = _Unfinished()
+
+
+def xml_call(block: str, properties: dict[str, dict], ended: bool = False) -> tuple[str, str] | _Unfinished | None:
     """A free block's call in Qwen3-Coder's XML, (name, arguments' JSON text), where it is one: `<function=NAME>`,
-    then `<parameter=KEY>VALUE</parameter>` for each argument, then `</function>` (left out: the block's end), with
-    nothing but whitespace around them. `properties`: each function's parameters' schemas, by function name; a value
+    then `<parameter=KEY>VALUE</parameter>` for each argument, then `</function>`, with nothing but whitespace
+    around them; UNFINISHED before its `</function>`, unless the block `ended` (the next call's opening tag came:
+    both closing tags were left out). `properties`: each function's parameters' schemas, by function name; a value
     becomes what its schema says (`xml_value`)."""
     head = _XML_FUNCTION.match(block)
     if head is None:
         return None
-    name, body = head.group(1).strip(), block[head.end():]
+    name, body = head.group(1), block[head.end():]
     end = body.rfind(_XML_END)
+    if end < 0 and not ended:
+        return UNFINISHED
     if end >= 0:
         if body[end + len(_XML_END):].strip():
             return None
         body = body[:end]
-    schemas, arguments, at = properties.get(name) or {}, {}, 0
+    schemas = properties.get(name) if isinstance(properties.get(name), dict) else {}
+    arguments, at = {}, 0
     for parameter in _XML_PARAMETER.finditer(body):
         if body[at:parameter.start()].strip():
             return None  # text between the arguments: no call
         key = parameter.group(1).strip()
         arguments[key] = xml_value(parameter.group(2), schemas.get(key))
         at = parameter.end()
-    if body[at:].strip() or not name:
+    if body[at:].strip():
         return None
     call = name, _dump(arguments)
     try:
@@ -823,37 +841,38 @@ def xml_call(block: str, properties: dict[str, dict]) -> tuple[str, str] | None:
 def xml_value(text: str, schema: Any) -> Any:
     """An XML argument's value: its text less the newline the template writes on each side, as its schema's type
     says (vLLM's qwen3_coder parser's reading): "integer" and "number" numbers, "boolean" true or false, "object" and
-    "array" JSON, "null" (any type's text `null`, unless the schema allows strings alone) None; text that is none of
-    the types the schema allows, and any value of a parameter the schema does not type (a string, most often), stays
-    the text."""
+    "array" JSON (strict: no NaN), None for the text `null` (unless the schema allows strings alone) and for `None`
+    (Python's spelling, as a template's `| string` writes it) where the schema allows null or no string; text that
+    is none of the types the schema allows, and a value of a parameter the schema does not type (a string, most
+    often), stays the text."""
     text = text[1:] if text.startswith("\n") else text
     text = text[:-1] if text.endswith("\n") else text
     kinds = schema.get("type") if isinstance(schema, dict) else None
     kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds if isinstance(k, str)] if isinstance(
         kinds, list) else []
     bare = text.strip()
-    if bare.lower() == "null" and kinds != ["string"]:
+    if (bare.lower() == "null" and kinds != ["string"]) or (
+            bare == "None" and kinds and ("null" in kinds or "string" not in kinds)):
         return None
     for kind in kinds:
-        if kind in ("integer", "number") and _INTEGER.fullmatch(bare):
-            return int(bare)
-        if kind == "number":
-            try:
-                value = float(bare)
-            except ValueError:
-                continue
-            if math.isfinite(value):
+        try:
+            if kind in ("integer", "number") and _INTEGER.fullmatch(bare):
+                return int(bare)
+            if kind == "number" and math.isfinite(value := float(bare)) and "_" not in bare:
                 return value
-        elif kind == "boolean" and bare.lower() in ("true", "false"):
-            return bare.lower() == "true"
-        elif kind in ("object", "array"):
-            try:
-                value = json.loads(bare)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(value, dict if kind == "object" else list):
-                return value
+            if kind == "boolean" and bare.lower() in ("true", "false"):
+                return bare.lower() == "true"
+            if kind in ("object", "array"):
+                value = json.loads(bare, parse_constant=_no_constant)
+                if isinstance(value, dict if kind == "object" else list):
+                    return value
+        except (ValueError, RecursionError):  # not of this kind (or past Python's digit limit): the next one
+            continue
     return text
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is no JSON")
 
 
 def _start(calls: list[_Call], index: int) -> dict:

@@ -275,6 +275,36 @@ def test_a_request_waits_for_its_grammar_while_others_run_and_a_failed_grammar_k
     assert core.kv.hits - hits >= (len(story) - 1) // BLOCK * BLOCK > 0  # ... and are
 
 
+def test_a_broken_request_does_not_take_a_sound_ones_blocks_out_of_the_prefix_cache(loaded, prompts):
+    """Two requests of one prompt computed in one step, the first's token unusable (NO_TOKEN, as NaN logits give):
+    it is aborted and its blocks are not cached, while the second's, sound, are (the first must not claim the
+    prompt's block hashes and then drop them): the prompt is found again."""
+    from app.engine.sampler import NO_TOKEN
+
+    core = local_engine(loaded.model, KVCacheConfig(256, BLOCK), SchedulerConfig(8, 512, 4096, True), "m")
+    real = core.executor.runner.execute
+
+    def execute(output):
+        result = real(output)
+        if "x" in result.sampled:
+            result.sampled["x"] = NO_TOKEN
+        return result
+
+    core.executor.runner.execute = execute
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    for request_id in ("x", "y"):
+        core.add_request(request_id, prompts[4], plain, loaded.tokenizer.eos_token_id)
+    reasons = {}
+    while core.has_work():
+        reasons.update({d.request_id: d.finish_reason for d in core.step() if d.finish_reason is not None})
+    assert reasons == {"x": FinishReason.ABORT, "y": FinishReason.LENGTH}
+    hits = core.kv.hits
+    core.add_request("z", prompts[4], plain, loaded.tokenizer.eos_token_id)
+    while core.has_work():
+        core.step()
+    assert core.kv.hits - hits >= (len(prompts[4]) - 1) // BLOCK * BLOCK > 0
+
+
 def test_runner_stages_a_step_as_make_batch_does(loaded):
     """The runner's vectorised staging gives the same batch as the plain per-token reference, also when a
     narrower step follows a wider one in the same buffers."""

@@ -124,6 +124,28 @@ def test_the_engines_warm_start_reads_the_cached_export_and_its_eos_as_transform
     assert cached_export(ModelSource(source.path.parent / "elsewhere.gguf", "gguf", "x")) is None
 
 
+def test_a_warm_start_from_an_export_that_went_away_leaves_the_first_grammar_to_build_it(text, hf):
+    """Grammars.warm_from (the serving engine's start) reads the export on the grammar thread; where it is gone by
+    then, nothing fails for good: the first grammar builds the tokenizer from the engine's own source, as without
+    a warm start."""
+    threads = []
+    gone = Grammars(lambda: threads.append(1) or text, VOCAB)
+    try:
+        gone.warm_from(lambda: None, "as the engine started")
+        gone._tokenizer.result(timeout=60)  # (read and found gone before the first grammar comes)
+        grammar = grammar_for("regex", "[0-9]+")
+        assert not gone.prepare(grammar, hf.eos_token_id).result(timeout=60).is_error()
+        assert threads == [1] and not gone.matcher(grammar, hf.eos_token_id).is_error()
+    finally:
+        gone.close()
+    warm = Grammars(None, VOCAB)  # no source of its own: the export is all it has
+    try:
+        warm.warm_from(lambda: (text, hf.eos_token_id), "as the engine started")
+        assert not warm.matcher(grammar_for("regex", "a+"), hf.eos_token_id).is_error()
+    finally:
+        warm.close()
+
+
 def test_an_engine_without_a_tokenizer_fails_the_request_once_and_says_why():
     calls = []
     broken = Grammars(lambda: calls.append(1) or "not a tokenizer", VOCAB)

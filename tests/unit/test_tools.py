@@ -834,7 +834,7 @@ def test_xml_values_take_their_schemas_type_or_stay_text():
     assert xml_value('{"a": 1}', {"type": "array"}) == '{"a": 1}' and xml_value("[1]", {"type": ["object", "array"]}) == [1]
     assert xml_value("3", {"type": ["boolean", "integer"]}) == 3 and xml_value("x", {"anyOf": [{"type": "integer"}]}) == "x"
     assert xml_call("\n<function=f>\n</function>\n", {}) == ("f", "{}")  # no arguments
-    assert xml_call("<function=f>\n<parameter=s>\n[\"\\ud83d\"]\n</parameter>", {"f": {"s": {"type": "array"}}}) is None
+    assert xml_call("<function=f>\n<parameter=s>\n[\"\\ud83d\"]\n</parameter>\n</function>", {"f": {"s": {"type": "array"}}}) is None
     assert xml_call('{"name": "f", "arguments": {}}', {}) is None  # Hermes' JSON is not this format's
 
 
@@ -863,3 +863,52 @@ def test_a_free_block_the_answer_ended_in_is_a_call_where_it_is_one():
     held = HermesReader(held=True)
     held.feed('<tool_call>\n{"name": "search", "arguments": {"q": "a')
     assert held.finish() == ("", []) and not held.closed  # a held answer cut short: its call so far, not closed
+
+
+def test_xml_values_that_no_answer_could_carry_stay_text_and_nothing_crashes():
+    """From the review: an integer past Python's digit limit, NaN inside an object, a schema whose `properties` is
+    not an object, a name the API would refuse: text or no call, never an exception (a 500); `None` (a template's
+    Python spelling) is null only where the schema allows it."""
+    from app.server.tools import UNFINISHED, xml_call, xml_value
+
+    long = "7" * 5000
+    assert xml_value(long, {"type": "integer"}) == long and xml_value(long, {"type": "number"}) == long
+    assert xml_value('{"a": NaN}', {"type": "object"}) == '{"a": NaN}' and xml_value("[Infinity]", {"type": "array"}) == "[Infinity]"
+    assert xml_value("1_000", {"type": "number"}) == "1_000"
+    assert xml_value("None", {"type": ["integer", "null"]}) is None and xml_value("None", {"type": "integer"}) is None
+    assert xml_value("None", {"type": "string"}) == "None" and xml_value("None", None) == "None"
+    block = "<function=f>\n<parameter=n>\n" + long + "\n</parameter>\n</function>"
+    assert xml_call(block, {"f": ["not", "an", "object"]}) == ("f", json.dumps({"n": long}))
+    assert xml_call(block, {"f": {"n": {"type": "integer"}}}) == ("f", json.dumps({"n": long}))
+    assert xml_call("<function=zz z>\n</function>", {}) is None  # not a function name the API allows
+    assert xml_call("<function=f>\n<parameter=s>\nrm -rf /tmp/x", {}) is UNFINISHED  # no end yet: no call
+    reader = HermesReader(parse=partial_xml())
+    assert reader.feed("<tool_call>\n" + block + "\n</tool_call>")[0] == "" and len(reader.calls()) == 1
+
+
+def partial_xml():
+    from functools import partial
+
+    from app.server.tools import xml_call
+
+    return partial(xml_call, properties=XML_PROPERTIES)
+
+
+def test_an_xml_value_may_hold_the_tags_and_a_cut_call_is_no_call():
+    """A value holding `</tool_call>`, `<tool_call>` or `</parameter>` (code, docs: Qwen3-Coder's users write them)
+    stays whole, streamed at any piece boundary or not (the block ends at the closing tag after `</function>`); an
+    answer cut inside a value (max_tokens) gives no call, its text as content."""
+    value = 'See <tool_call> and </tool_call>; a "</parameter>" too.\nline 2'
+    text = (f"<tool_call>\n<function=search>\n<parameter=q>\n{value}\n</parameter>\n<parameter=score>\n1.5\n"
+            "</parameter>\n</function>\n</tool_call>\nAfter.")
+    rng = random.Random(2)
+    for trial in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
+        reader = HermesReader(parse=partial_xml())
+        content, streamed = _read_hermes(reader, text, cuts)
+        assert content == "After." and [json.loads(c["function"]["arguments"]) for c in reader.calls()] == [
+            {"q": value, "score": 1.5}] and reader.closed
+    cut = HermesReader(parse=partial_xml())
+    answer = "<tool_call>\n<function=search>\n<parameter=q>\nrm -rf /tmp/x"
+    assert cut.feed(answer) == ("", []) and cut.finish() == (answer, []) and not cut.calls() and not cut.closed
+
