@@ -4,9 +4,9 @@ pooling models), on the generative model this appliance serves.
 Each input's embedding is its last token's final hidden state, after the model's last norm, L2-normalized: vLLM's
 default pooling for a decoder model (`LAST`, normalized), and what llama.cpp's `--pooling last` gives. The engine
 computes the prompt as for a completion of one token (SamplingParams.embed) and sends the vector with that token,
-which is not shown; a prompt whose blocks are in the prefix cache computes its last token alone, and gives the same
-vector. An instruction-tuned chat model is no trained embedding model: its vectors serve retrieval less well than a
-model made for it would.
+which is not shown; a prompt whose blocks are in the prefix cache computes only the rest, and gives the same vector
+but for rounding (~2e-4). A request's inputs go to the engine in waves (`WAVE`). An instruction-tuned chat model is
+no trained embedding model: its vectors serve retrieval less well than a model made for it would.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from app.server.protocol import EmbeddingRequest
 
 # More inputs than this are encoded off the event loop (2,048 inputs of SmolLM2's 576 floats are ~14 MB of JSON)
 BIG_ANSWER = 16
+# Inputs in the engine at once for one request, in waves (a completion's most sequences, openai_api.MAX_SEQUENCES):
+# 2,048 at once would overflow the engine's waiting queue (256 by default) and crowd out every other client
+WAVE = 64
 
 
 async def embeddings(request: Request) -> Response:
@@ -35,22 +38,25 @@ async def embeddings(request: Request) -> Response:
         raise APIError(400, "dimensions: this model's embeddings cannot be shortened (it is no Matryoshka "
                             "embedding model); leave dimensions out", "dimensions", "invalid_value")
     prompts = await ctx.prompt_ids(body.input, "input")
-    gen = Generation(ctx.engine, ctx.metrics, ctx.tokenizer, SamplingParams(temperature=0, max_tokens=1, embed=True),
-                     ctx.eos_token_id, "embd")
     for ids in prompts:
-        ctx.output_limit(ids, None, "input", "input")  # a 400 where the input fills the context
-        add_prompt(gen, ids, 1, 1)
-    await start_generation(gen)
-    await collect(gen, request)
-    missing = [seq.index for seq in gen.sequences if seq.text.embedding is None]
-    if missing:  # the engine ended it without one (its logits were not finite numbers: a broken model)
-        raise APIError(500, f"the engine could not compute the embedding of input {missing[0]}", "input",
-                       "internal_error")
+        ctx.output_limit(ids, None, "input", "input")  # a 400 where an input fills the context, before any runs
+    vectors: list[list[float]] = []
+    for first in range(0, len(prompts), WAVE):  # (up to 2,048 inputs: the engine's queue holds 256 requests)
+        gen = Generation(ctx.engine, ctx.metrics, ctx.tokenizer,
+                         SamplingParams(temperature=0, max_tokens=1, embed=True), ctx.eos_token_id, "embd")
+        for ids in prompts[first:first + WAVE]:
+            add_prompt(gen, ids, 1, 1)
+        await start_generation(gen)
+        await collect(gen, request)
+        missing = [first + seq.index for seq in gen.sequences if seq.text.embedding is None]
+        if missing:  # the engine ended it without one (its logits were not finite numbers: a broken model)
+            raise APIError(500, f"the engine could not compute the embedding of input {missing[0]}", "input",
+                           "internal_error")
+        vectors += [seq.text.embedding for seq in gen.sequences]
 
     def answer() -> dict:
-        data = [{"object": "embedding", "index": seq.index, "embedding": _encoded(seq.text.embedding,
-                                                                                body.encoding_format)}
-                for seq in gen.sequences]
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
+                for i, vector in enumerate(vectors)]
         tokens = sum(len(ids) for ids in prompts)
         return {"object": "list", "data": data, "model": ctx.served_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

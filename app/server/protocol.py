@@ -473,7 +473,7 @@ class EmbeddingRequest(_Body):
     def _some_but_not_too_many(cls, value):
         if isinstance(value, list) and not value:
             raise ValueError("input must not be empty")
-        if isinstance(value, list) and len(value) > 2048:
+        if isinstance(value, list) and not isinstance(value[0], int) and len(value) > 2048:  # (one token list: any)
             raise ValueError("input holds at most 2048 texts or token lists (OpenAI's limit)")
         return value
 

@@ -758,3 +758,13 @@ def test_embeddings_are_the_models_normalized_last_hidden_states(client):
     assert float(np.dot(by_ids, vectors[0])) > 0.9999
     similarity = vectors @ vectors.T
     assert similarity[0, 1] > similarity[0, 2] and similarity[0, 1] > similarity[1, 2]
+    # more inputs than the engine's waiting queue holds (256): in waves of 64, every one answered in order
+    many = [f"{texts[i % 3]} ({i})" for i in range(300)]
+    waves = client.embeddings.create(model=MODEL, input=many, encoding_format="float")
+    assert [d.index for d in waves.data] == list(range(300))
+    for i in (0, 64, 299):
+        alone = client.embeddings.create(model=MODEL, input=many[i], encoding_format="float").data[0].embedding
+        assert float(np.dot(alone, waves.data[i].embedding)) > 0.9999
+    # one input of token ids longer than 2,048 (the limit counts inputs, not a list's tokens)
+    long_ids = (ids[2] * 400)[:2100]
+    assert client.embeddings.create(model=MODEL, input=long_ids).usage.prompt_tokens == 2100
