@@ -46,17 +46,33 @@ def write_gguf(w) -> None:
 
 
 def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: int, inter: int, heads: int,
-                      kv_heads: int, vocab: int, qkv_bias: bool = False, **metadata) -> None:
-    """A whole Llama-family model of random float32 weights (with Qwen2's QKV biases if `qkv_bias`);
-    `metadata` goes to `new_gguf` (rms_eps, rope_base, tokenizer_of...)."""
+                      kv_heads: int, vocab: int, qkv_bias: bool = False, experts: int = 0, experts_used: int = 2,
+                      expert_inter: int = 0, expert_type: str = "F32", **metadata) -> None:
+    """A whole Llama-family model of random float32 weights (with Qwen2's QKV biases if `qkv_bias`, Qwen3's
+    Q/K norms for qwen3 and qwen3moe); with `experts`, a mixture of them in every layer (each of
+    `expert_inter` features, weights of `expert_type`: F32, a type gguf quantizes, or a K-quant) in place of
+    the MLP; `metadata` goes to `new_gguf` (rms_eps, rope_base, tokenizer_of...)."""
+    import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
     w = new_gguf(path, arch, layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv_heads, vocab=vocab,
                  **metadata)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(expert_inter)
 
-    def add(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale + offset).astype(np.float32))
+    def add(name: str, *shape: int, scale: float = 0.05, offset: float = 0.0, kind: str = "F32") -> None:
+        values = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
+        if kind == "F32":
+            w.add_tensor(name, values)
+            return
+        qtype = gguf.GGMLQuantizationType[kind]
+        flat = values.reshape(-1, shape[-1])
+        blocks = quantize_k(flat, kind) if kind.endswith("_K") or kind.startswith("IQ4") \
+            else gguf.quants.quantize(flat, qtype)
+        w.add_tensor(name, blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
 
     d = hidden // heads
     add("token_embd.weight", vocab, hidden, scale=0.5)
@@ -68,9 +84,18 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
             if qkv_bias:
                 add(f"blk.{i}.attn_{name}.bias", rows, scale=0.5)
         add(f"blk.{i}.attn_output.weight", hidden, heads * d)
-        add(f"blk.{i}.ffn_gate.weight", inter, hidden)
-        add(f"blk.{i}.ffn_up.weight", inter, hidden)
-        add(f"blk.{i}.ffn_down.weight", hidden, inter)
+        if arch in ("qwen3", "qwen3moe"):
+            add(f"blk.{i}.attn_q_norm.weight", d, offset=1.0)
+            add(f"blk.{i}.attn_k_norm.weight", d, offset=1.0)
+        if experts:
+            add(f"blk.{i}.ffn_gate_inp.weight", experts, hidden, scale=0.5)
+            add(f"blk.{i}.ffn_gate_exps.weight", experts, expert_inter, hidden, kind=expert_type)
+            add(f"blk.{i}.ffn_up_exps.weight", experts, expert_inter, hidden, kind=expert_type)
+            add(f"blk.{i}.ffn_down_exps.weight", experts, hidden, expert_inter, kind=expert_type)
+        else:
+            add(f"blk.{i}.ffn_gate.weight", inter, hidden)
+            add(f"blk.{i}.ffn_up.weight", inter, hidden)
+            add(f"blk.{i}.ffn_down.weight", hidden, inter)
         add(f"blk.{i}.attn_norm.weight", hidden, offset=1.0)
         add(f"blk.{i}.ffn_norm.weight", hidden, offset=1.0)
     write_gguf(w)

@@ -1,7 +1,9 @@
 """The hyper-parameters of a Llama-family decoder, read from GGUF metadata or a HF config.json.
 
 Llama 2/3, SmolLM2, TinyLlama and Mistral are the plain architecture; Qwen2 adds a bias to the
-Q/K/V projections and Qwen3 an RMSNorm on each head of Q and K.
+Q/K/V projections and Qwen3 an RMSNorm on each head of Q and K. Mixtral (a "llama" GGUF file with
+experts) and Qwen3-MoE (Qwen3's attention) replace the MLP with a mixture of experts: a router picks
+each token's top-k experts, SwiGLU MLPs of their own, and weighs their outputs.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "MixtralForCausalLM": ("llama", False, False),
+    "Qwen3MoeForCausalLM": ("qwen3moe", False, True),
 }
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# (a "llama" file with experts is Mixtral's)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
 
 
 class UnsupportedModel(ValueError):
@@ -48,6 +54,20 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     rotary_dim: int | None = None  # None: the whole head
+    # a mixture of experts (0 experts: every layer's MLP is dense)
+    num_experts: int = 0
+    experts_per_token: int = 0  # the top k a token is routed to
+    expert_intermediate_size: int = 0  # each expert's MLP features
+    norm_topk_prob: bool = True  # the k chosen weights rescaled to sum to 1 (Mixtral, Qwen3-MoE)
+    dense_layers: frozenset[int] = frozenset()  # an MoE model's layers of a dense MLP (Qwen3-MoE's mlp_only_layers)
+
+    def __post_init__(self):
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise UnsupportedModel(f"a mixture of {self.num_experts} experts that routes each token to "
+                                   f"{self.experts_per_token} of them (1 to {self.num_experts} would do)")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def qkv_bias(self) -> bool:
@@ -67,12 +87,19 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     name = (cfg.get("architectures") or ["?"])[0]
     _check_architecture(name)
     heads = int(cfg["num_attention_heads"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen3-MoE: every step-th layer has experts
+    dense = {i for i in range(layers) if i in set(cfg.get("mlp_only_layers") or ()) or (i + 1) % step}
+    if experts and name not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        raise UnsupportedModel(f"{name} with {experts} experts is not supported; mixtures of experts supported: "
+                               "MixtralForCausalLM, Qwen3MoeForCausalLM")
     return ModelConfig(
         architecture=name,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
@@ -81,6 +108,11 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=_hf_rope_scaling(_rope_parameters(cfg)),
+        num_experts=experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),  # (Mixtral's config has no such key: it always does)
+        dense_layers=frozenset(dense) if experts else frozenset(),
     )
 
 
@@ -110,11 +142,16 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output: bool) ->
     hidden = int(meta[f"{arch}.embedding_length"])
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rot = meta.get(f"{arch}.rope.dimension_count")
+    experts = int(meta.get(f"{arch}.expert_count", 0))
+    if experts and arch not in ("llama", "qwen3moe"):
+        raise UnsupportedModel(f"GGUF architecture {arch!r} with {experts} experts is not supported; mixtures of "
+                               "experts supported: llama (Mixtral), qwen3moe")
+    ffn = int(meta.get(f"{arch}.feed_forward_length", 0))
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture="MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        intermediate_size=ffn,
         num_layers=int(meta[f"{arch}.block_count"]),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
@@ -125,6 +162,10 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output: bool) ->
         tie_word_embeddings=not has_output,
         rope_scaling=_gguf_rope_scaling(meta, arch),
         rotary_dim=int(rot) if rot is not None and int(rot) != head_dim else None,
+        num_experts=experts,
+        experts_per_token=int(meta.get(f"{arch}.expert_used_count", 0)) if experts else 0,
+        expert_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", ffn)) if experts else 0,
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),  # llama.cpp: true for both
     )
 
 

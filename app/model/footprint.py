@@ -22,6 +22,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PARTS = (("embedding", (".token_embd.", ".embed_tokens.")), ("lm_head", (".output.weight", ".lm_head.")),
          ("attention_q", (".attn_q.", ".attn_output.", ".q_proj.", ".o_proj.")),
          ("attention_kv", (".attn_k.", ".attn_v.", ".k_proj.", ".v_proj.")),
+         ("experts", (".ffn_gate_exps.", ".ffn_up_exps.", ".ffn_down_exps.", ".experts.")),
          ("mlp", (".ffn_gate.", ".ffn_up.", ".ffn_down.", ".gate_proj.", ".up_proj.", ".down_proj.")))
 
 
@@ -34,11 +35,12 @@ class ParamCounts:
     attention_q: int = 0  # query and output projections: split with the query heads
     attention_kv: int = 0  # key and value projections: split with the KV heads, replicated past their count
     mlp: int = 0  # split with the intermediate features
-    other: int = 0  # replicated
+    other: int = 0  # replicated (a mixture of experts' router too)
+    experts: int = 0  # a mixture of experts' MLPs: split with each expert's features
 
     @classmethod
     def of(cls, shapes: dict[str, tuple[int, ...] | list[int]]) -> ParamCounts:
-        counts = dict.fromkeys(("embedding", "lm_head", "attention_q", "attention_kv", "mlp", "other"), 0)
+        counts = dict.fromkeys(("embedding", "lm_head", "attention_q", "attention_kv", "mlp", "other", "experts"), 0)
         for name, shape in shapes.items():
             part = next((part for part, marks in PARTS if any(m in f".{name}" for m in marks)), "other")
             counts[part] += _product(shape)
@@ -46,7 +48,8 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.embedding + self.lm_head + self.attention_q + self.attention_kv + self.mlp + self.other
+        return self.embedding + self.lm_head + self.attention_q + self.attention_kv + self.mlp + self.other \
+            + self.experts
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ModelFootprint:
     head_dim: int
     context_length: int
     intermediate_size: int = 0
+    expert_intermediate_size: int = 0  # each expert's features in a mixture of experts
     params: ParamCounts | None = None  # None: only the total is known, split evenly
     kept: ParamCounts | None = None  # of the params, those in GGUF blocks that stay quantized at load
     kept_bytes: ParamCounts | None = None  # and their bytes
@@ -73,7 +77,8 @@ class ModelFootprint:
     def weight_bytes(self, dtype: str, tp: int = 1, rank: int = 0) -> int:
         """Resident weights of one TP rank: kept-quantized blocks as stored, the rest at the compute dtype;
         its heads' and MLP features' share of the layers, plus what every rank replicates and rank 0's LM head."""
-        if self.params is None or (tp > 1 and self.intermediate_size <= 0):
+        if self.params is None or (tp > 1 and (self.params.mlp and self.intermediate_size <= 0
+                                               or self.params.experts and self.expert_intermediate_size <= 0)):
             return self.num_params * DTYPE_BYTES[dtype] // tp
         expanded = self._share(self.params, tp, rank) - (self._share(self.kept, tp, rank) if self.kept else 0)
         kept = self._share(self.kept_bytes, tp, rank) if self.kept_bytes else 0
@@ -90,6 +95,10 @@ class ModelFootprint:
             extra += self.cut_bytes.attention_q * len(heads) // self.num_heads
         if features.start % 256 or features.stop % 256:
             extra += self.cut_bytes.mlp * len(features) // self.intermediate_size
+        if self.cut_bytes.experts:
+            features = split_evenly(self.expert_intermediate_size, tp)[rank]
+            if features.start % 256 or features.stop % 256:
+                extra += self.cut_bytes.experts * len(features) // self.expert_intermediate_size
         return extra
 
     def _share(self, p: ParamCounts, tp: int, rank: int) -> int:
@@ -97,10 +106,12 @@ class ModelFootprint:
             return p.total
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank]
         features = len(split_evenly(self.intermediate_size, tp)[rank])
+        per_expert = len(split_evenly(self.expert_intermediate_size, tp)[rank])
         return (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
                 + p.attention_q * len(heads.q_heads) // self.num_heads
                 + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads
-                + p.mlp * features // self.intermediate_size)
+                + (p.mlp * features // self.intermediate_size if p.mlp else 0)
+                + (p.experts * per_expert // self.expert_intermediate_size if p.experts else 0))
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """K and V of every layer for one token on one rank (KV heads are split across TP ranks)."""
@@ -134,7 +145,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
     kept_bytes = {name: (_packed_bytes(shape, kept_as[name]),) for name, shape in kept.items()}
     cut_bytes = {name: (_packed_bytes(shape, IN_BLOCKS_OF_32[kept_as[name]]) - kept_bytes[name][0],)
                  for name, shape in kept.items() if kept_as[name] in IN_BLOCKS_OF_32
-                 and any(part in f".{name}" for part in (".attn_output.", ".ffn_down."))}
+                 and any(part in f".{name}" for part in (".attn_output.", ".ffn_down.", ".ffn_down_exps."))}
     return ModelFootprint(
         architecture=arch,
         num_params=params.total,
@@ -144,6 +155,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
         intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)),
+        expert_intermediate_size=_expert_features(header.tensor_shapes),
         params=params,
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of(kept_bytes) if kept else None,
@@ -151,7 +163,8 @@ def _from_gguf(path: Path) -> ModelFootprint:
     )
 
 
-FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))  # projections the model stacks into one weight
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"))  # projections
+# the model stacks into one weight (experts: each expert's)
 BF16 = 30  # GGML's id: BF16 weights load as bfloat16 at any compute dtype (app/model/loader.py, kept_bfloat16)
 
 
@@ -159,10 +172,13 @@ def _kept_as(header) -> dict[str, int | None]:
     """The packed type each tensor runs as, None for one expanded to the compute dtype: as app/model/quant.py's
     fuse_rows decides, a fused group with a float part is expanded (one of mixed quantized types runs as its
     parts, each in its own type)."""
+    def matrices(name: str, shape) -> bool:  # a weight, or a stack of experts' weights
+        return len(shape) == 2 or len(shape) == 3 and "_exps." in name
+
     kept_as = {name: KEPT_QUANT_TYPES[header.tensor_types[name]][1]
-               if header.tensor_types[name] in KEPT_QUANT_TYPES and len(shape) == 2
-               else BF16 if header.tensor_types[name] == BF16 and len(shape) == 2 and int(shape[0]) % 32 == 0 else None
-               for name, shape in header.tensor_shapes.items()}
+               if header.tensor_types[name] in KEPT_QUANT_TYPES and matrices(name, shape)
+               else BF16 if header.tensor_types[name] == BF16 and matrices(name, shape) and int(shape[0]) % 32 == 0
+               else None for name, shape in header.tensor_shapes.items()}
     layers = {name.split(".")[1] for name in kept_as if name.startswith("blk.")}
     for layer in layers:
         for group in FUSED:
@@ -193,13 +209,15 @@ def _from_hf(path: Path) -> ModelFootprint:
         head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
         context_length=int(config.get("max_position_embeddings", 2048)),
         intermediate_size=int(config.get("intermediate_size") or 0),
+        expert_intermediate_size=_expert_features(shapes),
         params=params,
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of({name: (_product(shape) * 2,) for name, shape in kept.items()}) if kept else None,
     )
 
 
-HF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # (HF names) stacked into one weight
+HF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))  # (HF names) stacked into
+# one weight (w1, w3: Mixtral's experts' gate and up)
 
 
 def fused_siblings(name: str, names) -> list[str]:
@@ -218,6 +236,17 @@ def _kept_bfloat16(shapes: dict[str, list[int]], dtypes: dict[str, str]) -> dict
 
     return {name: shape for name, shape in shapes.items()
             if kept(name) and all(kept(s) for s in fused_siblings(name, shapes))}
+
+
+def _expert_features(shapes: dict[str, tuple[int, ...] | list[int]]) -> int:
+    """Each expert's MLP features, from its down projection's shape (GGUF's stack [features, hidden, experts]
+    innermost first, an HF expert's [hidden, features]); 0 for a model without experts."""
+    for name, shape in shapes.items():
+        if name.endswith(".ffn_down_exps.weight"):
+            return int(shape[0])
+        if ".experts." in name and name.endswith((".down_proj.weight", ".w2.weight")):
+            return int(shape[1])
+    return 0
 
 
 def _safetensors_headers(file: Path) -> dict[str, tuple[str, list[int]]]:

@@ -1,19 +1,21 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias), Qwen3 (Q/K norm).
+"""The Llama-family decoder: Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias), Qwen3 (Q/K norm), and
+the mixtures of experts Mixtral and Qwen3-MoE.
 
 Built from a state dict in Hugging Face's parameter names (both loaders produce those). Q/K/V and
-gate/up projections are fused at build time, so each layer runs four GEMMs.
+gate/up projections are fused at build time, so each layer runs four GEMMs (a mixture of experts: two
+for each expert a step's tokens chose).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 
 import torch
 import torch.nn.functional as F
 
 from app.model.batch import ForwardBatch
 from app.model.config import ModelConfig
-from app.model.layers import MLP, Attention, DecoderLayer, KVCache
+from app.model.layers import MLP, Attention, DecoderLayer, KVCache, MoE
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from app.model.quant import Packed, PackedWeight, Weight, pack, storage
 from app.model.rope import cos_sin_table, inverse_frequencies
@@ -24,9 +26,10 @@ from app.parallel.shard import ShardSpec
 class LlamaForCausalLM:
     """One rank's part of the model: `weights` hold the shard `shard` describes (the whole model by default);
     `group` sums the row-parallel outputs. Rank 0 holds the LM head and computes logits. Quantized
-    weights meet activations as `activations` says (app/model/quant.py)."""
+    weights meet activations as `activations` says (app/model/quant.py). The model takes `weights` apart as it
+    is built: what it uses leaves the mapping."""
 
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, group=None,
+    def __init__(self, cfg: ModelConfig, weights: MutableMapping[str, Weight], dtype: torch.dtype, group=None,
                  shard: ShardSpec | None = None, activations: str = "int16"):
         self.cfg, self.dtype, self.activations = cfg, dtype, activations
         self.group = group or SingleRank()
@@ -59,10 +62,21 @@ class LlamaForCausalLM:
         k_norm = w.take(p + "self_attn.k_norm.weight") if self.cfg.qk_norm else None
         o = RowParallelLinear(w.take(p + "self_attn.o_proj.weight"), self.group, act)
         attention = Attention(self.cfg, self.shard.num_heads, self.shard.num_kv_heads, qkv, o, q_norm, k_norm)
-        gate_up = MergedColumnParallelLinear(w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight"), act)
-        mlp = MLP(gate_up, RowParallelLinear(w.take(p + "mlp.down_proj.weight"), self.group, act))
+        if self.cfg.is_moe_layer(i):
+            # each expert's down projection is summed over the group once, with the others (MoE)
+            experts = [self._mlp(w, p + f"mlp.experts.{e}.", SingleRank()) for e in range(self.cfg.num_experts)]
+            mlp = MoE(pack(w.take(p + "mlp.gate.weight"), act), experts, self.cfg.experts_per_token,
+                      self.cfg.norm_topk_prob, self.group)
+        else:
+            mlp = self._mlp(w, p + "mlp.", self.group)
         return DecoderLayer(attention, mlp, w.take(p + "input_layernorm.weight"),
                             w.take(p + "post_attention_layernorm.weight"), self.cfg.rms_norm_eps)
+
+    def _mlp(self, w: _Weights, prefix: str, group) -> MLP:
+        act = self.activations
+        gate, up = w.take(prefix + "gate_proj.weight"), w.take(prefix + "up_proj.weight")
+        gate_up = MergedColumnParallelLinear(gate, up, act)
+        return MLP(gate_up, RowParallelLinear(w.take(prefix + "down_proj.weight"), group, act))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[KVCache]) -> torch.Tensor:
@@ -86,7 +100,7 @@ class LlamaForCausalLM:
 
     def _native_stack(self, caches: list[KVCache]):
         """The native layer stack for these caches (built on first use), or None where a layer needs the
-        Python path: float32 weights, quantized ones under float activations, per-head Q/K norms."""
+        Python path: float32 weights, quantized ones under float activations, per-head Q/K norms, experts."""
         if self._stack is not None and self._stack[0] is caches:
             return self._stack[1]
         self._stack = (caches, self._build_stack(caches))
@@ -96,6 +110,8 @@ class LlamaForCausalLM:
         from app import kernels
         from app.model.quant import ACTIVATIONS, BF16
 
+        if self.cfg.num_experts:
+            return None
         linears = [(lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down) for lay in self.layers]
         weights = [lin.weight for group in linears for lin in group]
         # quantized weights under "float" activations take torch's GEMM for prompts: the Python layers
@@ -140,28 +156,33 @@ class LlamaForCausalLM:
         tensors = {id(t): t for t in self.tensors()}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
+    def linears(self) -> list:
+        """Every layer's linear layers (their `weight`s are what the kernels run)."""
+        return [lin for layer in self.layers for lin in (layer.attention.qkv, layer.attention.o, *layer.mlp.linears())]
+
     def tensors(self) -> list[torch.Tensor]:
         out = [s for t in (self.embed, self.norm, self.lm_head, self.cos_sin) if t is not None for s in storage(t)]
         for layer in self.layers:
             a = layer.attention
-            for linear in (a.qkv, a.o, layer.mlp.gate_up, layer.mlp.down):
-                out += linear.tensors()
+            out += a.qkv.tensors() + a.o.tensors() + layer.mlp.tensors()
             out += [layer.input_norm, layer.post_norm] + [t for t in (a.q_norm, a.k_norm) if t is not None]
         return out
 
 
 class _Weights:
     """Hands out each named tensor once, in the compute dtype (but a weight the loader kept as bfloat16 for the
-    kernels to pack: loader.kept_bfloat16), and notices what was never used."""
+    kernels to pack: loader.kept_bfloat16), and notices what was never used. Each leaves the mapping as it is
+    taken: the checkpoint's copy is freed once the model has packed or fused it, so a file's blocks and their
+    packed form are never all in memory at once (loading a 1.4 GiB Qwen3-MoE-shaped file: 3.5 GiB of anonymous
+    memory at the peak when the model kept them all, 1.7 GiB now; AMD Zen 3)."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype):
-        self.weights, self.dtype, self.used = weights, dtype, set()
+    def __init__(self, weights: MutableMapping[str, Weight], dtype: torch.dtype):
+        self.weights, self.dtype = weights, dtype
 
     def take(self, name: str) -> Weight:
         if name not in self.weights:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
-        self.used.add(name)
-        weight = self.weights[name]
+        weight = self.weights.pop(name)
         if not isinstance(weight, torch.Tensor):
             return weight  # quantized blocks
         if weight.dtype == torch.bfloat16 and weight.dim() == 2:
@@ -169,7 +190,7 @@ class _Weights:
         return weight.to(self.dtype).contiguous()
 
     def check_all_used(self, ignore: set[str]) -> None:
-        unused = sorted(set(self.weights) - self.used - ignore)
+        unused = sorted(set(self.weights) - ignore)
         if unused:
             raise ValueError(f"the checkpoint has tensors this architecture does not use: {', '.join(unused[:5])}"
                              + (f" and {len(unused) - 5} more" if len(unused) > 5 else ""))

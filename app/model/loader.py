@@ -11,6 +11,7 @@ import torch
 
 from app.model.config import ModelConfig
 from app.model.footprint import fused_siblings
+from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear
 from app.model.llama import LlamaForCausalLM
 from app.model.source import ModelSource
 from app.model.tokenizer import load_tokenizer
@@ -66,8 +67,10 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
     tok = load_tokenizer(source) if tokenizer else None
     template = _chat_template(tok, checkpoint.chat_template)
     seconds = time.perf_counter() - start
-    part = f" (TP rank {rank} of {size}: {shard.num_heads} query / {shard.num_kv_heads} KV heads, " \
-           f"{len(shard.intermediate)} MLP features)" if size > 1 else ""
+    mlp = f"{len(shard.expert_features)} features of each expert" if checkpoint.config.num_experts \
+        else f"{len(shard.intermediate)} MLP features"
+    part = f" (TP rank {rank} of {size}: {shard.num_heads} query / {shard.num_kv_heads} KV heads, {mlp})" \
+        if size > 1 else ""
     log.info("loaded %s (%s, %d layers) as %s in %.1f s: %s of weights resident%s%s", source.served_name,
              checkpoint.config.architecture, checkpoint.config.num_layers, dtype, seconds,
              format_size(model.resident_bytes()), part, _weight_types(checkpoint, keep, dtype, activations, model))
@@ -99,9 +102,8 @@ def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -
     if not isinstance(checkpoint, GGUFCheckpoint):
         from app.model.quant import PackedWeight
 
-        linears = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.attention.o, lay.mlp.gate_up,
-                                                                  lay.mlp.down)]
-        kept = dtype == "float32" and any(isinstance(w, PackedWeight) and w.type_name == "BF16" for w in linears)
+        kept = dtype == "float32" and any(isinstance(lin.weight, PackedWeight) and lin.weight.type_name == "BF16"
+                                          for lin in model.linears())
         return "; bfloat16 weights kept as bfloat16, multiplied in float32" if kept else ""
     from app.model.quant import KEPT_TYPES, PackedParts
 
@@ -111,7 +113,7 @@ def _weight_types(checkpoint, keep: bool, dtype: str, activations: str, model) -
     said = f"; kept quantized: {', '.join(kept)} (activations: {activations})" if kept else ""
     if keep and dtype == "float32" and "BF16" in types:
         said += "; BF16 weights kept as bfloat16, multiplied in float32"
-    fused = [lin.weight for lay in model.layers for lin in (lay.attention.qkv, lay.mlp.gate_up)]
+    fused = [lin.weight for lin in model.linears() if isinstance(lin, QKVParallelLinear | MergedColumnParallelLinear)]
     mixed = sum(isinstance(w, PackedParts) for w in fused)
     if mixed:
         said += f"; {mixed} fused projection(s) of mixed types run as their parts"

@@ -52,7 +52,8 @@ def load_tokenizer(source: ModelSource):
 # The class `AutoTokenizer` takes for each GGUF architecture we run (its TOKENIZER_MAPPING_NAMES; None:
 # TokenizersBackend), named here because importing that table imports torch through transformers'
 # configuration classes. tests/model/test_tokenizer_cache.py checks that the two agree.
-GGUF_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer"}
+GGUF_TOKENIZER_CLASSES = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "qwen3": "Qwen2Tokenizer",
+                          "qwen3moe": "Qwen2Tokenizer"}
 
 
 def gguf_tokenizer_class(path: Path):

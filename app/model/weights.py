@@ -9,6 +9,7 @@ that one NeoX-layout rotary kernel serves every format.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,11 @@ GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weigh
 GGUF_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
               "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
+# a mixture of experts' weights, all experts of a layer in one tensor (older Mixtral files: one per expert,
+# blk.<i>.ffn_gate.<expert>.weight)
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # (IQ1_S to IQ3_S have no kernel: gguf dequantizes them at load)
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
               "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
@@ -52,7 +57,8 @@ class GGUFCheckpoint:
         self._sizes = GGML_QUANT_SIZES
 
     def __len__(self) -> int:
-        return len(self.header.tensor_shapes)
+        """How many tensors `tensors` yields (a stack of experts' weights as its experts)."""
+        return sum(int(dims[2]) if _EXPERTS.fullmatch(name) else 1 for name, dims in self.header.tensor_shapes.items())
 
     def _raw(self, data: np.ndarray, name: str) -> np.ndarray:
         """A tensor's bytes in the file, [..., bytes of one innermost row] (outer dimensions first)."""
@@ -67,21 +73,22 @@ class GGUFCheckpoint:
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Every tensor by HF name; with `keep_quantized`, 2-D weights of a kept type as QuantizedTensor and BF16
-        ones as bfloat16 (their bits: the kernels take them packed, app/model/quant.py `pack`)."""
-        import gguf
-
+        ones as bfloat16 (their bits: the kernels take them packed, app/model/quant.py `pack`). A mixture of
+        experts' stacked weights (ffn_gate_exps: [experts, rows, columns]) come out one expert at a time, as
+        the Hugging Face checkpoints name them."""
         arch = self.meta["general.architecture"]
         data = np.memmap(self.path, dtype=np.uint8, mode="c")  # copy-on-write: gguf's dequantizers read it in place
         for gguf_name, dims in self.header.tensor_shapes.items():
-            name, qtype, raw = _hf_name(gguf_name), self._types[gguf_name], self._raw(data, gguf_name)
-            if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
-                blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
-                weight = QuantizedTensor(blocks, KEPT_TYPES[qtype.value][1], int(dims[0]))
-            elif keep_quantized and qtype.name == "BF16" and len(dims) == 2:
-                weight = torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)  # a copy, [rows, cols]
-            else:
-                values = gguf.quants.dequantize(raw, qtype)
-                weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only
+            qtype, raw = self._types[gguf_name], self._raw(data, gguf_name)
+            stacked = _EXPERTS.fullmatch(gguf_name)
+            if stacked:
+                layer, kind = stacked.groups()
+                for expert in range(int(dims[2])):
+                    name = f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
+                    yield name, _tensor(raw[expert], qtype, dims[:2], keep_quantized)
+                continue
+            name = _hf_name(gguf_name)
+            weight = _tensor(raw, qtype, dims, keep_quantized)
             if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 heads = self.config.num_heads if ".q_proj" in name else self.config.num_kv_heads
                 weight = _unpermute(weight, heads)
@@ -95,6 +102,19 @@ class GGUFCheckpoint:
         return dict(Counter(t.name for t in self._types.values()))
 
 
+def _tensor(raw: np.ndarray, qtype, dims, keep_quantized: bool) -> torch.Tensor | QuantizedTensor:
+    """One tensor of the file from its bytes `raw` (GGUF type `qtype`, dimensions `dims` innermost first)."""
+    import gguf
+
+    if keep_quantized and qtype.value in KEPT_TYPES and len(dims) == 2:
+        blocks = torch.from_numpy(np.array(raw)).reshape(int(dims[1]), -1)  # a copy
+        return QuantizedTensor(blocks, KEPT_TYPES[qtype.value][1], int(dims[0]))
+    if keep_quantized and qtype.name == "BF16" and len(dims) == 2:
+        return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)  # a copy, [rows, cols]
+    values = gguf.quants.dequantize(raw, qtype)
+    return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only
+
+
 def _vocab_size(meta: dict) -> int:
     tokens = meta.get("tokenizer.ggml.tokens")  # the vocabulary array, read as its length
     return int(tokens) if tokens is not None else int(meta.get(f"{meta['general.architecture']}.vocab_size", 0))
@@ -103,6 +123,10 @@ def _vocab_size(meta: dict) -> int:
 def _hf_name(name: str) -> str:
     if name in GGUF_TOP:
         return GGUF_TOP[name]
+    one = _ONE_EXPERT.fullmatch(name)
+    if one:
+        layer, kind, expert = one.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
     parts = name.split(".")  # blk.<i>.<kind>.<weight|bias>
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_BLOCK:
         return f"model.layers.{parts[1]}.{GGUF_BLOCK[parts[2]]}.{parts[3]}"
@@ -143,4 +167,17 @@ class HFCheckpoint:
         for file in self.files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield _mixtral_name(name), f.get_tensor(name)
+
+
+_MIXTRAL = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def _mixtral_name(name: str) -> str:
+    """Mixtral's names for its experts (block_sparse_moe.experts.<e>.w1) as Qwen3-MoE's (mlp.experts.<e>.gate_proj),
+    which the model takes."""
+    if "block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL.items():
+        name = name.replace(old, new)
+    return name

@@ -5,7 +5,8 @@ to the number of query heads works, not only divisors: KV heads are dealt out as
 heads allow (SmolLM2, 9 query / 3 KV heads, at tp=2: 6+3 query and 2+1 KV heads); with more ranks
 than KV heads, each KV head is replicated on a run of ranks that split its query heads (vLLM's
 rule; 8 / 2 at tp=4: every rank has 2 query heads and 1 KV head). The MLP's intermediate features
-are split evenly (gate/up by rows, down by columns). Q/K/V and gate/up are column-parallel, the
+are split evenly (gate/up by rows, down by columns); in a mixture of experts, each expert's features are
+(every rank runs every expert on its features; the router is replicated). Q/K/V and gate/up are column-parallel, the
 output and down projections row-parallel with one all-reduce each: two per layer. Embeddings and
 norms are replicated; the LM head lives on rank 0 only, which samples.
 
@@ -30,11 +31,13 @@ class ShardSpec:
     heads: HeadSplit
     intermediate: range  # this rank's MLP features
     head_dim: int
+    expert_features: range = range(0)  # this rank's features of each expert
 
     @classmethod
     def of(cls, cfg, rank: int, size: int) -> ShardSpec:
         heads = split_heads(cfg.num_heads, cfg.num_kv_heads, size)[rank]
-        return cls(rank, size, heads, split_evenly(cfg.intermediate_size, size)[rank], cfg.head_dim)
+        return cls(rank, size, heads, split_evenly(cfg.intermediate_size, size)[rank], cfg.head_dim,
+                   split_evenly(cfg.expert_intermediate_size, size)[rank])
 
     @classmethod
     def whole(cls, cfg) -> ShardSpec:
@@ -62,6 +65,10 @@ class ShardSpec:
             return ColumnParallelLinear.shard(tensor, kv)
         if name.endswith("self_attn.o_proj.weight"):
             return RowParallelLinear.shard(tensor, q)
+        if ".mlp.experts." in name:
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                return ColumnParallelLinear.shard(tensor, self.expert_features)
+            return RowParallelLinear.shard(tensor, self.expert_features)
         if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
             return ColumnParallelLinear.shard(tensor, self.intermediate)
         if name.endswith("mlp.down_proj.weight"):
