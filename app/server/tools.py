@@ -90,7 +90,8 @@ class ToolPlan:
             return HermesReader(held=self.mode != "auto")
         if self.format == "qwen3_xml":  # held or not, each call read whole at its closing tag
             properties = {t.function.name: (t.function.parameters or {}).get("properties") for t in self.tools}
-            return HermesReader(parse=partial(xml_call, properties=properties))
+            held = self.mode != "auto"  # a held answer read as its grammar writes it (values end at _XML_STOP)
+            return HermesReader(parse=partial(held_xml_call if held else xml_call, properties=properties), forced=held)
         if self.format == "llama3_json":
             return ToolCallReader(None, auto=self.mode == "auto", single=True)
         if self.format == "mistral":
@@ -160,6 +161,7 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
     tool = None if choice in ("required", "auto") else _named(choice, body.tools)
     if fmt == "qwen3_xml":  # "auto" read out of the free text, as Hermes'; the forced choices held to the XML
+        _check_xml_names(body.tools)
         if choice == "auto":
             return ToolPlan("auto", body.tools, format=fmt)
         chosen, first = ([tool], body.tools.index(tool)) if tool is not None else (body.tools, 0)
@@ -180,6 +182,19 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if choice == "required":
         return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
     return ToolPlan("auto", body.tools, constraint=("grammar", _or_text(schema, JSON_OPTIONS, "["), "tools"))
+
+
+def _check_xml_names(tools: list[Tool]) -> None:
+    """A 400 for a parameter name Qwen3-Coder's XML cannot carry: `<parameter=NAME>` ends at the first `>` and line,
+    and its readers (ours, vLLM's) take names of 1 to 256 characters without `<`, `>` or a line break, their ends
+    trimmed."""
+    for i, tool in enumerate(tools):
+        properties = (tool.function.parameters or {}).get("properties")
+        for key in properties if isinstance(properties, dict) else ():
+            if not key or len(key) > 256 or key != key.strip() or any(c in key for c in "<>\r\n"):
+                raise APIError(400, f"tools[{i}]: the parameter name {key[:60]!r} cannot be written in this model's "
+                                    "XML tool calls (<parameter=NAME>): give names of 1 to 256 characters without "
+                                    "'<', '>' or line breaks, and no spaces at their ends", "tools", "invalid_value")
 
 
 def _hermes_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, special: dict[str, int]) -> ToolPlan:
@@ -653,9 +668,12 @@ class HermesReader:
     block becomes a call once it is whole (at its closing tag; a call whose closing tag was left out before the next
     call's opening one, too) and is one: a JSON object with a name and an object of arguments (or `parameters`, or
     the arguments' JSON in a string), in any order and spacing. A block that is no call stays text. Text that may
-    begin a tag is held back until it is known not to; whitespace after a call is no content."""
+    begin a tag is held back until it is known not to; whitespace after a call is no content. `forced`: a grammar
+    holds the answer to calls, each read whole by `parse` (Qwen3-Coder's XML under "required" or a named function):
+    a call the answer's end cut short is no text either (`held` implies it)."""
 
     held: bool = False
+    forced: bool = False
     parse: Callable[[str], Any] = field(default=None)  # a free block's call (default: JSON's; xml_call's UNFINISHED)
     _calls: list[_Call] = field(default_factory=list)
     _whole: int = 0  # calls that ended whole
@@ -683,7 +701,7 @@ class HermesReader:
         self._at = len(self._text)
         if self._state == "text":
             return self._content(rest)
-        if self._state == "head":
+        if self._state == "head" and not (self.held or self.forced):
             return self._content(_OPEN + rest)
         return ""  # the rest of a call cut short
 
@@ -833,6 +851,38 @@ def xml_call(block: str, properties: dict[str, dict], ended: bool = False) -> tu
     call = name, _dump(arguments)
     try:
         "".join(call).encode()  # a lone surrogate (from an argument's JSON, "\\ud83d") is no text a response carries
+    except UnicodeEncodeError:
+        return None
+    return call
+
+
+def held_xml_call(block: str, properties: dict[str, dict], ended: bool = False) -> tuple[str, str] | _Unfinished | None:
+    """A block of an answer `_xml_grammar` held, read as the grammar writes it: `<function=NAME>` and a newline,
+    then for each argument `<parameter=KEY>`, a newline, the value and `_XML_STOP` (the first one after the value's
+    start ends it: the grammar's stop), then `</function>`. Unlike `xml_call`'s reading of free text, tags and text
+    inside a value stay the value's; UNFINISHED until the function's end (`ended` changes nothing: a held block
+    ends only so)."""
+    head = _XML_FUNCTION.match(block)
+    if head is None:
+        return None
+    name, at, arguments = head.group(1), head.end(), {}
+    schemas = properties.get(name) if isinstance(properties.get(name), dict) else {}
+    at += block.startswith("\n", at)
+    while block.startswith("<parameter=", at):
+        key_end = block.find(">\n", at)
+        value_end = block.find(_XML_STOP, key_end + 2) if key_end >= 0 else -1
+        if value_end < 0:
+            return UNFINISHED
+        key = block[at + len("<parameter="):key_end]
+        arguments[key] = xml_value("\n" + block[key_end + 2:value_end] + "\n", schemas.get(key))
+        at = value_end + len(_XML_STOP)
+    if not block.startswith(_XML_END, at):
+        return UNFINISHED if len(block) - at < len(_XML_END) and _XML_END.startswith(block[at:]) else None
+    if block[at + len(_XML_END):].strip():
+        return None
+    call = name, _dump(arguments)
+    try:
+        "".join(call).encode()
     except UnicodeEncodeError:
         return None
     return call

@@ -912,3 +912,42 @@ def test_an_xml_value_may_hold_the_tags_and_a_cut_call_is_no_call():
     answer = "<tool_call>\n<function=search>\n<parameter=q>\nrm -rf /tmp/x"
     assert cut.feed(answer) == ("", []) and cut.finish() == (answer, []) and not cut.calls() and not cut.closed
 
+
+
+def test_a_held_xml_answer_is_read_as_its_grammar_writes_it():
+    """Under "required" or a named function the grammar ends a string value only at "\\n</parameter>\\n" (its stop),
+    so the reader does too: a value may hold any tags; a weak model's value that runs on past `</function>` and
+    `</tool_call>` into prose until max_tokens is a call cut short (no call, no content: the free-text reader of
+    "auto" took a call out of it, with the prose as content); so is any held call the answer's end cuts."""
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}, "score": {"type": "number"}}}}}]
+    held = plan(request(tools=tools, tool_choice="required"), "qwen3_xml")
+    value = 'See <tool_call> and </tool_call>; a "</parameter>" and </function> too.\nline 2'
+    text = (f"<tool_call>\n<function=search>\n<parameter=q>\n{value}\n</parameter>\n<parameter=score>\n1.5\n"
+            "</parameter>\n</function>\n</tool_call>")
+    rng = random.Random(3)
+    for trial in range(60):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
+        reader = held.reader()
+        content, _ = _read_hermes(reader, text, cuts)
+        assert content == "" and [json.loads(c["function"]["arguments"]) for c in reader.calls()] == [
+            {"q": value, "score": 1.5}] and reader.closed
+    runaway = "<tool_call>\n<function=search>\n<parameter=q>\nx</parameter></function></tool_call>\nSure, here it is."
+    free = HermesReader(parse=partial_xml())  # (what "auto" makes of the same text)
+    assert free.feed(runaway)[0] == "Sure, here it is." and len(free.calls()) == 1
+    for answer in (runaway, text[:40], text[:text.index("</function>") + 3]):
+        reader = held.reader()
+        assert reader.feed(answer) == ("", []) and reader.finish() == ("", []) and not reader.calls(), answer
+        assert not reader.closed
+    named = plan(request(tools=tools, tool_choice={"type": "function", "function": {"name": "search"}}), "qwen3_xml")
+    assert named.reader().feed(text)[0] == "" and named.reader().forced
+
+
+@pytest.mark.parametrize("name", ["", "a<b", "a>b", "two\nlines", " padded", "padded ", "x" * 257])
+def test_parameter_names_the_xml_cannot_carry_are_a_400(name):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"ok": {"type": "string"}, name: {"type": "string"}}}}}]
+    for choice in ("auto", "required"):
+        refused("tools", "cannot be written in this model's XML tool calls", "qwen3_xml", tools=tools,
+                tool_choice=choice)
+    assert plan(request(tools=tools, tool_choice="required"), "hermes").mode == "required"  # JSON carries any name
