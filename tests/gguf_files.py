@@ -47,11 +47,12 @@ def write_gguf(w) -> None:
 
 def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: int, inter: int, heads: int,
                       kv_heads: int, vocab: int, qkv_bias: bool = False, experts: int = 0, experts_used: int = 2,
-                      expert_inter: int = 0, expert_type: str = "F32", **metadata) -> None:
+                      expert_inter: int = 0, expert_type: str = "F32", weight_type: str = "F32", **metadata) -> None:
     """A whole Llama-family model of random float32 weights (with Qwen2's QKV biases if `qkv_bias`, Qwen3's
     Q/K norms for qwen3 and qwen3moe); with `experts`, a mixture of them in every layer (each of
     `expert_inter` features, weights of `expert_type`: F32, a type gguf quantizes, or a K-quant) in place of
-    the MLP; `metadata` goes to `new_gguf` (rms_eps, rope_base, tokenizer_of...)."""
+    the MLP; `weight_type`: the attention's and MLP's weights' type (as `expert_type`); `metadata` goes to
+    `new_gguf` (rms_eps, rope_base, tokenizer_of...)."""
     import gguf
     import numpy as np
 
@@ -80,10 +81,10 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
     add("output_norm.weight", hidden, offset=1.0)
     for i in range(layers):
         for name, rows in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d)):
-            add(f"blk.{i}.attn_{name}.weight", rows, hidden)
+            add(f"blk.{i}.attn_{name}.weight", rows, hidden, kind=weight_type)
             if qkv_bias:
                 add(f"blk.{i}.attn_{name}.bias", rows, scale=0.5)
-        add(f"blk.{i}.attn_output.weight", hidden, heads * d)
+        add(f"blk.{i}.attn_output.weight", hidden, heads * d, kind=weight_type)
         if arch in ("qwen3", "qwen3moe"):
             add(f"blk.{i}.attn_q_norm.weight", d, offset=1.0)
             add(f"blk.{i}.attn_k_norm.weight", d, offset=1.0)
@@ -93,9 +94,9 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
             add(f"blk.{i}.ffn_up_exps.weight", experts, expert_inter, hidden, kind=expert_type)
             add(f"blk.{i}.ffn_down_exps.weight", experts, hidden, expert_inter, kind=expert_type)
         else:
-            add(f"blk.{i}.ffn_gate.weight", inter, hidden)
-            add(f"blk.{i}.ffn_up.weight", inter, hidden)
-            add(f"blk.{i}.ffn_down.weight", hidden, inter)
+            add(f"blk.{i}.ffn_gate.weight", inter, hidden, kind=weight_type)
+            add(f"blk.{i}.ffn_up.weight", inter, hidden, kind=weight_type)
+            add(f"blk.{i}.ffn_down.weight", hidden, inter, kind=weight_type)
         add(f"blk.{i}.attn_norm.weight", hidden, offset=1.0)
         add(f"blk.{i}.ffn_norm.weight", hidden, offset=1.0)
     write_gguf(w)

@@ -345,9 +345,11 @@ class DecoderStack:
 
     def add_layer(self, qkv: Parts, o: Parts, gate_up: Parts, down: Parts, input_norm: torch.Tensor,
                   post_norm: torch.Tensor, qkv_bias: torch.Tensor | None, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor) -> None:
+                  value_cache: torch.Tensor, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None) -> None:
         # each linear: its parts, (packed uint8 data, type id, rows) each, stacked by rows (one part but for a
-        # fused projection whose parts differ in type); caches as write_kv_cache takes them
+        # fused projection whose parts differ in type); caches as write_kv_cache takes them; q_norm and k_norm
+        # [head_dim] (Qwen3's per-head norms, both or neither)
         def packed(parts, name):
             return [(_ref(data, name, (torch.uint8,), 1), int(qtype), int(rows)) for data, qtype, rows in parts]
 
@@ -355,7 +357,9 @@ class DecoderStack:
                               _ref(input_norm, "input_norm", dims=1), _ref(post_norm, "post_norm", dims=1),
                               None if qkv_bias is None else _ref(qkv_bias, "qkv_bias", dims=1),
                               _ref(key_cache, "key_cache", CACHE_DTYPES, 4),
-                              _ref(value_cache, "value_cache", CACHE_DTYPES, 4))
+                              _ref(value_cache, "value_cache", CACHE_DTYPES, 4),
+                              None if q_norm is None else _ref(q_norm, "q_norm", dims=1),
+                              None if k_norm is None else _ref(k_norm, "k_norm", dims=1))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, q_starts: torch.Tensor, prompt_rows: torch.Tensor) -> None:

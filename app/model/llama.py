@@ -100,7 +100,7 @@ class LlamaForCausalLM:
 
     def _native_stack(self, caches: list[KVCache]):
         """The native layer stack for these caches (built on first use), or None where a layer needs the
-        Python path: float32 weights, quantized ones under float activations, per-head Q/K norms, experts."""
+        Python path: float32 weights, quantized ones under float activations, experts."""
         if self._stack is not None and self._stack[0] is caches:
             return self._stack[1]
         self._stack = (caches, self._build_stack(caches))
@@ -115,7 +115,7 @@ class LlamaForCausalLM:
         linears = [(lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down) for lay in self.layers]
         weights = [lin.weight for group in linears for lin in group]
         # quantized weights under "float" activations take torch's GEMM for prompts: the Python layers
-        if (self.cfg.qk_norm or not all(isinstance(w, Packed) for w in weights)
+        if (not all(isinstance(w, Packed) for w in weights)
                 or self.activations not in ("int8", "int16") and any(p.qtype != BF16 for w in weights for p in w.parts)
                 or self.group.size > 1 and getattr(self.group, "native", None) is None):
             return None
@@ -127,7 +127,7 @@ class LlamaForCausalLM:
         for layer, cache in zip(self.layers, caches, strict=True):
             a, m = layer.attention, layer.mlp
             stack.add_layer(*([(p.data, p.qtype, p.rows) for p in lin.weight.parts] for lin in (a.qkv, a.o, m.gate_up, m.down)),
-                            layer.input_norm, layer.post_norm, a.qkv.bias, *cache)
+                            layer.input_norm, layer.post_norm, a.qkv.bias, *cache, a.q_norm, a.k_norm)
         return stack
 
     @torch.inference_mode()

@@ -4,7 +4,7 @@
 // It strings together the same kernels app/model/layers.py calls one by one (through kernels(), so the
 // ISA is the one dispatch picked), on scratch buffers it owns; a row-parallel layer's float32 partial
 // sums go through the tensor-parallel group's all-reduce when there is one. What it does not cover
-// (dense float weights, per-head Q/K norms, float activations) stays on the Python path.
+// (dense float weights, float activations, mixtures of experts) stays on the Python path.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +32,8 @@ struct DecoderLayerWeights {
   const void* input_norm;              // [hidden], activation dtype
   const void* post_norm;
   const void* qkv_bias;                // [qkv rows] or null
+  const void* q_norm;                  // [head_dim] or null: an RMSNorm over each head of Q before RoPE (Qwen3)
+  const void* k_norm;                  // [head_dim], with q_norm: the same over each head of K
   void* key_cache;                     // [blocks, Hk, D, B]
   void* value_cache;                   // [blocks, Hk, B, D]
 };

@@ -133,6 +133,12 @@ void DecoderStack::run(void* x, const StepBatch& b) {
     kernels().add_rms_norm({dt, x, residual, l.input_norm, T, H, H, H, s.eps});
     linear(l.qkv, s.act, dt, dt, qkv, x, runs_, qkv_width);
     if (l.qkv_bias) add_bias(dt, qkv, l.qkv_bias, T, qkv_width);
+    if (l.q_norm) {  // each head of Q, then of K (they follow Q's in a row), normalized in place, all tokens a call
+      for (int64_t h = 0; h < s.q_heads + s.kv_heads; ++h) {
+        void* head = qkv + h * D * E;
+        kernels().rms_norm({dt, head, head, h < s.q_heads ? l.q_norm : l.k_norm, T, D, qkv_width, qkv_width, s.eps});
+      }
+    }
     void* q = qkv;
     void* k = qkv + q_width * E;
     void* v = qkv + (q_width + kv_width) * E;

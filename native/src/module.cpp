@@ -400,10 +400,11 @@ std::unique_ptr<DecoderStack> make_stack(int dtype, int act, int64_t hidden, int
 
 void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, const Parts& gu, const Parts& down,
                      const Ref& in_norm, const Ref& post_norm, const std::optional<Ref>& bias, const Ref& kc_r,
-                     const Ref& vc_r) {
+                     const Ref& vc_r, const std::optional<Ref>& q_norm, const std::optional<Ref>& k_norm) {
   DecoderShape s = stack.shape();
   const int code = s.dtype == DType::f32 ? F32 : BF16;
   const int64_t H = s.hidden, qw = s.q_heads * s.head_dim, qkvw = qw + 2 * s.kv_heads * s.head_dim;
+  require(q_norm.has_value() == k_norm.has_value(), "q_norm, k_norm: give both or neither");
   T kc = tensor(kc_r, "key_cache", 4), vc = tensor(vc_r, "value_cache", 4);
   kv_caches(kc, vc);
   require(vc.dim(1) == s.kv_heads && vc.dim(3) == s.head_dim, "value_cache: must be [blocks, " +
@@ -423,6 +424,8 @@ void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, cons
                         vector_of(in_norm, "input_norm", code, H),
                         vector_of(post_norm, "post_norm", code, H),
                         bias ? vector_of(*bias, "qkv_bias", code, qkvw) : nullptr,
+                        q_norm ? vector_of(*q_norm, "q_norm", code, s.head_dim) : nullptr,
+                        k_norm ? vector_of(*k_norm, "k_norm", code, s.head_dim) : nullptr,
                         kc.ptr,
                         vc.ptr};
   stack.set_cache_shape(s.cache_dtype, s.block_size, s.num_blocks);
