@@ -64,7 +64,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise UnsupportedModel(f"a mixture of {self.num_experts} experts that routes each token to "
-                                   f"{self.experts_per_token} of them (1 to {self.num_experts} would do)")
+                                   f"{self.experts_per_token} of them (1 to {self.num_experts} would do; the "
+                                   "config's num_experts_per_tok, a GGUF file's expert_used_count)")
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -111,7 +112,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_experts=experts,
         experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
         expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),  # (Mixtral's config has no such key: it always does)
+        # Qwen3-MoE rescales where its config says so (transformers' default: not); Mixtral always does
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if name == "Qwen3MoeForCausalLM" else True,
         dense_layers=frozenset(dense) if experts else frozenset(),
     )
 
@@ -146,7 +148,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output: bool) ->
     if experts and arch not in ("llama", "qwen3moe"):
         raise UnsupportedModel(f"GGUF architecture {arch!r} with {experts} experts is not supported; mixtures of "
                                "experts supported: llama (Mixtral), qwen3moe")
-    ffn = int(meta.get(f"{arch}.feed_forward_length", 0))
+    ffn = int(meta.get(f"{arch}.feed_forward_length", 0) if experts else meta[f"{arch}.feed_forward_length"])
     return ModelConfig(
         architecture="MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch],
         vocab_size=vocab_size,

@@ -16,6 +16,7 @@ from app.parallel.heads import split_evenly, split_heads
 from app.spec.errors import Described, Problem, SpecError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+EXPERT_UNIT = 32  # as app/parallel/shard.py splits each expert's features (not imported: it imports torch)
 
 # How each checkpoint tensor is split over TP ranks (see app/parallel/shard.py), by a part of its name,
 # GGUF's and Hugging Face's; anything else (norms, rope factors) is replicated on every rank.
@@ -96,7 +97,7 @@ class ModelFootprint:
         if features.start % 256 or features.stop % 256:
             extra += self.cut_bytes.mlp * len(features) // self.intermediate_size
         if self.cut_bytes.experts:
-            features = split_evenly(self.expert_intermediate_size, tp)[rank]
+            features = split_evenly(self.expert_intermediate_size, tp, EXPERT_UNIT)[rank]
             if features.start % 256 or features.stop % 256:
                 extra += self.cut_bytes.experts * len(features) // self.expert_intermediate_size
         return extra
@@ -106,7 +107,7 @@ class ModelFootprint:
             return p.total
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank]
         features = len(split_evenly(self.intermediate_size, tp)[rank])
-        per_expert = len(split_evenly(self.expert_intermediate_size, tp)[rank])
+        per_expert = len(split_evenly(self.expert_intermediate_size, tp, EXPERT_UNIT)[rank])
         return (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
                 + p.attention_q * len(heads.q_heads) // self.num_heads
                 + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads
@@ -155,7 +156,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         context_length=int(meta.get(f"{arch}.context_length", 2048)),
         intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)),
-        expert_intermediate_size=_expert_features(header.tensor_shapes),
+        expert_intermediate_size=expert_features(header.tensor_shapes),
         params=params,
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of(kept_bytes) if kept else None,
@@ -175,7 +176,7 @@ def _kept_as(header) -> dict[str, int | None]:
     def matrices(name: str, shape) -> bool:  # a weight, or a stack of experts' weights
         return len(shape) == 2 or len(shape) == 3 and "_exps." in name
 
-    kept_as = {name: KEPT_QUANT_TYPES[header.tensor_types[name]][1]
+    kept_as = {name: None if is_router(name) else KEPT_QUANT_TYPES[header.tensor_types[name]][1]
                if header.tensor_types[name] in KEPT_QUANT_TYPES and matrices(name, shape)
                else BF16 if header.tensor_types[name] == BF16 and matrices(name, shape) and int(shape[0]) % 32 == 0
                else None for name, shape in header.tensor_shapes.items()}
@@ -209,7 +210,7 @@ def _from_hf(path: Path) -> ModelFootprint:
         head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
         context_length=int(config.get("max_position_embeddings", 2048)),
         intermediate_size=int(config.get("intermediate_size") or 0),
-        expert_intermediate_size=_expert_features(shapes),
+        expert_intermediate_size=expert_features(shapes),
         params=params,
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of({name: (_product(shape) * 2,) for name, shape in kept.items()}) if kept else None,
@@ -232,13 +233,20 @@ def _kept_bfloat16(shapes: dict[str, list[int]], dtypes: dict[str, str]) -> dict
     """The safetensors weights that load as bfloat16 at any compute dtype (app/model/loader.py, kept_bfloat16): 2-D
     BF16 ones of whole blocks of 32 in a row, but those of a fused projection with a part that is not (_unmix_bfloat16)."""
     def kept(name: str) -> bool:
-        return dtypes[name] == "BF16" and len(shapes[name]) == 2 and int(shapes[name][1]) % 32 == 0
+        return dtypes[name] == "BF16" and len(shapes[name]) == 2 and int(shapes[name][1]) % 32 == 0 \
+            and not is_router(name)
 
     return {name: shape for name, shape in shapes.items()
             if kept(name) and all(kept(s) for s in fused_siblings(name, shapes))}
 
 
-def _expert_features(shapes: dict[str, tuple[int, ...] | list[int]]) -> int:
+def is_router(name: str) -> bool:
+    """A mixture of experts' router (GGUF's name or Hugging Face's): loaded in the compute dtype, never packed (its
+    few rows, 8 to 128, would be padded to the kernels' interleave)."""
+    return name.endswith((".ffn_gate_inp.weight", ".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
+
+
+def expert_features(shapes: dict[str, tuple[int, ...] | list[int]]) -> int:
     """Each expert's MLP features, from its down projection's shape (GGUF's stack [features, hidden, experts]
     innermost first, an HF expert's [hidden, features]); 0 for a model without experts."""
     for name, shape in shapes.items():

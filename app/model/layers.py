@@ -14,7 +14,7 @@ from app import kernels
 from app.model.batch import ForwardBatch, RowRun
 from app.model.config import ModelConfig
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from app.model.quant import Weight, linear, storage
+from app.model.quant import linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key [blocks, kv_heads, head_dim, block_size], value [.., block_size, head_dim]
 # (bfloat16 ones pair neighbours within a block: kernels.kv_cache_from_blocks says how)
@@ -64,23 +64,24 @@ class MoE:
     """A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): the router scores every expert for each
     token, the token goes through the `top_k` best (a softmax over all experts, then the top k, rescaled to
     sum to 1 where `renormalize`), and their outputs, weighed by those scores, are summed in float32. Each
-    expert is a SwiGLU MLP over this rank's share of its features (its down projection not reduced), so the
-    experts' partial sums meet in one all-reduce."""
+    expert is a SwiGLU MLP over this rank's share of its features (its down projection not reduced, its output
+    float32), so the experts' partial sums meet in one float32 all-reduce. The router [experts, H] is a plain
+    tensor in the compute dtype."""
 
-    def __init__(self, router: Weight, experts: Sequence[MLP], top_k: int, renormalize: bool, group):
+    def __init__(self, router: torch.Tensor, experts: Sequence[MLP], top_k: int, renormalize: bool, group):
         self.router, self.experts, self.top_k, self.renormalize = router, list(experts), top_k, renormalize
         self.group = group
 
     def __call__(self, x: torch.Tensor, runs: Sequence[RowRun] = ()) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        scores = torch.softmax(linear(x, self.router, out_dtype=torch.float32).float(), dim=-1)
+        scores = torch.softmax(linear(x, self.router).float(), dim=-1)
         weights, chosen = scores.topk(self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         if x.shape[0] == 1:  # one stream's decode: its k experts in turn, without grouping (PERFORMANCE.md: MoE)
             out, role = torch.zeros(x.shape, dtype=torch.float32), [RowRun(0, 1, bool(runs) and runs[0].prompt)]
             for expert, weight in zip(chosen[0].tolist(), weights[0].tolist(), strict=True):
-                out.add_(self.experts[expert](x, role).float(), alpha=weight)
+                out.add_(self._expert(expert, x, role), alpha=weight)
             return self._reduce(out).to(x.dtype)
         # the (token, choice) pairs grouped by expert, each expert's tokens in step order: one gather of their rows,
         # each expert's output into its slice of one buffer, one weighted scatter back (per expert only its call)
@@ -93,11 +94,17 @@ class MoE:
         for expert, count in enumerate(counts):
             if count:
                 end = start + count
-                outputs[start:end] = self.experts[expert](routed[start:end], _runs_of(prompt, tokens[start:end]))
+                outputs[start:end] = self._expert(expert, routed[start:end], _runs_of(prompt, tokens[start:end]))
                 start = end
         outputs.mul_(weights.flatten()[order, None])
         out = torch.zeros(x.shape, dtype=torch.float32).index_add_(0, tokens, outputs)
         return self._reduce(out).to(x.dtype)
+
+    def _expert(self, index: int, x: torch.Tensor, runs: Sequence[RowRun]) -> torch.Tensor:
+        """One expert's (partial) output for rows `x`, float32."""
+        mlp = self.experts[index]
+        hidden = kernels.silu_and_mul(mlp.gate_up(x, runs))
+        return linear(hidden, mlp.down.weight, runs=runs, out_dtype=torch.float32).float()
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(out) if self.group.size > 1 else out
@@ -106,7 +113,7 @@ class MoE:
         return [linear for expert in self.experts for linear in expert.linears()]
 
     def tensors(self) -> list[torch.Tensor]:
-        return storage(self.router) + [t for expert in self.experts for t in expert.tensors()]
+        return [self.router] + [t for expert in self.experts for t in expert.tensors()]
 
 
 def _prompt_mask(runs: Sequence[RowRun], rows: int) -> torch.Tensor | bool:

@@ -65,8 +65,8 @@ class LlamaForCausalLM:
         if self.cfg.is_moe_layer(i):
             # each expert's down projection is summed over the group once, with the others (MoE)
             experts = [self._mlp(w, p + f"mlp.experts.{e}.", SingleRank()) for e in range(self.cfg.num_experts)]
-            mlp = MoE(pack(w.take(p + "mlp.gate.weight"), act), experts, self.cfg.experts_per_token,
-                      self.cfg.norm_topk_prob, self.group)
+            mlp = MoE(w.take(p + "mlp.gate.weight"), experts, self.cfg.experts_per_token, self.cfg.norm_topk_prob,
+                      self.group)
         else:
             mlp = self._mlp(w, p + "mlp.", self.group)
         return DecoderLayer(attention, mlp, w.take(p + "input_layernorm.weight"),

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from app.model.config import ModelConfig
-from app.model.footprint import fused_siblings
+from app.model.footprint import fused_siblings, is_router
 from app.model.linear import MergedColumnParallelLinear, QKVParallelLinear
 from app.model.llama import LlamaForCausalLM
 from app.model.source import ModelSource
@@ -56,7 +56,8 @@ def load_model(source: ModelSource, dtype: str, tokenizer: bool = True, quantize
         part = shard.take(name, tensor)
         if part is not None:
             floating = isinstance(part, torch.Tensor) and part.is_floating_point()
-            weights[name] = part.to(DTYPES[dtype]) if floating and not (keep and kept_bfloat16(part)) else part
+            kept = keep and kept_bfloat16(part) and not is_router(name)
+            weights[name] = part.to(DTYPES[dtype]) if floating and not kept else part
         del tensor, part
         bar.update()
     bar.close()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from app.model.config import ModelConfig, UnsupportedModel, config_from_gguf, config_from_hf
+from app.model.footprint import expert_features, is_router
 from app.model.quant import KEPT_TYPES, QuantizedTensor
 
 GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -45,7 +46,8 @@ class GGUFCheckpoint:
         self.path = path
         header = read_gguf_header(path)  # not gguf.GGUFReader: it parses the whole vocabulary (seconds)
         self.meta = header.metadata  # scalars and strings; an array as its length
-        self.config = config_from_gguf(self.meta, _vocab_size(self.meta), "output.weight" in header.tensor_shapes)
+        self.config = _features_as_stored(config_from_gguf(self.meta, _vocab_size(self.meta),
+                                                           "output.weight" in header.tensor_shapes), header.tensor_shapes)
         self.chat_template = self.meta.get("tokenizer.chat_template")
         known = {t.value: t.name for t in GGMLQuantizationType}
         unsupported = sorted({known.get(t, f"type {t}") for t in header.tensor_types.values()} - set(GGUF_TYPES))
@@ -88,7 +90,7 @@ class GGUFCheckpoint:
                     yield name, _tensor(raw[expert], qtype, dims[:2], keep_quantized)
                 continue
             name = _hf_name(gguf_name)
-            weight = _tensor(raw, qtype, dims, keep_quantized)
+            weight = _tensor(raw, qtype, dims, keep_quantized and not is_router(gguf_name))
             if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 heads = self.config.num_heads if ".q_proj" in name else self.config.num_kv_heads
                 weight = _unpermute(weight, heads)
@@ -100,6 +102,17 @@ class GGUFCheckpoint:
         from collections import Counter
 
         return dict(Counter(t.name for t in self._types.values()))
+
+
+def _features_as_stored(config: ModelConfig, shapes: dict) -> ModelConfig:
+    """`config` with each expert's features as its weights hold them (the plan reads them so): a file that leaves
+    the size out, or a config that gives another, must still split over TP ranks as the weights are."""
+    from dataclasses import replace
+
+    features = expert_features(shapes)
+    if config.num_experts and features and features != config.expert_intermediate_size:
+        return replace(config, expert_intermediate_size=features)
+    return config
 
 
 def _tensor(raw: np.ndarray, qtype, dims, keep_quantized: bool) -> torch.Tensor | QuantizedTensor:
@@ -150,6 +163,11 @@ class HFCheckpoint:
         self.files = sorted(path.glob("*.safetensors"))
         if not self.files:
             raise UnsupportedModel(f"{path} has no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+        if self.config.num_experts:
+            from app.model.footprint import _safetensors_headers
+
+            shapes = {n: shape for f in self.files for n, (_, shape) in _safetensors_headers(f).items()}
+            self.config = _features_as_stored(self.config, shapes)
         self.chat_template = None  # the tokenizer files carry it
 
     def __len__(self) -> int:

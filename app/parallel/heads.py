@@ -18,8 +18,12 @@ class HeadSplit:
     kv_heads: range  # ...and of the KV heads they attend to
 
 
-def split_evenly(n: int, parts: int) -> list[range]:
-    """`n` items in `parts` contiguous runs whose sizes differ by at most one (larger runs first)."""
+def split_evenly(n: int, parts: int, unit: int = 1) -> list[range]:
+    """`n` items in `parts` contiguous runs whose sizes differ by at most one (larger runs first); by whole `unit`s
+    where `n` holds at least one a part (an expert's features in blocks of 32: a cut off them would expand a
+    quantized down projection)."""
+    if unit > 1 and n % unit == 0 and n // unit >= parts:
+        return [range(r.start * unit, r.stop * unit) for r in split_evenly(n // unit, parts)]
     base, extra = divmod(n, parts)
     runs, start = [], 0
     for part in range(parts):

@@ -23,6 +23,8 @@ import torch
 from app.model.linear import ColumnParallelLinear, RowParallelLinear
 from app.parallel.heads import HeadSplit, split_evenly, split_heads
 
+EXPERT_UNIT = 32  # each expert's features are split in blocks of 32 where they can be (quantized blocks stay whole)
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -37,7 +39,7 @@ class ShardSpec:
     def of(cls, cfg, rank: int, size: int) -> ShardSpec:
         heads = split_heads(cfg.num_heads, cfg.num_kv_heads, size)[rank]
         return cls(rank, size, heads, split_evenly(cfg.intermediate_size, size)[rank], cfg.head_dim,
-                   split_evenly(cfg.expert_intermediate_size, size)[rank])
+                   split_evenly(cfg.expert_intermediate_size, size, EXPERT_UNIT)[rank])
 
     @classmethod
     def whole(cls, cfg) -> ShardSpec:

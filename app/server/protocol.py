@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
 
 Stop = str | list[str] | None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+# A token id: a JSON integer (not true/false, 1.0 or "1", which pydantic's lax mode would take as one)
+TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
 
 
 class StreamOptions(BaseModel):
@@ -122,7 +126,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] = 0
     # bounded: the engine checks each sampled token against them, and masks them all until min_tokens
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     skip_special_tokens: bool = True
     # each prompt token's logprob given those before it, and this many most likely tokens' (vLLM's shape, not streamed)
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -186,8 +190,8 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0, lt=1 << 31)]] | \
-        list[list[Annotated[int, Field(ge=0, lt=1 << 31)]]]
+    prompt: str | list[str] | list[TokenId] | \
+        list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=0, le=1 << 30)] | None = 16  # 0 with echo: the prompt alone, scored
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
@@ -362,7 +366,7 @@ class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
+    tokens: list[TokenId]
 
 
 # --- responses (documented in /openapi.json; built as plain dicts on the hot path) ---------------
@@ -461,12 +465,24 @@ class DetokenizeResponse(BaseModel):
 class EmbeddingRequest(_Body):
     """OpenAI's /v1/embeddings: each input's embedding (app/server/embeddings.py)."""
 
-    input: str | list[str] | list[Annotated[int, Field(ge=0, lt=1 << 31)]] | \
-        list[list[Annotated[int, Field(ge=0, lt=1 << 31)]]]
+    input: str | list[str] | list[TokenId] | \
+        list[list[TokenId]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None  # only the model's own size (no Matryoshka model here)
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_of_the_shapes(cls, value):
+        def ids(v):
+            return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+        if isinstance(value, str) or isinstance(value, list) and (
+                all(isinstance(v, str) for v in value) or ids(value) or all(ids(v) for v in value)):
+            return value  # (the ids' range, and emptiness, checked after)
+        raise ValueError("input must be a string, a list of strings, a list of token ids (integers) or a list of "
+                         "such lists")
 
     @field_validator("input")
     @classmethod

@@ -144,6 +144,7 @@ def mixtral(tmp_path_factory):
     gguf_path = directory.parent / "gguf" / "mixtral.gguf"
     gguf_path.parent.mkdir()
     _write_mixtral_gguf(directory, gguf_path)
+    _write_mixtral_gguf(directory, gguf_path.parent / "per-expert" / "mixtral.gguf", stacked=False)
     return directory, gguf_path, model
 
 
@@ -152,9 +153,12 @@ def reference_rope_theta(directory: Path) -> float:
     return float((config.get("rope_parameters") or config).get("rope_theta"))
 
 
-def _write_mixtral_gguf(directory: Path, path: Path) -> None:
+def _write_mixtral_gguf(directory: Path, path: Path, stacked: bool = True) -> None:
+    """`stacked`: each layer's experts in one tensor a projection (ffn_gate_exps), as llama.cpp writes them now;
+    else one tensor an expert (blk.<i>.ffn_gate.<e>.weight), as older Mixtral files have them."""
     from safetensors.numpy import load_file
 
+    path.parent.mkdir(exist_ok=True)
     tensors = load_file(str(directory / "model.safetensors"))
     w = new_gguf(path, "llama", layers=LAYERS, hidden=HIDDEN, inter=EXPERT_INTER, heads=HEADS, kv_heads=KV_HEADS,
                  vocab=VOCAB, rms_eps=1e-5, context=512, rope_base=reference_rope_theta(directory))
@@ -177,14 +181,20 @@ def _write_mixtral_gguf(directory: Path, path: Path) -> None:
         w.add_tensor(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors[p + "block_sparse_moe.gate.weight"])
         for kind, hf in (("gate", "w1"), ("down", "w2"), ("up", "w3")):
-            stack = np.stack([tensors[p + f"block_sparse_moe.experts.{e}.{hf}.weight"] for e in range(EXPERTS)])
-            w.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", stack)
+            experts = [tensors[p + f"block_sparse_moe.experts.{e}.{hf}.weight"] for e in range(EXPERTS)]
+            if stacked:
+                w.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", np.stack(experts))
+            else:
+                for e, weight in enumerate(experts):
+                    w.add_tensor(f"blk.{i}.ffn_{kind}.{e}.weight", weight)
     write_gguf(w)
 
 
-@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+@pytest.mark.parametrize("form", ["safetensors", "gguf", "gguf, an expert a tensor"])
 def test_mixtral_follows_transformers(mixtral, form, caplog):
     directory, gguf_path, reference = mixtral
+    if form != "safetensors":
+        gguf_path = gguf_path if form == "gguf" else gguf_path.parent / "per-expert" / gguf_path.name
     source = ModelSource(directory, "hf", "mixtral") if form == "safetensors" else ModelSource(gguf_path, "gguf", "m")
     ours = load_model(source, "float32", tokenizer=False, activations="float")
     assert ours.config.architecture == "MixtralForCausalLM" and ours.config.norm_topk_prob
@@ -207,6 +217,36 @@ def test_bfloat16_weights_keep_mixtrals_greedy_choices_mostly(mixtral):
     assert agree >= len(PROMPTS) - 1
 
 
+def test_a_qwen3_moe_directory_with_a_dense_layer_and_unscaled_weights_follows_transformers(tmp_path):
+    """Qwen3-MoE's own config keys: `norm_topk_prob` false (the k chosen weights left as the softmax gave them, as
+    transformers does when the key is missing too), `mlp_only_layers` (a dense MLP among the mixtures); and a config
+    that leaves `moe_intermediate_size` out still loads, each expert's size read from its weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(7)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=384, moe_intermediate_size=128,
+                            num_hidden_layers=3, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=64,
+                            num_experts=EXPERTS, num_experts_per_tok=USED, norm_topk_prob=False, mlp_only_layers=[1],
+                            max_position_embeddings=512, tie_word_embeddings=False)
+    reference = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3 if ".gate." in name else 0.05)
+    reference.save_pretrained(str(tmp_path / "hf"))
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["norm_topk_prob"] is False
+    ours = load_model(ModelSource(tmp_path / "hf", "hf", "moe"), "float32", tokenizer=False).model
+    assert [isinstance(layer.mlp, MoE) for layer in ours.layers] == [True, False, True]
+    assert not ours.layers[0].mlp.renormalize
+    follow(ours, reference, PROMPTS, steps=3)
+    del saved["norm_topk_prob"], saved["moe_intermediate_size"]  # transformers' defaults: False, and 768 (not these)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(saved))
+    loaded = load_model(ModelSource(tmp_path / "hf", "hf", "moe"), "float32", tokenizer=False)
+    assert loaded.config.expert_intermediate_size == 128 and not loaded.config.norm_topk_prob
+    follow(loaded.model, reference, PROMPTS[:1], steps=2)
+
+
 # --- served: the engine at tp=1 and tp=2, what a mixture of experts takes from the plan, what it refuses ---
 
 
@@ -215,32 +255,21 @@ def test_the_engine_serves_a_mixture_of_experts_at_any_tp_as_transformers_scores
     """Through the engine (its scheduler batches the prompts, its ranks run real worker processes): each rank
     runs every expert on its share of their features and one all-reduce sums them; the first token's top-20
     log-probabilities are transformers'."""
-    from app import SamplingParams
     from app.engine.launch import ModelLaunch
-    from app.engine.process import build_core
-    from tests.parallel.test_tp import _generate, _replica
+    from tests.parallel.test_tp import _replica, assert_served_logprobs_match
 
     path = tmp_path / "moe.gguf"
     write_qwen3_moe(path, "Q8_0")
     reference = gguf_reference(path, moe_intermediate_size=EXPERT_INTER)
-    core, _ = build_core(_replica(tp, model=ModelLaunch(str(path), "gguf", "moe", "float32")), bind=False)
-    try:
-        _, logprobs = _generate(core, PROMPTS, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
-    finally:
-        core.close()
-    for prompt, lps in zip(PROMPTS, logprobs, strict=True):
-        with torch.inference_mode():
-            expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, -1].float(), -1)
-        got = dict(lps[0].top)
-        assert len(got) == 20
-        for token, value in got.items():
-            assert abs(value - expected[token].item()) < 1e-3, (token, value, expected[token].item())
+    assert_served_logprobs_match(_replica(tp, model=ModelLaunch(str(path), "gguf", "moe", "float32")), reference,
+                                 PROMPTS)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
 def test_the_plan_sizes_each_ranks_experts_as_they_load(kind, tmp_path):
-    """Each expert's features split over the ranks (Q4_K's down projections, cut off their superblocks of 256, load
-    in blocks of 32): what a rank holds, bar the rope table, is the plan's figure."""
+    """Each expert's features split over the ranks in whole blocks of 32 (256 at tp=3: 96, 96, 64; Q4_K's down
+    projections, cut off their superblocks of 256, load in blocks of 32): what a rank holds, bar the rope table, is
+    the plan's figure; nothing is expanded to float32."""
     from app.model.footprint import read_footprint
 
     path = tmp_path / "m.gguf"
@@ -249,11 +278,31 @@ def test_the_plan_sizes_each_ranks_experts_as_they_load(kind, tmp_path):
     footprint = read_footprint(source)
     assert footprint.expert_intermediate_size == EXPERT_INTER and footprint.params.experts == \
         LAYERS * EXPERTS * 3 * HIDDEN * EXPERT_INTER
-    for tp in (1, 2, 4):
+    for tp in (1, 2, 3, 4):
         for rank in range(tp):
             loaded = load_model(source, "float32", tokenizer=False, rank=rank, size=tp).model
             held = loaded.resident_bytes() - loaded.cos_sin.numel() * loaded.cos_sin.element_size()
             assert held == footprint.weight_bytes("float32", tp, rank), (tp, rank)
+            expert = loaded.layers[0].mlp.experts[0]
+            assert expert.down.weight.type_name in (kind, "Q4_M32")  # (Q4_K cut off 256: its blocks of 32)
+            assert expert.down.weight.in_features == [96, 96, 64][rank] if tp == 3 else True
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_sizes_a_mixtral_directory_as_it_loads(mixtral, dtype):
+    """Safetensors experts and a router of 8 rows (kept a plain tensor in the compute dtype, not packed and
+    padded), at tp 1 and 2."""
+    from app.model.footprint import read_footprint
+
+    directory, _, _ = mixtral
+    source = ModelSource(directory, "hf", "mixtral")
+    footprint = read_footprint(source)
+    for tp in (1, 2):
+        for rank in range(tp):
+            loaded = load_model(source, dtype, tokenizer=False, rank=rank, size=tp).model
+            assert loaded.layers[0].mlp.router.dtype == loaded.dtype
+            held = loaded.resident_bytes() - loaded.cos_sin.numel() * loaded.cos_sin.element_size()
+            assert held == footprint.weight_bytes(dtype, tp, rank), (tp, rank)
 
 
 def test_unsupported_mixtures_say_what_is_supported(tmp_path, mixtral):

@@ -167,7 +167,14 @@ def test_qwen2_with_replicated_kv_heads_matches_transformers(qwen2, tp):
         str(qwen2.parent), gguf_file=qwen2.name, dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=qwen2.name, dequantize=True)).eval()
     prompts = [[5, 17, 300, 2, 511, 64, 9], [1, 2, 3], list(range(40, 90))]
-    core, _ = build_core(_replica(tp, model=ModelLaunch(str(qwen2), "gguf", "qwen2", "float32")), bind=False)
+    assert_served_logprobs_match(_replica(tp, model=ModelLaunch(str(qwen2), "gguf", "qwen2", "float32")), reference,
+                                 prompts)
+
+
+def assert_served_logprobs_match(launches: list, reference, prompts: list[list[int]]) -> None:
+    """The engine of `launches` (its ranks real worker processes) scores each prompt's first token: its top-20
+    log-probabilities are `reference`'s (a transformers model), to 1e-3, and its top token the same."""
+    core, _ = build_core(launches, bind=False)
     try:
         _, logprobs = _generate(core, prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     finally:

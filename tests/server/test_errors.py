@@ -136,6 +136,11 @@ CASES = [
      "encoding_format"),
     ("embeddings-wrong-model", "POST", "/v1/embeddings", {"input": "x", "model": "other"}, 404, "model_not_found",
      "other"),
+    # found by an attack: booleans were taken as token ids, and every wrong shape was "a valid string"
+    ("embeddings-booleans", "POST", "/v1/embeddings", {"input": [True, False]}, 400, "invalid_value",
+     "a list of token ids (integers)"),
+    ("embeddings-mixed", "POST", "/v1/embeddings", {"input": ["a", 1]}, 400, "invalid_value", "input must be a string"),
+    ("completion-boolean-ids", "POST", C, {"prompt": [True, False]}, 400, "invalid_value", "prompt"),
     ("echo-max-tokens-zero-min-tokens", "POST", C, {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 2},
      400, "invalid_value", "min_tokens"),
     ("suffix", "POST", C, {"prompt": "x", "suffix": "y"}, 400, "invalid_value", "suffix"),

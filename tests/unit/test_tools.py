@@ -894,6 +894,14 @@ def partial_xml():
     return partial(xml_call, properties=XML_PROPERTIES)
 
 
+def _cuttings(text: str, seed: int, trials: int):
+    """Where to cut `text` into streamed pieces: after every character, then `trials` - 1 random sets of cuts."""
+    rng = random.Random(seed)
+    yield list(range(1, len(text)))
+    for _ in range(trials - 1):
+        yield sorted(rng.sample(range(1, len(text)), rng.randint(0, 30)))
+
+
 def test_an_xml_value_may_hold_the_tags_and_a_cut_call_is_no_call():
     """A value holding `</tool_call>`, `<tool_call>` or `</parameter>` (code, docs: Qwen3-Coder's users write them)
     stays whole, streamed at any piece boundary or not (the block ends at the closing tag after `</function>`); an
@@ -901,9 +909,7 @@ def test_an_xml_value_may_hold_the_tags_and_a_cut_call_is_no_call():
     value = 'See <tool_call> and </tool_call>; a "</parameter>" too.\nline 2'
     text = (f"<tool_call>\n<function=search>\n<parameter=q>\n{value}\n</parameter>\n<parameter=score>\n1.5\n"
             "</parameter>\n</function>\n</tool_call>\nAfter.")
-    rng = random.Random(2)
-    for trial in range(100):
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
+    for cuts in _cuttings(text, seed=2, trials=100):
         reader = HermesReader(parse=partial_xml())
         content, streamed = _read_hermes(reader, text, cuts)
         assert content == "After." and [json.loads(c["function"]["arguments"]) for c in reader.calls()] == [
@@ -925,9 +931,7 @@ def test_a_held_xml_answer_is_read_as_its_grammar_writes_it():
     value = 'See <tool_call> and </tool_call>; a "</parameter>" and </function> too.\nline 2'
     text = (f"<tool_call>\n<function=search>\n<parameter=q>\n{value}\n</parameter>\n<parameter=score>\n1.5\n"
             "</parameter>\n</function>\n</tool_call>")
-    rng = random.Random(3)
-    for trial in range(60):
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 30))) if trial else list(range(1, len(text)))
+    for cuts in _cuttings(text, seed=3, trials=60):
         reader = held.reader()
         content, _ = _read_hermes(reader, text, cuts)
         assert content == "" and [json.loads(c["function"]["arguments"]) for c in reader.calls()] == [
