@@ -189,12 +189,19 @@ def _check_xml_names(tools: list[Tool]) -> None:
     and its readers (ours, vLLM's) take names of 1 to 256 characters without `<`, `>` or a line break, their ends
     trimmed."""
     for i, tool in enumerate(tools):
-        properties = (tool.function.parameters or {}).get("properties")
-        for key in properties if isinstance(properties, dict) else ():
+        parameters = tool.function.parameters or {}
+        properties = parameters.get("properties")
+        for key in [*(properties if isinstance(properties, dict) else ()), *_required(parameters)]:
             if not key or len(key) > 256 or key != key.strip() or any(c in key for c in "<>\r\n"):
                 raise APIError(400, f"tools[{i}]: the parameter name {key[:60]!r} cannot be written in this model's "
                                     "XML tool calls (<parameter=NAME>): give names of 1 to 256 characters without "
                                     "'<', '>' or line breaks, and no spaces at their ends", "tools", "invalid_value")
+
+
+def _required(schema: dict) -> list[str]:
+    """An object schema's required keys (none where `required` is not a list of names)."""
+    required = schema.get("required")
+    return [key for key in required if isinstance(key, str)] if isinstance(required, list) else []
 
 
 def _hermes_plan(choice, tools: list[Tool], tool: Tool | None, parallel: bool, special: dict[str, int]) -> ToolPlan:
@@ -357,15 +364,18 @@ _JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
 
 def _xml_grammar(tools: list[Tool], first: int, parallel: bool, special: dict[str, int]) -> str:
     """A Lark grammar (llguidance's) of one or more calls in Qwen3-Coder's XML, as its templates write them (one
-    call where `parallel` is false): each function's parameters in its schema's order, the required ones present,
-    no others; each value as `_xml_value_rule` holds it. The tags as their special tokens where they are."""
+    call where `parallel` is false): each function's parameters in its schema's order, the required ones present
+    (a required one without a property too, untyped, last), no others; each value as `_xml_value_rule` holds it. The tags as their special tokens where they are."""
     rules, functions = [], []
     for i, tool in enumerate(tools, first):
         schema = parameters_schema(tool, i)
         required = set(schema.get("required") or ())
         defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
         parts = []
-        for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+        properties = dict(schema.get("properties") or {})
+        # a required key the schema declares no property for: any value, after the declared ones
+        properties.update({key: {} for key in _required(schema) if key not in properties})
+        for j, (key, sub) in enumerate(properties.items()):
             rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} v{i}_{j}\n")
             rules.append(_xml_value_rule(f"v{i}_{j}", sub, defs))
             parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")

@@ -955,3 +955,29 @@ def test_parameter_names_the_xml_cannot_carry_are_a_400(name):
         refused("tools", "cannot be written in this model's XML tool calls", "qwen3_xml", tools=tools,
                 tool_choice=choice)
     assert plan(request(tools=tools, tool_choice="required"), "hermes").mode == "required"  # JSON carries any name
+
+
+def test_a_required_key_without_a_property_is_held_as_an_untyped_xml_parameter():
+    """JSON Schema lets `required` name a key `properties` leaves out (any value); the XML grammar holds it too, after
+    the declared ones (it was left out, so no answer could carry it), and the reader gives it back as text."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["a", "b"], "properties": {"a": {"type": "integer"}}}}}]
+    held = plan(request(tools=tools, tool_choice="required"), "qwen3_xml")
+    kind, value, _ = held.constraint
+
+    def allows(text: str) -> bool:
+        matcher = LLMatcher(LLTokenizer("byte"), grammar_for(kind, value), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    both = ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nanything\n</parameter>\n"
+            "</function>\n</tool_call>")
+    assert allows(both) and not allows(both.replace("<parameter=b>\nanything\n</parameter>\n", ""))
+    reader = held.reader()
+    assert reader.feed(both)[0] == "" and json.loads(reader.calls()[0]["function"]["arguments"]) == {
+        "a": 1, "b": "anything"}
+    refused("tools", "cannot be written", "qwen3_xml", tool_choice="required", tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["a>b"]}}}])
