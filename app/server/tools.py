@@ -89,7 +89,7 @@ class ToolPlan:
         if self.format == "hermes":
             return HermesReader(held=self.mode != "auto")
         if self.format == "qwen3_xml":  # held or not, each call read whole at its closing tag
-            properties = {t.function.name: (t.function.parameters or {}).get("properties") for t in self.tools}
+            properties = {t.function.name: _typed_properties(t.function.parameters or {}) for t in self.tools}
             held = self.mode != "auto"  # a held answer read as its grammar writes it (values end at _XML_STOP)
             return HermesReader(parse=partial(held_xml_call if held else xml_call, properties=properties), forced=held)
         if self.format == "llama3_json":
@@ -182,6 +182,17 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
     if choice == "required":
         return ToolPlan("required", body.tools, constraint=("json", schema, "tools"))
     return ToolPlan("auto", body.tools, constraint=("grammar", _or_text(schema, JSON_OPTIONS, "["), "tools"))
+
+
+def _typed_properties(parameters: dict) -> dict | None:
+    """A function's properties as the XML readers type their values: each property's schema with the JSON types
+    `schema_kinds` finds for it (through `$ref`, `anyOf`, `const`, `enum`) as its `type`."""
+    properties = parameters.get("properties")
+    if not isinstance(properties, dict):
+        return properties
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if isinstance(parameters.get(k), dict)}
+    return {key: {**sub, "type": kinds} if isinstance(sub, dict) and (kinds := schema_kinds(sub, defs)) else sub
+            for key, sub in properties.items()}
 
 
 def _check_xml_names(tools: list[Tool]) -> None:
@@ -386,20 +397,55 @@ def _xml_grammar(tools: list[Tool], first: int, parallel: bool, special: dict[st
             f'"</function>\\n" {_token(_CLOSE, special)}\n' + "".join(rules))
 
 
+_KIND_OF = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null", dict: "object",
+            list: "array"}
+
+
+def schema_kinds(schema: Any, defs: dict | None = None, depth: int = 0) -> list[str]:
+    """The JSON types a schema's values can take: its `type`; else, followed through a local `$ref` (into `defs`, the
+    function's `$defs`/`definitions`) and `anyOf`/`oneOf` members, the types of its `const` or `enum` values; []
+    where nothing says (any value)."""
+    if not isinstance(schema, dict) or depth > 16:
+        return []
+    kind = schema.get("type")
+    if kind is not None:
+        return [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) \
+            else []
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        for section in ("$defs", "definitions"):
+            prefix = f"#/{section}/"
+            table = (defs or {}).get(section)
+            if ref.startswith(prefix) and isinstance(table, dict):
+                return schema_kinds(table.get(ref[len(prefix):]), defs, depth + 1)
+        return []
+    members = schema.get("anyOf", schema.get("oneOf"))
+    if isinstance(members, list) and members:
+        each = [schema_kinds(member, defs, depth + 1) for member in members]
+        return [] if not all(each) else list(dict.fromkeys(k for kinds in each for k in kinds))
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list) and values:
+        kinds = [_KIND_OF.get(type(value)) for value in values]
+        return [] if None in kinds else list(dict.fromkeys(kinds))
+    return []
+
+
 def _xml_value_rule(name: str, schema: Any, defs: dict) -> str:
     """The rule of one value in Qwen3-Coder's XML, up to its closing tag: a parameter whose schema's type is a JSON
     one (integer, number, boolean, object, array, null, or a list of them) JSON that its schema allows (its `$defs`
-    the function's), spaced as the templates' `tojson`; an enum of strings one of them; anything else (a string, a
-    parameter of no type) any text up to the closing tag (a string's length and pattern are not held)."""
+    the function's), spaced as the templates' `tojson`; so too one whose `anyOf`/`oneOf` members, `$ref`, `const` or
+    `enum` values say it takes only such types (`schema_kinds`); an enum (or const) of strings one of them; anything
+    else (a string, a parameter of no type) any text up to the closing tag (a string's length and pattern are not
+    held)."""
     schema = schema if isinstance(schema, dict) else {}
-    kind, enum = schema.get("type"), schema.get("enum")
-    kinds = set(kind) if isinstance(kind, list) else {kind}
+    kind, enum = schema.get("type"), schema.get("enum", [schema["const"]] if "const" in schema else None)
+    kinds = set(schema_kinds(schema, defs))
     refs = re.findall(r'"\$ref": "([^"]*)"', json.dumps(schema))
     local = all(ref.startswith(("#/$defs/", "#/definitions/")) for ref in refs)  # ("#/properties/..." is the root's)
     if kind in (None, "string") and isinstance(enum, list) and enum and all(
             isinstance(v, str) and "</parameter>" not in v for v in enum):
         return f"{name}: " + " | ".join(json.dumps(v + _XML_STOP) for v in enum) + "\n"
-    if kind is not None and kinds <= _JSON_TYPES and local:
+    if kinds and kinds <= _JSON_TYPES and local:
         return f"{name}: %json {json.dumps({**schema, **defs, 'x-guidance': SPACED})} {json.dumps(_XML_STOP)}\n"
     return f"{name}[stop={json.dumps(_XML_STOP)}]: /(?s:.*)/\n"
 

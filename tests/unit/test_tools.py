@@ -981,3 +981,38 @@ def test_a_required_key_without_a_property_is_held_as_an_untyped_xml_parameter()
         "a": 1, "b": "anything"}
     refused("tools", "cannot be written", "qwen3_xml", tool_choice="required", tools=[
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["a>b"]}}}])
+
+
+def test_xml_values_are_typed_through_refs_any_of_const_and_enums():
+    """A parameter typed only by a `$ref`, `anyOf`, `const` or an untyped enum: the held grammar holds it to JSON of
+    that schema, and both readers give it back as its type (these came back as strings; an untyped enum of the
+    string "null" as JSON null)."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from app.engine.structured import grammar_for
+
+    properties = {"ref": {"$ref": "#/$defs/count"}, "maybe": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                  "flag": {"const": True}, "level": {"enum": [1, 2, 3]}, "word": {"enum": ["null", "x"]},
+                  "free": {"anyOf": [{"type": "integer"}, {}]}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": properties, "$defs": {"count": {"type": "number"}}}}}]
+
+    def call(values: dict) -> str:
+        return "<tool_call>\n<function=f>\n" + "".join(
+            f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items()) + "</function>\n</tool_call>"
+
+    answer = call({"ref": "2.5", "maybe": "null", "flag": "true", "level": "2", "word": "null", "free": "7"})
+    want = {"ref": 2.5, "maybe": None, "flag": True, "level": 2, "word": "null", "free": "7"}
+    for choice in ("auto", "required"):
+        reader = plan(request(tools=tools, tool_choice=choice), "qwen3_xml").reader()
+        assert reader.feed(answer)[0] == "" and json.loads(reader.calls()[0]["function"]["arguments"]) == want, choice
+    kind, value, _ = plan(request(tools=tools, tool_choice="required"), "qwen3_xml").constraint
+
+    def allows(text: str) -> bool:
+        matcher = LLMatcher(LLTokenizer("byte"), grammar_for(kind, value), log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    values = {"ref": "2.5", "maybe": "null", "flag": "true", "level": "2", "word": "null", "free": "7"}
+    assert allows(call(values))
+    for key, bad in (("ref", "two"), ("maybe", "x"), ("flag", "false"), ("level", "4"), ("word", "y")):
+        assert not allows(call({**values, key: bad})), key
