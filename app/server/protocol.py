@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
 
 Stop = str | list[str] | None
 
@@ -20,6 +20,20 @@ class _Body(BaseModel):
 
 # A token id: a JSON integer (not true/false, 1.0 or "1", which pydantic's lax mode would take as one)
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
+
+
+def texts_or_ids(value: Any, field: str) -> Any:
+    """`value` where it has one of the shapes a prompt (an embedding's input) takes: a string, a list of strings, a
+    list of token ids or a list of such lists; else what shapes are allowed (pydantic's union would say only "Input
+    should be a valid string"). Ranges and emptiness are checked after."""
+    def ids(v):
+        return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+    if isinstance(value, str) or isinstance(value, list) and (
+            all(isinstance(v, str) for v in value) or ids(value) or all(ids(v) for v in value)):
+        return value
+    raise ValueError(f"{field} must be a string, a list of strings, a list of token ids (integers) or a list of "
+                     "such lists")
 
 
 class StreamOptions(BaseModel):
@@ -190,8 +204,8 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | \
-        list[list[TokenId]]
+    prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
+                      BeforeValidator(lambda value: texts_or_ids(value, "prompt"))]
     max_tokens: Annotated[int, Field(ge=0, le=1 << 30)] | None = 16  # 0 with echo: the prompt alone, scored
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
@@ -475,14 +489,7 @@ class EmbeddingRequest(_Body):
     @field_validator("input", mode="before")
     @classmethod
     def _one_of_the_shapes(cls, value):
-        def ids(v):
-            return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-
-        if isinstance(value, str) or isinstance(value, list) and (
-                all(isinstance(v, str) for v in value) or ids(value) or all(ids(v) for v in value)):
-            return value  # (the ids' range, and emptiness, checked after)
-        raise ValueError("input must be a string, a list of strings, a list of token ids (integers) or a list of "
-                         "such lists")
+        return texts_or_ids(value, "input")
 
     @field_validator("input")
     @classmethod

@@ -161,10 +161,10 @@ def plan(body: ChatCompletionRequest | TokenizeRequest, tool_format: str | None,
                             "(response_format, structured_outputs), not both", "tool_choice", "invalid_value")
     tool = None if choice in ("required", "auto") else _named(choice, body.tools)
     if fmt == "qwen3_xml":  # "auto" read out of the free text, as Hermes'; the forced choices held to the XML
-        _check_xml_names(body.tools)
-        if choice == "auto":
+        if choice == "auto":  # (a parameter the XML cannot carry is the model's to miss, as with vLLM's reader)
             return ToolPlan("auto", body.tools, format=fmt)
         chosen, first = ([tool], body.tools.index(tool)) if tool is not None else (body.tools, 0)
+        _check_xml_names(chosen)
         lark = _xml_grammar(chosen, first, body.parallel_tool_calls and tool is None, special_tags or {})
         return _held_plan(choice, body.tools, tool, lark, fmt)
     if fmt == "hermes":
@@ -752,12 +752,15 @@ class HermesReader:
         return "".join(content), deltas
 
     def end(self) -> str:
-        """What is left when the answer ends: held-back text, or an opened block that made no call."""
+        """What is left when the answer ends: held-back text, or an opened block that made no call (of an answer a
+        grammar holds to calls, nothing: what is left is a tag or a call cut short)."""
         rest = self._text[self._at:]
         self._at = len(self._text)
+        if self.held or self.forced:
+            return ""
         if self._state == "text":
             return self._content(rest)
-        if self._state == "head" and not (self.held or self.forced):
+        if self._state == "head":
             return self._content(_OPEN + rest)
         return ""  # the rest of a call cut short
 
@@ -765,7 +768,7 @@ class HermesReader:
         """The answer ended: `end`'s content, or, where it ended inside a free block that is a call (its closing tag
         left out, as models do at the end of an answer; vLLM's hermes and qwen3_coder parsers read such a call too),
         that call."""
-        if self._state == "head" and not self.held:
+        if self._state == "head" and not (self.held or self.forced):  # (a held call cut short is none)
             call = (self.parse or _whole_call)(self._text[self._at:])
             if call is not None and call is not UNFINISHED:
                 self._at, self._state = len(self._text), "text"

@@ -939,22 +939,25 @@ def test_a_held_xml_answer_is_read_as_its_grammar_writes_it():
     runaway = "<tool_call>\n<function=search>\n<parameter=q>\nx</parameter></function></tool_call>\nSure, here it is."
     free = HermesReader(parse=partial_xml())  # (what "auto" makes of the same text)
     assert free.feed(runaway)[0] == "Sure, here it is." and len(free.calls()) == 1
-    for answer in (runaway, text[:40], text[:text.index("</function>") + 3]):
+    one = text + "\n"
+    for answer in (runaway, text[:40], text[:text.index("</function>") + 3], text[:-len("</tool_call>")], "<tool_",
+                   one + "<tool_c"):
         reader = held.reader()
-        assert reader.feed(answer) == ("", []) and reader.finish() == ("", []) and not reader.calls(), answer
-        assert not reader.closed
+        content, _ = reader.feed(answer)
+        assert content == "" and reader.finish() == ("", []), answer
+        assert len(reader.calls()) == (1 if answer.startswith(one) else 0), answer
     named = plan(request(tools=tools, tool_choice={"type": "function", "function": {"name": "search"}}), "qwen3_xml")
     assert named.reader().feed(text)[0] == "" and named.reader().forced
 
 
 @pytest.mark.parametrize("name", ["", "a<b", "a>b", "two\nlines", " padded", "padded ", "x" * 257])
-def test_parameter_names_the_xml_cannot_carry_are_a_400(name):
+def test_parameter_names_the_xml_cannot_carry_are_a_400_where_the_answer_is_held_to_it(name):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"ok": {"type": "string"}, name: {"type": "string"}}}}}]
-    for choice in ("auto", "required"):
-        refused("tools", "cannot be written in this model's XML tool calls", "qwen3_xml", tools=tools,
-                tool_choice=choice)
+    refused("tools", "cannot be written in this model's XML tool calls", "qwen3_xml", tools=tools,
+            tool_choice="required")
     assert plan(request(tools=tools, tool_choice="required"), "hermes").mode == "required"  # JSON carries any name
+    assert plan(request(tools=tools), "qwen3_xml").mode == "auto"  # the model's to miss, as with vLLM
 
 
 def test_a_required_key_without_a_property_is_held_as_an_untyped_xml_parameter():
