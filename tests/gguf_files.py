@@ -47,18 +47,22 @@ def write_gguf(w) -> None:
 
 def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: int, inter: int, heads: int,
                       kv_heads: int, vocab: int, qkv_bias: bool = False, experts: int = 0, experts_used: int = 2,
-                      expert_inter: int = 0, expert_type: str = "F32", weight_type: str = "F32", **metadata) -> None:
+                      expert_inter: int = 0, expert_type: str = "F32", weight_type: str = "F32",
+                      head_dim: int | None = None, **metadata) -> None:
     """A whole Llama-family model of random float32 weights (with Qwen2's QKV biases if `qkv_bias`, Qwen3's
     Q/K norms for qwen3 and qwen3moe); with `experts`, a mixture of them in every layer (each of
     `expert_inter` features, weights of `expert_type`: F32, a type gguf quantizes, or a K-quant) in place of
-    the MLP; `weight_type`: the attention's and MLP's weights' type (as `expert_type`); `metadata` goes to
-    `new_gguf` (rms_eps, rope_base, tokenizer_of...)."""
+    the MLP; `weight_type`: the attention's and MLP's weights' type (as `expert_type`); `head_dim`: heads of another
+    size than hidden / heads (as Qwen3's); `metadata` goes to `new_gguf` (rms_eps, rope_base, tokenizer_of...)."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
     w = new_gguf(path, arch, layers=layers, hidden=hidden, inter=inter, heads=heads, kv_heads=kv_heads, vocab=vocab,
                  **metadata)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(experts_used)
@@ -75,7 +79,7 @@ def write_random_gguf(path: Path, arch: str, *, seed: int, layers: int, hidden: 
             else gguf.quants.quantize(flat, qtype)
         w.add_tensor(name, blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
 
-    d = hidden // heads
+    d = head_dim or hidden // heads
     add("token_embd.weight", vocab, hidden, scale=0.5)
     add("output.weight", vocab, hidden)
     add("output_norm.weight", hidden, offset=1.0)

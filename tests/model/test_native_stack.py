@@ -3,7 +3,8 @@
 Both run the same kernels in the same order, so they must agree to float32 rounding: prompts of several
 sequences in one step (chunked, on shuffled cache blocks), then decode steps; on the default model in
 float32 and bfloat16, int16 and int8 activations, steps longer than the stack's slab of rows, with
-bfloat16 weights (packed dense), and on a Qwen2-style file whose Q/K/V have biases and a Qwen3-style one with per-head Q/K norms.
+bfloat16 weights (packed dense), on a Qwen2-style file whose Q/K/V have biases, and on a Qwen3-style one with
+per-head Q/K norms.
 """
 
 from __future__ import annotations
@@ -150,13 +151,15 @@ def test_fused_parts_of_mixed_types_native_stack_matches_python_layers(tmp_path,
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_qwen3s_per_head_norms_run_on_the_native_stack(tmp_path, dtype):
     """Qwen3's RMSNorm over each head of Q and K (before RoPE) in the native stack: the same logits as the Python
-    layers, on Q8_0 weights (a Qwen3 file of float32 weights would take the Python layers: not packed)."""
+    layers, on Q8_0 weights (a Qwen3 file of float32 weights would take the Python layers: not packed), with heads
+    of 96 (Qwen3's heads are not hidden / heads wide: Q and K norms then span other offsets than the rows')."""
     from tests.gguf_files import write_random_gguf
 
     path = tmp_path / "tiny-qwen3.gguf"
     write_random_gguf(path, "qwen3", seed=4, layers=2, hidden=256, inter=512, heads=4, kv_heads=2, vocab=512,
-                      weight_type="Q8_0", rms_eps=1e-6, rope_base=1000000.0)
+                      weight_type="Q8_0", head_dim=96, rms_eps=1e-6, rope_base=1000000.0)
     loaded = load_model(ModelSource(path, "gguf", "tiny"), dtype, tokenizer=False)
-    assert loaded.config.qk_norm and loaded.model.layers[0].attention.q_norm is not None
+    assert loaded.config.qk_norm and loaded.config.head_dim == 96
+    assert loaded.model.layers[0].attention.q_norm.numel() == 96
     _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3], list(range(100, 140))], steps=3,
              tol=1e-5 if dtype == "float32" else 1e-2)
