@@ -12,11 +12,10 @@ from pathlib import Path
 
 from app.model.gguf_header import IN_BLOCKS_OF_32, KEPT_QUANT_TYPES, PACKED_QUANT_TYPES, read_gguf_header
 from app.model.source import ModelSource
-from app.parallel.heads import split_evenly, split_heads
+from app.parallel.heads import split_features, split_heads
 from app.spec.errors import Described, Problem, SpecError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-EXPERT_UNIT = 32  # as app/parallel/shard.py splits each expert's features (not imported: it imports torch)
 
 # How each checkpoint tensor is split over TP ranks (see app/parallel/shard.py), by a part of its name,
 # GGUF's and Hugging Face's; anything else (norms, rope factors) is replicated on every rank.
@@ -90,14 +89,14 @@ class ModelFootprint:
         if tp == 1:
             return 0
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank].q_heads
-        features = split_evenly(self.intermediate_size, tp)[rank]
+        features = split_features(self.intermediate_size, tp)[rank]
         extra = 0
         if heads.start * self.head_dim % 256 or heads.stop * self.head_dim % 256:
             extra += self.cut_bytes.attention_q * len(heads) // self.num_heads
         if features.start % 256 or features.stop % 256:
             extra += self.cut_bytes.mlp * len(features) // self.intermediate_size
         if self.cut_bytes.experts:
-            features = split_evenly(self.expert_intermediate_size, tp, EXPERT_UNIT)[rank]
+            features = split_features(self.expert_intermediate_size, tp)[rank]
             if features.start % 256 or features.stop % 256:
                 extra += self.cut_bytes.experts * len(features) // self.expert_intermediate_size
         return extra
@@ -106,8 +105,8 @@ class ModelFootprint:
         if tp == 1:
             return p.total
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank]
-        features = len(split_evenly(self.intermediate_size, tp)[rank])
-        per_expert = len(split_evenly(self.expert_intermediate_size, tp, EXPERT_UNIT)[rank])
+        features = len(split_features(self.intermediate_size, tp)[rank])
+        per_expert = len(split_features(self.expert_intermediate_size, tp)[rank])
         return (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
                 + p.attention_q * len(heads.q_heads) // self.num_heads
                 + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads

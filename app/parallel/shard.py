@@ -5,7 +5,7 @@ to the number of query heads works, not only divisors: KV heads are dealt out as
 heads allow (SmolLM2, 9 query / 3 KV heads, at tp=2: 6+3 query and 2+1 KV heads); with more ranks
 than KV heads, each KV head is replicated on a run of ranks that split its query heads (vLLM's
 rule; 8 / 2 at tp=4: every rank has 2 query heads and 1 KV head). The MLP's intermediate features
-are split evenly (gate/up by rows, down by columns); in a mixture of experts, each expert's features are
+are split evenly, in whole blocks of 32 where they can be (gate/up by rows, down by columns; `split_features`); in a mixture of experts, each expert's features are
 (every rank runs every expert on its features; the router is replicated). Q/K/V and gate/up are column-parallel, the
 output and down projections row-parallel with one all-reduce each: two per layer. Embeddings and
 norms are replicated; the LM head lives on rank 0 only, which samples.
@@ -21,9 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from app.model.linear import ColumnParallelLinear, RowParallelLinear
-from app.parallel.heads import HeadSplit, split_evenly, split_heads
-
-EXPERT_UNIT = 32  # each expert's features are split in blocks of 32 where they can be (quantized blocks stay whole)
+from app.parallel.heads import HeadSplit, split_features, split_heads
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,8 @@ class ShardSpec:
     @classmethod
     def of(cls, cfg, rank: int, size: int) -> ShardSpec:
         heads = split_heads(cfg.num_heads, cfg.num_kv_heads, size)[rank]
-        return cls(rank, size, heads, split_evenly(cfg.intermediate_size, size)[rank], cfg.head_dim,
-                   split_evenly(cfg.expert_intermediate_size, size, EXPERT_UNIT)[rank])
+        return cls(rank, size, heads, split_features(cfg.intermediate_size, size)[rank], cfg.head_dim,
+                   split_features(cfg.expert_intermediate_size, size)[rank])
 
     @classmethod
     def whole(cls, cfg) -> ShardSpec:

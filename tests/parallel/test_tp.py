@@ -205,3 +205,27 @@ def test_the_plan_sizes_each_ranks_weights_as_its_shard_loads(model, qwen2):
             loaded = load_model(source, "float32", tokenizer=False, rank=rank, size=tp).model
             held = loaded.resident_bytes() - loaded.cos_sin.numel() * loaded.cos_sin.element_size()
             assert held == footprint.weight_bytes("float32", tp, rank), (model, tp, rank)
+
+
+def test_mlp_features_are_split_in_whole_blocks_of_32(tmp_path):
+    """320 features at tp=3: 107 / 107 / 106 would cut the Q8_0 down projections' blocks of 32 and expand them to
+    float32; split as 128 / 96 / 96 they stay in their blocks, and the plan sizes each rank as it loads."""
+    from app.model.footprint import read_footprint
+    from app.model.loader import load_model
+    from app.model.quant import PackedWeight
+    from app.model.source import ModelSource
+    from app.parallel.heads import split_features
+
+    assert [len(r) for r in split_features(320, 3)] == [128, 96, 96]
+    assert [len(r) for r in split_features(64, 3)] == [22, 21, 21]  # fewer blocks than ranks: plain
+    path = tmp_path / "q8.gguf"
+    write_random_gguf(path, "qwen2", seed=2, layers=1, hidden=256, inter=320, heads=HEADS, kv_heads=KV_HEADS,
+                      vocab=VOCAB, qkv_bias=True, weight_type="Q8_0")
+    source = ModelSource(path, "gguf", "q8")
+    footprint = read_footprint(source)
+    for rank in range(3):
+        loaded = load_model(source, "float32", tokenizer=False, rank=rank, size=3).model
+        down = loaded.layers[0].mlp.down.weight
+        assert isinstance(down, PackedWeight) and down.in_features == [128, 96, 96][rank]
+        held = loaded.resident_bytes() - loaded.cos_sin.numel() * loaded.cos_sin.element_size()
+        assert held == footprint.weight_bytes("float32", 3, rank), rank
