@@ -91,7 +91,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     layers = int(cfg["num_hidden_layers"])
     step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen3-MoE: every step-th layer has experts
-    dense = {i for i in range(layers) if i in set(cfg.get("mlp_only_layers") or ()) or (i + 1) % step}
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    dense = {i for i in range(layers) if i in only_mlp or (i + 1) % step}
     if experts and name not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         raise UnsupportedModel(f"{name} with {experts} experts is not supported; mixtures of experts supported: "
                                "MixtralForCausalLM, Qwen3MoeForCausalLM")

@@ -89,29 +89,28 @@ class ModelFootprint:
         if tp == 1:
             return 0
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank].q_heads
-        features = split_features(self.intermediate_size, tp)[rank]
         extra = 0
         if heads.start * self.head_dim % 256 or heads.stop * self.head_dim % 256:
             extra += self.cut_bytes.attention_q * len(heads) // self.num_heads
-        if features.start % 256 or features.stop % 256:
-            extra += self.cut_bytes.mlp * len(features) // self.intermediate_size
-        if self.cut_bytes.experts:
-            features = split_features(self.expert_intermediate_size, tp)[rank]
-            if features.start % 256 or features.stop % 256:
-                extra += self.cut_bytes.experts * len(features) // self.expert_intermediate_size
+        for cut, size in ((self.cut_bytes.mlp, self.intermediate_size),
+                          (self.cut_bytes.experts, self.expert_intermediate_size)):
+            features = split_features(size, tp)[rank]
+            if cut and (features.start % 256 or features.stop % 256):
+                extra += cut * len(features) // size
         return extra
 
     def _share(self, p: ParamCounts, tp: int, rank: int) -> int:
         if tp == 1:
             return p.total
         heads = split_heads(self.num_heads, self.num_kv_heads, tp)[rank]
-        features = len(split_features(self.intermediate_size, tp)[rank])
-        per_expert = len(split_features(self.expert_intermediate_size, tp)[rank])
+
+        def features(count: int, size: int) -> int:  # this rank's share of `count` split with `size` features
+            return count * len(split_features(size, tp)[rank]) // size if count else 0
+
         return (p.embedding + p.other + (p.lm_head if rank == 0 else 0)
                 + p.attention_q * len(heads.q_heads) // self.num_heads
                 + p.attention_kv * len(heads.kv_heads) // self.num_kv_heads
-                + (p.mlp * features // self.intermediate_size if p.mlp else 0)
-                + (p.experts * per_expert // self.expert_intermediate_size if p.experts else 0))
+                + features(p.mlp, self.intermediate_size) + features(p.experts, self.expert_intermediate_size))
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """K and V of every layer for one token on one rank (KV heads are split across TP ranks)."""
@@ -196,7 +195,7 @@ def _from_hf(path: Path) -> ModelFootprint:
     shapes: dict[str, list[int]] = {}
     dtypes: dict[str, str] = {}
     for file in sorted(path.glob("*.safetensors")):
-        for name, (dtype, shape) in _safetensors_headers(file).items():
+        for name, (dtype, shape) in safetensors_headers(file).items():
             shapes[name], dtypes[name] = shape, dtype
     params = ParamCounts.of(shapes)
     kept = _kept_bfloat16(shapes, dtypes)
@@ -256,7 +255,7 @@ def expert_features(shapes: dict[str, tuple[int, ...] | list[int]]) -> int:
     return 0
 
 
-def _safetensors_headers(file: Path) -> dict[str, tuple[str, list[int]]]:
+def safetensors_headers(file: Path) -> dict[str, tuple[str, list[int]]]:
     """name -> (dtype, shape) of every tensor in the file, read from its header"""
     from safetensors import safe_open  # only HF directories need it
 

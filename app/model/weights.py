@@ -46,8 +46,8 @@ class GGUFCheckpoint:
         self.path = path
         header = read_gguf_header(path)  # not gguf.GGUFReader: it parses the whole vocabulary (seconds)
         self.meta = header.metadata  # scalars and strings; an array as its length
-        self.config = _features_as_stored(config_from_gguf(self.meta, _vocab_size(self.meta),
-                                                           "output.weight" in header.tensor_shapes), header.tensor_shapes)
+        config = config_from_gguf(self.meta, _vocab_size(self.meta), "output.weight" in header.tensor_shapes)
+        self.config = _features_as_stored(config, header.tensor_shapes)
         self.chat_template = self.meta.get("tokenizer.chat_template")
         known = {t.value: t.name for t in GGMLQuantizationType}
         unsupported = sorted({known.get(t, f"type {t}") for t in header.tensor_types.values()} - set(GGUF_TYPES))
@@ -164,9 +164,9 @@ class HFCheckpoint:
         if not self.files:
             raise UnsupportedModel(f"{path} has no *.safetensors files (PyTorch .bin checkpoints are not supported)")
         if self.config.num_experts:
-            from app.model.footprint import _safetensors_headers
+            from app.model.footprint import safetensors_headers
 
-            shapes = {n: shape for f in self.files for n, (_, shape) in _safetensors_headers(f).items()}
+            shapes = {n: shape for f in self.files for n, (_, shape) in safetensors_headers(f).items()}
             self.config = _features_as_stored(self.config, shapes)
         self.chat_template = None  # the tokenizer files carry it
 

@@ -27,8 +27,7 @@ def split_features(n: int, parts: int) -> list[range]:
 
 def split_evenly(n: int, parts: int, unit: int = 1) -> list[range]:
     """`n` items in `parts` contiguous runs whose sizes differ by at most one (larger runs first); by whole `unit`s
-    where `n` holds at least one a part (an expert's features in blocks of 32: a cut off them would expand a
-    quantized down projection)."""
+    where `n` holds at least one a part."""
     if unit > 1 and n % unit == 0 and n // unit >= parts:
         return [range(r.start * unit, r.stop * unit) for r in split_evenly(n // unit, parts)]
     base, extra = divmod(n, parts)

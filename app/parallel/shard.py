@@ -5,10 +5,11 @@ to the number of query heads works, not only divisors: KV heads are dealt out as
 heads allow (SmolLM2, 9 query / 3 KV heads, at tp=2: 6+3 query and 2+1 KV heads); with more ranks
 than KV heads, each KV head is replicated on a run of ranks that split its query heads (vLLM's
 rule; 8 / 2 at tp=4: every rank has 2 query heads and 1 KV head). The MLP's intermediate features
-are split evenly, in whole blocks of 32 where they can be (gate/up by rows, down by columns; `split_features`); in a mixture of experts, each expert's features are
-(every rank runs every expert on its features; the router is replicated). Q/K/V and gate/up are column-parallel, the
-output and down projections row-parallel with one all-reduce each: two per layer. Embeddings and
-norms are replicated; the LM head lives on rank 0 only, which samples.
+are split evenly, in whole blocks of 32 where they can be (gate/up by rows, down by columns;
+`split_features`); in a mixture of experts, so are each expert's (every rank runs every expert on its
+features; the router is replicated). Q/K/V and gate/up are column-parallel, the output and down
+projections row-parallel with one all-reduce each: two per layer. Embeddings and norms are replicated;
+the LM head lives on rank 0 only, which samples.
 
 `ShardSpec.take` cuts each checkpoint tensor to this rank's part as it is read, so a rank never
 holds the whole model, not even while loading.

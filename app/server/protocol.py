@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator,
+                      model_validator)
 
 Stop = str | list[str] | None
 
@@ -34,6 +35,12 @@ def texts_or_ids(value: Any, field: str) -> Any:
         return value
     raise ValueError(f"{field} must be a string, a list of strings, a list of token ids (integers) or a list of "
                      "such lists")
+
+
+def _texts_or_ids(field: str):
+    """A prompt-shaped field (`texts_or_ids`'s shapes), named `field` in its error."""
+    return Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
+                     BeforeValidator(lambda value: texts_or_ids(value, field))]
 
 
 class StreamOptions(BaseModel):
@@ -204,8 +211,7 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
-                      BeforeValidator(lambda value: texts_or_ids(value, "prompt"))]
+    prompt: _texts_or_ids("prompt")
     max_tokens: Annotated[int, Field(ge=0, le=1 << 30)] | None = 16  # 0 with echo: the prompt alone, scored
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
@@ -479,17 +485,11 @@ class DetokenizeResponse(BaseModel):
 class EmbeddingRequest(_Body):
     """OpenAI's /v1/embeddings: each input's embedding (app/server/embeddings.py)."""
 
-    input: str | list[str] | list[TokenId] | \
-        list[list[TokenId]]
+    input: _texts_or_ids("input")
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None  # only the model's own size (no Matryoshka model here)
     user: str | None = None
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _one_of_the_shapes(cls, value):
-        return texts_or_ids(value, "input")
 
     @field_validator("input")
     @classmethod

@@ -376,7 +376,8 @@ _JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}
 def _xml_grammar(tools: list[Tool], first: int, parallel: bool, special: dict[str, int]) -> str:
     """A Lark grammar (llguidance's) of one or more calls in Qwen3-Coder's XML, as its templates write them (one
     call where `parallel` is false): each function's parameters in its schema's order, the required ones present
-    (a required one without a property too, untyped, last), no others; each value as `_xml_value_rule` holds it. The tags as their special tokens where they are."""
+    (a required one without a property too, untyped, last), no others; each value as `_xml_value_rule` holds it.
+    The tags as their special tokens where they are."""
     rules, functions = [], []
     for i, tool in enumerate(tools, first):
         schema = parameters_schema(tool, i)
@@ -907,9 +908,15 @@ def xml_call(block: str, properties: dict[str, dict], ended: bool = False) -> tu
         at = parameter.end()
     if body[at:].strip():
         return None
+    return _xml_result(name, arguments)
+
+
+def _xml_result(name: str, arguments: dict) -> tuple[str, str] | None:
+    """A read XML call as (name, arguments' JSON text), or None where it is no text a response can carry (a lone
+    surrogate from an argument's JSON, "\\ud83d")."""
     call = name, _dump(arguments)
     try:
-        "".join(call).encode()  # a lone surrogate (from an argument's JSON, "\\ud83d") is no text a response carries
+        "".join(call).encode()
     except UnicodeEncodeError:
         return None
     return call
@@ -939,12 +946,7 @@ def held_xml_call(block: str, properties: dict[str, dict], ended: bool = False) 
         return UNFINISHED if len(block) - at < len(_XML_END) and _XML_END.startswith(block[at:]) else None
     if block[at + len(_XML_END):].strip():
         return None
-    call = name, _dump(arguments)
-    try:
-        "".join(call).encode()
-    except UnicodeEncodeError:
-        return None
-    return call
+    return _xml_result(name, arguments)
 
 
 def xml_value(text: str, schema: Any) -> Any:
