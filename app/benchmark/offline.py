@@ -26,18 +26,21 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int, prefix: list
 def _timed(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     hits, queries = llm.core.kv.hits, llm.core.kv.queries
-    llm.core.scheduler.peak_running = 0
+    sched = llm.core.scheduler
+    sched.peak_running, drafts, kept = 0, sched.num_draft_tokens, sched.num_accepted_tokens
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     found = llm.core.kv.hits - hits
+    speculative = {} if sched.cfg.speculative is None else {  # drafts computed and kept (speculative decoding)
+        "draft_tokens": sched.num_draft_tokens - drafts, "accepted_tokens": sched.num_accepted_tokens - kept}
     return {"requests": len(prompts), "prompt_tokens": prompt_tokens, "output_tokens": produced,
             "seconds": round(seconds, 2), "output_tokens_per_s": round(produced / seconds, 1),
             "total_tokens_per_s": round((produced + prompt_tokens) / seconds, 1),
             "prefix_hit_rate": round(found / max(llm.core.kv.queries - queries, 1), 3),
-            "peak_running": llm.core.scheduler.peak_running}
+            "peak_running": sched.peak_running, **speculative}
 
 
 def run(spec: str | None, dtype: str | None, requests: int, input_len: int, output_len: int,

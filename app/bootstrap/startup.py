@@ -52,7 +52,7 @@ class Deployment:
         model = ModelLaunch(str(self.source.path), self.source.format, self.source.served_name, plan.dtype,
                             spec.model.quantized, spec.model.quantized_activations)
         scheduler = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, plan.max_model_len,
-                                    sched.chunked_prefill, sched.step_time_budget)
+                                    sched.chunked_prefill, sched.step_time_budget, sched.speculative.config())
         tp = spec.parallel.tp
         cache = cache_root()
         records = []

@@ -144,16 +144,24 @@ class EngineCore:
         # a broken model's requests go before the update (their blocks never cached, nor any hash they would claim
         # from a sound request of the same prompt), a failed grammar's after it (its blocks are sound: cached)
         deltas = self._abort_unusable([r for r, token in result.sampled.items() if token == NO_TOKEN], broken=True)
-        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}
+        requests = self.scheduler.requests
+        produced = {r: len(requests[r].output_ids) for r in sampled if r in requests}  # outputs before the step
+        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled, result.accepted)}
         deltas += self._abort_unusable([r for r, token in result.sampled.items() if token == GRAMMAR_FAILED])
-        for request_id, token in sampled.items():
+        for request_id in sampled:
             request = finished.get(request_id) or self.scheduler.requests.get(request_id)
-            if request is None:
+            if request is None or request_id not in produced:
                 continue
-            reason = request.finish_reason if request_id in finished else None
-            deltas.append(TokenDelta(request_id, token, result.logprobs.get(request_id), reason,
-                                     len(request.prompt_ids), len(request.output_ids),
-                                     result.prompt_logprobs.get(request_id), result.embeddings.get(request_id)))
+            # its new tokens: one, or (speculative decoding) the drafts it kept and one, up to where it stopped
+            new, kept = request.output_ids[produced[request_id]:], result.accepted.get(request_id, ())
+            logprobs = [*(result.accepted_logprobs.get(request_id) or [None] * len(kept)),
+                        result.logprobs.get(request_id)]
+            for j, token in enumerate(new):
+                reason = request.finish_reason if request_id in finished and j == len(new) - 1 else None
+                deltas.append(TokenDelta(request_id, token, logprobs[j], reason, len(request.prompt_ids),
+                                         produced[request_id] + j + 1,
+                                         result.prompt_logprobs.get(request_id) if j == 0 else None,
+                                         result.embeddings.get(request_id) if j == 0 else None))
         return deltas
 
     def _wait_for_grammars(self, timeout: float = 0.01) -> None:

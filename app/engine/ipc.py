@@ -65,6 +65,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts computed, and those kept
+    accepted_tokens: int = 0
     draining: bool = False  # finishing its requests before it exits (a spec reload restarts it): route elsewhere
     incarnation: int = 0  # the engine process's pid: a new one means it was restarted, and what was in flight is lost
 

@@ -8,7 +8,7 @@ it. Input staging buffers are allocated once at the largest step size and reused
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -31,6 +31,10 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     # request id -> its prompt's embedding (SamplingParams.embed), with its first sampled token
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # speculative decoding: request id -> the drafts the sampler took (its token in `sampled` comes after them),
+    # and their logprobs where the request asked
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 # Prompt rows whose logits are taken at once for prompt logprobs: [rows, vocab] float32 twice (logits, log-softmax),
@@ -76,13 +80,21 @@ class ModelRunner:
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
-        # every scheduled request has at least one token, so as many sampled rows as tokens means a step of
-        # decodes only, each sampled: hidden's rows in order, no gather (two torch ops) needed
-        last = hidden if len(rows) == hidden.shape[0] else hidden[batch.logit_indices[rows]]
+        drafted = any(output.requests[i].draft_ids for i in rows)
+        if drafted:  # a drafted request's rows: its real token's and each draft's (app/engine/speculative.py)
+            spans = [len(output.requests[i].draft_ids) + 1 for i in rows]
+            ends = batch.logit_indices[rows].tolist()
+            last = hidden[[e - span + 1 + j for e, span in zip(ends, spans, strict=True) for j in range(span)]]
+        else:
+            # every scheduled request has at least one token, so as many sampled rows as tokens means a step of
+            # decodes only, each sampled: hidden's rows in order, no gather (two torch ops) needed
+            last = hidden if len(rows) == hidden.shape[0] else hidden[batch.logit_indices[rows]]
         # A hidden row that is not finite (a broken model) gives NaN logits on every head, the quantized ones too
         # (native/src/act_quant.cpp: such a block's scale is NaN), and the sampler gives that row no token.
         logits = self.model.logits(last)
         states = [self.states[output.requests[i].request_id] for i in rows]
+        if drafted:
+            return self._verify([output.requests[i] for i in rows], states, logits)
         result = self.sampler(logits, states)
         collected = self._collect([output.requests[i].request_id for i in rows], states, result)
         # the prompt is whole, its first token out just now: its last row is its embedding (SamplingParams.embed)
@@ -91,6 +103,46 @@ class ModelRunner:
             vectors = torch.nn.functional.normalize(last[embed].float(), dim=-1).tolist()
             for k, vector in zip(embed, vectors, strict=True):
                 collected.embeddings[output.requests[rows[k]].request_id] = vector
+        return collected
+
+    def _verify(self, requests: list[ScheduledRequest], states: list[SamplingState],
+                logits: torch.Tensor) -> RunnerOutput:
+        """Sample a step with drafts: each drafted request's rows as if the drafts before each were its output (its
+        penalties, min_tokens and logprobs see them), then its drafts taken while each is what its row sampled, and
+        the first row that differs (or the one after the last draft) gives its token. A seeded request's generator
+        ends as far on as without drafts: one draw a token it keeps. Drafted requests are never embeddings, prompt
+        logprobs or grammars' (the scheduler drafts for decoding requests without a grammar)."""
+        rows: list[SamplingState] = []
+        for r, state in zip(requests, states, strict=True):
+            rows.append(state)
+            rows.extend(_ahead(state, r.draft_ids[:j]) for j in range(1, len(r.draft_ids) + 1))
+        seeded = {id(s.generator): s.generator.get_state() for s in states if s.generator is not None}
+        result = self.sampler(logits, rows)
+        tokens = result.tokens.tolist()
+        ids, kept, firsts = [], [], []
+        accepted: dict[str, list[int]] = {}
+        start = 0
+        for r, state in zip(requests, states, strict=True):
+            taken = 0
+            while taken < len(r.draft_ids) and tokens[start + taken] == r.draft_ids[taken]:
+                taken += 1
+            if taken:
+                accepted[r.request_id] = list(r.draft_ids[:taken])
+            if state.generator is not None and not state.params.greedy and r.draft_ids:
+                state.generator.set_state(seeded[id(state.generator)])  # the draws of the tokens kept, no more
+                for _ in range(taken + 1):
+                    torch.rand(1, generator=state.generator, dtype=torch.float64)
+            ids.append(r.request_id)
+            kept.append(start + taken)
+            firsts.append(start)
+            start += len(r.draft_ids) + 1
+        last = _rows_of(result, kept)
+        collected = self._collect(ids, states, last, accepted)
+        for r, state, first in zip(requests, states, firsts, strict=True):  # the kept drafts' logprobs
+            k = state.params.logprobs
+            if r.request_id in accepted and k is not None:
+                collected.accepted_logprobs[r.request_id] = [
+                    _token_logprobs(result, first + j, k) for j in range(len(accepted[r.request_id]))]
         return collected
 
     def _prompt_logprobs(self, output: SchedulerOutput, hidden: torch.Tensor) -> None:
@@ -173,7 +225,8 @@ class ModelRunner:
                 self._starts[: seqs + 1], self._last_rows[:seqs], self._prompt_rows[:seqs], self._ids[:t])
         return ForwardBatch(*views[:-1]), views[-1]
 
-    def _collect(self, request_ids: list[str], states: list[SamplingState], result) -> RunnerOutput:
+    def _collect(self, request_ids: list[str], states: list[SamplingState], result,
+                 accepted: dict[str, list[int]] | None = None) -> RunnerOutput:
         tokens = result.tokens.tolist()
         sampled = dict(zip(request_ids, tokens, strict=True))
         logprobs, prompt_logprobs = {}, {}
@@ -182,6 +235,8 @@ class ModelRunner:
                 continue
             if state.prompt_logprobs is not None:  # the prompt is whole: its logprobs go out with this token
                 prompt_logprobs[request_id], state.prompt_logprobs = state.prompt_logprobs, None
+            if accepted and request_id in accepted:  # drafts it kept, before its token (no grammar: never drafted)
+                state.output_ids.extend(accepted[request_id])
             state.output_ids.append(tokens[row])
             if state.matcher is not None and tokens[row] not in state.params.stop_token_ids:
                 # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
@@ -189,9 +244,27 @@ class ModelRunner:
                 state.matcher.consume_token(tokens[row])
             k = state.params.logprobs
             if k is not None:
-                top = tuple(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else ()
-                logprobs[request_id] = TokenLogprobs(float(result.logprobs[row]), top)
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+                logprobs[request_id] = _token_logprobs(result, row, k)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, accepted=accepted or {})
+
+
+def _token_logprobs(result, row: int, k: int) -> TokenLogprobs:
+    """Row `row`'s sampled token's logprob and its k most likely tokens' (a SampleOutput with logprobs)."""
+    top = tuple(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())) if k else ()
+    return TokenLogprobs(float(result.logprobs[row]), top)
+
+
+def _rows_of(result, rows: list[int]):
+    """A SampleOutput of these rows of `result`."""
+    pick = (lambda x: None if x is None else x[rows])
+    return replace(result, tokens=result.tokens[rows], logprobs=pick(result.logprobs), top_ids=pick(result.top_ids),
+                   top_logprobs=pick(result.top_logprobs))
+
+
+def _ahead(state: SamplingState, drafts: tuple[int, ...]) -> SamplingState:
+    """`state` as it would be with `drafts` sampled after its output: what a draft's row is sampled with. Its
+    penalty counts are its own copy; its generator is the request's (the runner rewinds it to the draws kept)."""
+    return replace(state, output_ids=state.output_ids + list(drafts), output_counts=dict(state.output_counts))
 
 
 def calibration_step(count: int, num_computed: int, block_size: int, decodes: bool = False) -> SchedulerOutput:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from app.engine.kv_cache import KVCacheManager, PrefixHit
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason, Request, Status
+from app.engine.speculative import SpeculativeConfig
 from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
 
 # Prompt chunks get what the decodes leave of the step-time budget, and never less than this many times the
@@ -34,6 +35,7 @@ class SchedulerConfig:
     max_model_len: int
     chunked_prefill: bool = True
     step_time_budget: float = 0.0  # seconds; 0: steps are bounded by tokens only
+    speculative: SpeculativeConfig | None = None  # n-gram drafts for decoding sequences (None: none)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]  # the request's whole block table
     sample: bool  # True when this step reaches the request's last token, so a new token is sampled
     prompt_rows: int = 0  # of token_ids, the leading ones that are prompt tokens (the rest: generated ones)
+    draft_ids: tuple[int, ...] = ()  # of token_ids, the trailing ones that are drafts (app/engine/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class Scheduler:
         self.running: list[Request] = []  # in the order they started
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding: drafts computed, and taken
         self.peak_running = 0  # the most requests running at once so far (benchmarks reset it)
         self._runner_knows: set[str] = set()  # request ids sent in a step's new_requests
         self._finished_ids: list[str] = []  # ...of those, the ones that ended since the last step
@@ -169,13 +173,19 @@ class Scheduler:
         budget = StepBudget(self.cfg.max_num_batched_tokens, self.cost)
         chosen: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        drafts: dict[str, tuple[int, ...]] = {}
+        speculate = self.cfg.speculative is not None and len(self.running) <= self.cfg.speculative.max_batch
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if request not in self.running:  # preempted earlier in this loop
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            count = budget.fit(request.num_computed_tokens, remaining, 0.5 if self.waiting else 1.0)
+            share = 0.5 if self.waiting else 1.0
+            draft = self._draft(request, remaining, budget.tokens_left) if speculate else ()
+            count = remaining + len(draft) if draft else budget.fit(request.num_computed_tokens, remaining, share)
             if count <= 0 or not self._make_room(request, count, preempted):
                 continue
+            if draft:
+                drafts[request.request_id] = draft
             chosen.append((request, count))
             budget.take(request.num_computed_tokens, count)
         if not preempted:  # do not admit new work in a step that had to take blocks away
@@ -186,7 +196,27 @@ class Scheduler:
                     for r, _ in chosen if r.request_id not in self._runner_knows)
         self._runner_knows.update(n.request_id for n in new)
         finished, self._finished_ids = tuple(self._finished_ids), []
-        return SchedulerOutput(tuple(self._scheduled(r, n) for r, n in chosen), tuple(preempted), new, finished)
+        scheduled = tuple(self._scheduled(r, n, drafts.get(r.request_id, ())) for r, n in chosen)
+        return SchedulerOutput(scheduled, tuple(preempted), new, finished)
+
+    def _draft(self, request: Request, remaining: int, tokens_left: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request (app/engine/speculative.py), as many as the request may still
+        produce and the step's tokens and the free KV blocks take; () for any other (a prompt, a grammar's). Not
+        held to the step's time budget: drafts are few, and only where few sequences run."""
+        params = request.params
+        if remaining != 1 or not request.output_ids or params.grammar is not None:
+            return ()
+        # it produces the drafts it keeps and one token more: within max_tokens and the context
+        limit = self.cfg.max_model_len - request.num_tokens - 1
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - len(request.output_ids) - 1)
+        draft = self.cfg.speculative.propose(request.token_ids(), limit)
+        if not draft:
+            return ()
+        fits = min(len(draft), tokens_left - 1)
+        if fits <= 0 or not self.kv.can_allocate(request, 1 + fits):  # drafts never take blocks from others
+            return ()
+        return draft[:fits]
 
     def _make_room(self, request: Request, count: int, preempted: list[str]) -> bool:
         """Allocate for `count` more tokens, preempting the latest started requests while needed."""
@@ -238,28 +268,40 @@ class Scheduler:
     def _prompt_pending(self, sibling: Request) -> bool:
         return sibling.status != Status.FINISHED and sibling.num_computed_tokens < len(sibling.prompt_ids)
 
-    def _scheduled(self, request: Request, count: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        return ScheduledRequest(request.request_id, tuple(request.token_ids(start, start + count)), start,
-                                self.kv.block_ids(request.request_id), start + count == request.num_tokens,
-                                min(count, max(0, len(request.prompt_ids) - start)))
+    def _scheduled(self, request: Request, count: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
+        start, real = request.num_computed_tokens, count - len(draft)
+        return ScheduledRequest(request.request_id, (*request.token_ids(start, start + real), *draft), start,
+                                self.kv.block_ids(request.request_id), start + real == request.num_tokens,
+                                min(real, max(0, len(request.prompt_ids) - start)), draft)
 
     # --- after the step ---
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record computed tokens and sampled ones; returns the requests that finished."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
+        """Record computed tokens and sampled ones (`accepted`: a drafted request's drafts the sampler took, its
+        token in `sampled` coming after them); returns the requests that finished."""
         finished = []
         for scheduled in output.requests:
             request = self.requests.get(scheduled.request_id)
             if request is None:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += len(scheduled.token_ids)
+            request.num_computed_tokens += len(scheduled.token_ids) - len(scheduled.draft_ids)
+            token, reason = sampled.get(scheduled.request_id), None
+            if scheduled.draft_ids and token is not None:
+                taken = accepted.get(scheduled.request_id, []) if accepted else []
+                self.num_draft_tokens += len(scheduled.draft_ids)
+                self.num_accepted_tokens += len(taken)
+                for draft in taken:  # computed in this step (the rest's K/V are written over later)
+                    request.output_ids.append(draft)
+                    request.num_computed_tokens += 1
+                    if (reason := self._stop_reason(request, draft)) is not None:
+                        break
             self.kv.cache_full_blocks(request)
-            token = sampled.get(scheduled.request_id)
             if token is None:
                 continue
-            request.output_ids.append(token)
-            reason = self._stop_reason(request, token)
+            if reason is None:
+                request.output_ids.append(token)
+                reason = self._stop_reason(request, token)
             if reason is not None:
                 finished.append(self.finish(request.request_id, reason))
         return finished

@@ -61,7 +61,11 @@ class EngineCollector:
                   ("appliance:engine_ready", "1 when the engine is ready and alive.", lambda r: int(r.ready()))]
         counters = [("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda r: r.stats.prefix_queries),
                     ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda r: r.stats.prefix_hits),
-                    ("vllm:num_preemptions", "Preempted requests.", lambda r: r.stats.preemptions)]
+                    ("vllm:num_preemptions", "Preempted requests.", lambda r: r.stats.preemptions),
+                    ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens computed.",
+                     lambda r: r.stats.draft_tokens),
+                    ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens kept.",
+                     lambda r: r.stats.accepted_tokens)]
         for kind, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in metrics:
                 family = kind(name, doc, labels=["model_name", "engine"])

@@ -124,6 +124,42 @@ class KvCacheSpec(Section):
     largest, are stored as +-65,504 (saturated, not infinite); bfloat16 keeps float32's range."""
 
 
+class SpeculativeSpec(Section):
+    """Speculative decoding by n-gram lookup ("prompt lookup decoding", vLLM's `ngram` method): where a sequence's
+    last tokens occurred before in its prompt or output, the tokens that followed them are drafted after its next
+    token and checked in the same forward pass; the drafts the sampler would have chosen itself are kept, so the
+    output is the same (greedy) or drawn from the same distribution (sampled). Pays where outputs repeat their
+    input (editing code or text, extraction, quoting); a draft that misses costs its row's compute."""
+
+    method: Literal["off", "ngram"] = "off"
+    """"ngram" drafts by lookup in the sequence's own tokens; "off": no drafts."""
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    """Most drafts a sequence gets in one step."""
+    prompt_lookup_min: int = Field(default=2, ge=1, le=16)
+    """Shortest run of last tokens looked up."""
+    prompt_lookup_max: int = Field(default=4, ge=1, le=16)
+    """Longest run of last tokens looked up (the longest that occurred before wins)."""
+    max_batch: int = Field(default=4, ge=1, le=4096)
+    """Draft only in steps with at most this many running sequences: a bigger batch is compute-bound, and rows
+    that may miss cost more than they save there."""
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeSpec:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise FieldError("prompt_lookup_min", f"a value <= prompt_lookup_max ({self.prompt_lookup_max})",
+                             self.prompt_lookup_min)
+        return self
+
+    def config(self):
+        """The engine's SpeculativeConfig, or None when off."""
+        from app.engine.speculative import SpeculativeConfig
+
+        if self.method == "off":
+            return None
+        return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
+                                 self.max_batch)
+
+
 class SchedulerSpec(Section):
     """Continuous-batching limits."""
 
@@ -141,6 +177,8 @@ class SchedulerSpec(Section):
     """Target seconds of one engine step: prompt chunks are sized so a step's estimated time (calibrated at start,
     corrected by measured steps) fits it, which bounds running streams' inter-token latency (prompts still get 3x
     the decodes' time where decodes take more than a quarter of it); 0: no time limit."""
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
+    """Speculative decoding (off by default)."""
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> SchedulerSpec:

@@ -24,6 +24,7 @@ from app.engine.kv_cache import KVCacheConfig
 from app.engine.launch import ModelLaunch
 from app.engine.process import build_core
 from app.engine.scheduler import SchedulerConfig
+from app.engine.speculative import SpeculativeConfig
 from app.parallel.heads import split_heads
 from tests.gguf_files import write_random_gguf
 
@@ -102,10 +103,15 @@ def test_offline_llm_at_tp2_gives_tp1s_greedy_tokens(reference):
 
 
 def test_tp3_gives_tp1s_greedy_tokens(reference):
-    ids, expected, _, _ = reference
+    """...also with drafts (speculative decoding: the ranks compute the drafts' rows too)."""
+    ids, expected, longer, _ = reference
     core, _ = build_core(_replica(3), bind=False)
     try:
         assert _generate(core, ids, GREEDY)[0] == expected
+        drafts = SpeculativeConfig(lookup_min=1, max_batch=8)
+        core.scheduler.cfg = dataclasses.replace(core.scheduler.cfg, speculative=drafts)
+        assert _generate(core, ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0] == longer
+        assert core.scheduler.num_accepted_tokens > 0
     finally:
         core.close()
 
