@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import typing
 
 from pydantic import BaseModel
@@ -40,7 +41,7 @@ def spec_markdown() -> str:
 
 
 def _section(path: str, model: type[BaseModel], title: str, defaults: dict | None) -> str:
-    lines = [f"## `{path}`: {title}", "", (model.__doc__ or "").strip(), "",
+    lines = [f"## `{path}`: {title}", "", inspect.cleandoc(model.__doc__ or ""), "",
              "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     nested = []
     for name, field in model.model_fields.items():
