@@ -133,7 +133,7 @@ class EngineCore:
         started = time.perf_counter()
         try:
             result = self.executor.execute(plan)
-            if self.cost is not None and not self._scores_prompts(plan):
+            if self.cost is not None and not self._scores_prompts(plan) and not self._drafted(plan):
                 self.cost.observe(plan.shape(), time.perf_counter() - started)
         except ExecutorFailed:  # no step can run any more: the engine ends (its supervisor restarts it)
             raise
@@ -178,6 +178,12 @@ class EngineCore:
         requests = self.scheduler.requests
         return any(r.prompt_rows and (q := requests.get(r.request_id)) is not None and
                    q.params.scores_prompt for r in plan.requests)
+
+    @staticmethod
+    def _drafted(plan) -> bool:
+        """Whether a step has drafts (speculative decoding): rows the step cost's fit does not know (each a decode's
+        and a logits row), which would shrink every prompt's chunks after a stretch of drafting."""
+        return any(r.draft_ids for r in plan.requests)
 
     def _abort_unusable(self, request_ids: list[str], broken: bool = False) -> list[TokenDelta]:
         """Requests that got no token; the others go on. `broken`: NO_TOKEN, their logits were NaN or infinite (the

@@ -153,6 +153,19 @@ class KVCacheManager:
         blocks.extend(self.pool.take(self._new_blocks_needed(request, num_new_tokens, hit)))
         return True
 
+    def tokens_free(self, request: Request) -> int:
+        """Tokens past the request's computed ones that the blocks it holds and the free ones could take."""
+        held = len(self._blocks.get(request.request_id, ()))
+        return (held + self.pool.num_free()) * self.block_size - request.num_computed_tokens
+
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past what the request's tokens need (those its rejected drafts took); never named."""
+        blocks = self._blocks.get(request.request_id)
+        keep = self.blocks_needed(request.num_tokens)
+        if blocks is not None and len(blocks) > keep:
+            self.pool.release(list(reversed(blocks[keep:])))
+            del blocks[keep:]
+
     def _new_blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         held = len(self._blocks.get(request.request_id, ())) or (len(hit.block_ids) if hit else 0)
         computed = max(request.num_computed_tokens, hit.num_tokens if hit else 0)

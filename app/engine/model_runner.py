@@ -85,22 +85,25 @@ class ModelRunner:
             spans = [len(output.requests[i].draft_ids) + 1 for i in rows]
             ends = batch.logit_indices[rows].tolist()
             last = hidden[[e - span + 1 + j for e, span in zip(ends, spans, strict=True) for j in range(span)]]
+            firsts = [sum(spans[:k]) for k in range(len(rows))]  # each request's real token's row of `last`
         else:
             # every scheduled request has at least one token, so as many sampled rows as tokens means a step of
             # decodes only, each sampled: hidden's rows in order, no gather (two torch ops) needed
             last = hidden if len(rows) == hidden.shape[0] else hidden[batch.logit_indices[rows]]
+            firsts = range(len(rows))
         # A hidden row that is not finite (a broken model) gives NaN logits on every head, the quantized ones too
         # (native/src/act_quant.cpp: such a block's scale is NaN), and the sampler gives that row no token.
         logits = self.model.logits(last)
         states = [self.states[output.requests[i].request_id] for i in rows]
         if drafted:
-            return self._verify([output.requests[i] for i in rows], states, logits)
-        result = self.sampler(logits, states)
-        collected = self._collect([output.requests[i].request_id for i in rows], states, result)
+            collected = self._verify([output.requests[i] for i in rows], states, logits)
+        else:
+            result = self.sampler(logits, states)
+            collected = self._collect([output.requests[i].request_id for i in rows], states, result)
         # the prompt is whole, its first token out just now: its last row is its embedding (SamplingParams.embed)
         embed = [k for k, state in enumerate(states) if state.params.embed and len(state.output_ids) == 1]
         if embed:
-            vectors = torch.nn.functional.normalize(last[embed].float(), dim=-1).tolist()
+            vectors = torch.nn.functional.normalize(last[[firsts[k] for k in embed]].float(), dim=-1).tolist()
             for k, vector in zip(embed, vectors, strict=True):
                 collected.embeddings[output.requests[rows[k]].request_id] = vector
         return collected
@@ -110,16 +113,19 @@ class ModelRunner:
         """Sample a step with drafts: each drafted request's rows as if the drafts before each were its output (its
         penalties, min_tokens and logprobs see them), then its drafts taken while each is what its row sampled, and
         the first row that differs (or the one after the last draft) gives its token. A seeded request's generator
-        ends as far on as without drafts: one draw a token it keeps. Drafted requests are never embeddings, prompt
-        logprobs or grammars' (the scheduler drafts for decoding requests without a grammar)."""
+        ends as far on as without drafts: one draw a token it keeps. A request without drafts is one row, sampled as
+        in any step (drafted ones are decoding requests without a grammar: never a prompt's logprobs or embedding,
+        never a grammar's matcher to advance)."""
         rows: list[SamplingState] = []
         for r, state in zip(requests, states, strict=True):
             rows.append(state)
             rows.extend(_ahead(state, r.draft_ids[:j]) for j in range(1, len(r.draft_ids) + 1))
-        seeded = {id(s.generator): s.generator.get_state() for s in states if s.generator is not None}
+        # the generators of seeded, drafted requests, to be rewound to the draws of the tokens kept
+        seeded = {r.request_id: s.generator.get_state() for r, s in zip(requests, states, strict=True)
+                  if s.generator is not None and r.draft_ids}
         result = self.sampler(logits, rows)
         tokens = result.tokens.tolist()
-        ids, kept, firsts = [], [], []
+        ids, token_rows, firsts = [], [], []
         accepted: dict[str, list[int]] = {}
         start = 0
         for r, state in zip(requests, states, strict=True):
@@ -128,15 +134,15 @@ class ModelRunner:
                 taken += 1
             if taken:
                 accepted[r.request_id] = list(r.draft_ids[:taken])
-            if state.generator is not None and not state.params.greedy and r.draft_ids:
-                state.generator.set_state(seeded[id(state.generator)])  # the draws of the tokens kept, no more
+            if r.request_id in seeded and not state.params.greedy:
+                state.generator.set_state(seeded[r.request_id])  # one draw a token kept, as without drafts
                 for _ in range(taken + 1):
                     torch.rand(1, generator=state.generator, dtype=torch.float64)
             ids.append(r.request_id)
-            kept.append(start + taken)
+            token_rows.append(start + taken)  # the row of the token after the drafts it kept
             firsts.append(start)
             start += len(r.draft_ids) + 1
-        last = _rows_of(result, kept)
+        last = _rows_of(result, token_rows)
         collected = self._collect(ids, states, last, accepted)
         for r, state, first in zip(requests, states, firsts, strict=True):  # the kept drafts' logprobs
             k = state.params.logprobs

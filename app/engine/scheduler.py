@@ -171,27 +171,22 @@ class Scheduler:
         cannot hold a short one back for more than a step or two.
         """
         budget = StepBudget(self.cfg.max_num_batched_tokens, self.cost)
-        chosen: list[tuple[Request, int]] = []
+        chosen: list[tuple[Request, int]] = []  # (request, its real tokens this step)
         preempted: list[str] = []
-        drafts: dict[str, tuple[int, ...]] = {}
-        speculate = self.cfg.speculative is not None and len(self.running) <= self.cfg.speculative.max_batch
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if request not in self.running:  # preempted earlier in this loop
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            share = 0.5 if self.waiting else 1.0
-            draft = self._draft(request, remaining, budget.tokens_left) if speculate else ()
-            count = remaining + len(draft) if draft else budget.fit(request.num_computed_tokens, remaining, share)
-            if count <= 0 or not self._make_room(request, count, preempted):
+            count = budget.fit(request.num_computed_tokens, remaining, 0.5 if self.waiting else 1.0)
+            if count <= 0 or not self._make_room(request, count, preempted, chosen):
                 continue
-            if draft:
-                drafts[request.request_id] = draft
             chosen.append((request, count))
             budget.take(request.num_computed_tokens, count)
         if not preempted:  # do not admit new work in a step that had to take blocks away
             self._admit(chosen, budget)
         if not chosen:  # nothing runs: the runner hears about finished requests with the next step
             return SchedulerOutput((), tuple(preempted))
+        drafts = self._drafts(chosen, budget.tokens_left) if self._speculating() else {}
         new = tuple(NewRequest(r.request_id, tuple(r.prompt_ids), r.params, r.eos_token_id)
                     for r, _ in chosen if r.request_id not in self._runner_knows)
         self._runner_knows.update(n.request_id for n in new)
@@ -199,29 +194,41 @@ class Scheduler:
         scheduled = tuple(self._scheduled(r, n, drafts.get(r.request_id, ())) for r, n in chosen)
         return SchedulerOutput(scheduled, tuple(preempted), new, finished)
 
-    def _draft(self, request: Request, remaining: int, tokens_left: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request (app/engine/speculative.py), as many as the request may still
-        produce and the step's tokens and the free KV blocks take; () for any other (a prompt, a grammar's). Not
-        held to the step's time budget: drafts are few, and only where few sequences run."""
-        params = request.params
-        if remaining != 1 or not request.output_ids or params.grammar is not None:
-            return ()
-        # it produces the drafts it keeps and one token more: within max_tokens and the context
-        limit = self.cfg.max_model_len - request.num_tokens - 1
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens - len(request.output_ids) - 1)
-        draft = self.cfg.speculative.propose(request.token_ids(), limit)
-        if not draft:
-            return ()
-        fits = min(len(draft), tokens_left - 1)
-        if fits <= 0 or not self.kv.can_allocate(request, 1 + fits):  # drafts never take blocks from others
-            return ()
-        return draft[:fits]
+    def _speculating(self) -> bool:
+        return self.cfg.speculative is not None and len(self.running) <= self.cfg.speculative.max_batch
 
-    def _make_room(self, request: Request, count: int, preempted: list[str]) -> bool:
-        """Allocate for `count` more tokens, preempting the latest started requests while needed."""
+    def _drafts(self, chosen: list[tuple[Request, int]], tokens_left: int) -> dict[str, tuple[int, ...]]:
+        """Draft tokens (app/engine/speculative.py) for the step's decoding requests without a grammar, once every
+        real token and admission is scheduled: from the tokens the step has left and the blocks nobody holds, so
+        drafts never keep another request's token out of a step nor take a block from it. Each request's within
+        what it may still produce (max_tokens, the context). Their rows run as a prompt chunk's would (the step's
+        time budget does not count them: drafts are few, and only where few sequences run)."""
+        drafts = {}
+        for request, count in chosen:
+            params = request.params
+            if tokens_left <= 0:
+                break
+            if count != 1 or request.num_computed_tokens + 1 != request.num_tokens or not request.output_ids or \
+                    params.grammar is not None:
+                continue  # a prompt's chunk, or a grammar's answer
+            # it produces the drafts it keeps and one token more, all computed in blocks it holds or free ones
+            limit = min(tokens_left, self.cfg.max_model_len - request.num_tokens - 1,
+                        self.kv.tokens_free(request) - 1)
+            if params.max_tokens is not None:
+                limit = min(limit, params.max_tokens - len(request.output_ids) - 1)
+            draft = self.cfg.speculative.propose(request.token_ids(), limit) if limit > 0 else ()
+            if draft and self.kv.allocate(request, 1 + len(draft)):
+                drafts[request.request_id] = draft
+                tokens_left -= len(draft)
+        return drafts
+
+    def _make_room(self, request: Request, count: int, preempted: list[str],
+                   chosen: list[tuple[Request, int]]) -> bool:
+        """Allocate for `count` more tokens, preempting the latest started requests not already in this step (else a
+        request in it would be left without its blocks) while needed."""
         while not self.kv.allocate(request, count):
-            victim = self.running[-1]
+            scheduled = {r.request_id for r, _ in chosen}
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)  # (request at worst)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
@@ -269,10 +276,10 @@ class Scheduler:
         return sibling.status != Status.FINISHED and sibling.num_computed_tokens < len(sibling.prompt_ids)
 
     def _scheduled(self, request: Request, count: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
-        start, real = request.num_computed_tokens, count - len(draft)
-        return ScheduledRequest(request.request_id, (*request.token_ids(start, start + real), *draft), start,
-                                self.kv.block_ids(request.request_id), start + real == request.num_tokens,
-                                min(real, max(0, len(request.prompt_ids) - start)), draft)
+        start = request.num_computed_tokens
+        return ScheduledRequest(request.request_id, (*request.token_ids(start, start + count), *draft), start,
+                                self.kv.block_ids(request.request_id), start + count == request.num_tokens,
+                                min(count, max(0, len(request.prompt_ids) - start)), draft)
 
     # --- after the step ---
 
@@ -288,12 +295,13 @@ class Scheduler:
             request.num_computed_tokens += len(scheduled.token_ids) - len(scheduled.draft_ids)
             token, reason = sampled.get(scheduled.request_id), None
             if scheduled.draft_ids and token is not None:
-                taken = accepted.get(scheduled.request_id, []) if accepted else []
                 self.num_draft_tokens += len(scheduled.draft_ids)
-                self.num_accepted_tokens += len(taken)
-                for draft in taken:  # computed in this step (the rest's K/V are written over later)
+                # the drafts the sampler took are outputs, their K/V computed (the others' are written over later);
+                # a stop among them ends the request there, the rest and the token after them dropped
+                for draft in accepted.get(scheduled.request_id, []) if accepted else []:
                     request.output_ids.append(draft)
                     request.num_computed_tokens += 1
+                    self.num_accepted_tokens += 1
                     if (reason := self._stop_reason(request, draft)) is not None:
                         break
             self.kv.cache_full_blocks(request)
@@ -304,6 +312,8 @@ class Scheduler:
                 reason = self._stop_reason(request, token)
             if reason is not None:
                 finished.append(self.finish(request.request_id, reason))
+            elif scheduled.draft_ids:
+                self.kv.trim(request)  # the blocks only its rejected drafts took
         return finished
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

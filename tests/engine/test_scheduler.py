@@ -182,6 +182,23 @@ def test_preemption_frees_the_latest_request_and_recomputes_it():
     h.assert_no_leaks()
 
 
+def test_a_prompt_in_progress_never_preempts_a_request_already_in_the_step():
+    """A long prompt started first, a short request after it now decoding: when the prompt's next chunk needs blocks
+    that are not free, the decode (running last, but already chosen: decodes go first) keeps them, and the prompt
+    gives its own up. It had taken the decode's, leaving it in the step without blocks (its step then failed)."""
+    kv = KVCacheManager(KVCacheConfig(12, 16))
+    cost = StepCost(overhead=0.001, per_token=0.001, per_pair=0.0, budget=0.1)
+    sched = Scheduler(SchedulerConfig(8, 512, 1024, True, 0.1), kv, cost)
+    sched.add(Request("prompt", list(range(1, 181)), SamplingParams(max_tokens=50)))  # chunked: ~99 tokens a step
+    sched.add(Request("short", list(range(300, 310)), SamplingParams(max_tokens=50)))
+    for _ in range(6):
+        out = sched.schedule()
+        for r in out.requests:
+            assert len(r.block_ids) * 16 >= r.num_computed + len(r.token_ids), (r.request_id, out.preempted)
+        sched.update(out, {r.request_id: 7 for r in out.requests if r.sample})
+    assert sched.num_preemptions and len(sched.requests["short"].output_ids) == 5
+
+
 def test_preempted_request_resumes_with_its_output_so_far():
     h = make(blocks=5, budget=64, prefix=False)
     h.add("a", [1] * 7, max_tokens=10)

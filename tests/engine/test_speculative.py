@@ -113,6 +113,40 @@ def test_drafts_take_no_blocks_from_others():
     assert sched.cfg.speculative.propose(request.token_ids(), 8)  # there is something to draft
     step = sched.schedule()
     assert step.requests[0].draft_ids == () and step.preempted == ()
+    # a draft is cut to what the block it holds still takes: 11 tokens computed, the next and 4 drafts fill it
+    sched = _scheduler(SpeculativeConfig(num_tokens=8, lookup_min=1), blocks=1)
+    _decoding(sched, "a", REPEATING, SamplingParams(max_tokens=20))
+    assert sched.schedule().requests[0].draft_ids == (1, 2, 3, 4)
+
+
+def test_drafts_come_after_every_real_token_and_admission():
+    # a's drafts would take the one free block that b's next token needs, and the step's tokens the others' need
+    sched = _scheduler(SpeculativeConfig(num_tokens=16, lookup_min=1), blocks=4)
+    prompt_b = list(range(100, 132))  # 32 in two blocks: its first token opens its third
+    _decoding(sched, "a", REPEATING, SamplingParams(max_tokens=40), "b", prompt_b, SamplingParams(max_tokens=40))
+    step = sched.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in step.requests] == [("a", 5), ("b", 1)]  # a: what its block takes
+    assert step.preempted == ()
+    sched = Scheduler(SchedulerConfig(4, 4, 256, speculative=SpeculativeConfig(num_tokens=16, lookup_min=1)),
+                      KVCacheManager(KVCacheConfig(64, 16)))
+    _decoding(sched, "a", REPEATING, SamplingParams(max_tokens=40), "b", [7, 8], SamplingParams(max_tokens=40),
+              "c", [9, 10], SamplingParams(max_tokens=40))
+    sched.add(Request("d", [11], SamplingParams(max_tokens=40)))
+    step = sched.schedule()  # 4 tokens a step: the three decodes' and d's prompt; nothing left for drafts
+    assert [(r.request_id, len(r.token_ids)) for r in step.requests] == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+
+
+def test_the_blocks_of_rejected_drafts_are_given_back():
+    kv = KVCacheManager(KVCacheConfig(8, 16))
+    sched = Scheduler(SchedulerConfig(8, 256, 256, speculative=SpeculativeConfig(num_tokens=8, lookup_min=1)), kv)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]  # and its first token 6: drafts 7 8 9 10 1 2 6
+    request = _decoding(sched, "a", prompt, SamplingParams(max_tokens=40))
+    free = kv.num_free_blocks()
+    step = sched.schedule()
+    assert step.requests[0].draft_ids == (7, 8, 9, 10, 1, 2, 6) and len(step.requests[0].block_ids) == 2
+    sched.update(step, {"a": 3}, {"a": [7]})  # one taken: 15 tokens, the next one's slot in the first block
+    assert request.num_computed_tokens == 14 and request.output_ids == [6, 7, 3]
+    assert len(kv.block_ids("a")) == 1 and kv.num_free_blocks() == free
 
 
 def test_an_update_keeps_the_drafts_taken_and_stops_inside_them():
@@ -209,6 +243,33 @@ def test_greedy_tokens_and_logprobs_are_those_without_drafts(llm):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert y.logprob == pytest.approx(x.logprob, abs=2e-3)
             assert [t for t, _ in y.top] == [t for t, _ in x.top]
+
+
+def test_an_embedding_beside_drafts_is_the_one_without_them(llm):
+    """An embedding request (max_tokens 1) whose prompt ends in a step in which another request drafts."""
+    core, tokenizer = llm.core, llm.tokenizer
+    sched = core.scheduler
+    plain = replace(sched.cfg, speculative=None)
+    embed = SamplingParams(temperature=0, max_tokens=1, embed=True)
+    vectors = {}
+    try:
+        for spec in (None, SpeculativeConfig(lookup_min=1)):
+            sched.cfg = replace(plain, speculative=spec)
+            core.add_request("gen", tokenizer(PROMPTS[1]).input_ids,
+                             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), llm.eos_token_id)
+            while not sched.requests["gen"].output_ids or not SpeculativeConfig(lookup_min=1).propose(
+                    sched.requests["gen"].token_ids(), 4):
+                core.step()
+            core.add_request("emb", tokenizer("Paris is the capital of France.").input_ids, embed, llm.eos_token_id)
+            drafts = sched.num_draft_tokens
+            got = [d for d in core.step() if d.request_id == "emb"]
+            assert (sched.num_draft_tokens > drafts) == (spec is not None)  # its step had drafts (or not)
+            vectors[spec is None] = got[0].embedding
+            while core.has_work():
+                core.step()
+    finally:
+        sched.cfg = plain
+    assert vectors[False] is not None and vectors[False] == pytest.approx(vectors[True], abs=1e-4)
 
 
 def test_seeded_samples_penalties_and_min_tokens_are_those_without_drafts(llm):
