@@ -33,6 +33,9 @@ class Request:
     compiling: Future | None = None  # its grammar's compilation (structured outputs): admitted once it is done
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # speculative decoding: steps to go without drafts, and how many the next miss sets (app/engine/scheduler.py)
+    draft_pause: int = 0
+    draft_backoff: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
 

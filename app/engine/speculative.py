@@ -27,6 +27,7 @@ class SpeculativeConfig:
     lookup_max: int = 4  # longest; the longest that matches wins
     max_batch: int = 4  # steps with more running sequences draft nothing (they are compute-bound)
     max_context: int = 16384  # tokens a lookup reads, from the end (bounds its cost on long sequences)
+    max_backoff: int = 16  # steps without drafts after misses in a row, at most (see Scheduler._drafts)
 
     def propose(self, tokens: list[int], limit: int) -> tuple[int, ...]:
         """Up to min(num_tokens, limit) tokens that followed the latest earlier occurrence of the longest suffix

@@ -166,6 +166,22 @@ def test_an_update_keeps_the_drafts_taken_and_stops_inside_them():
     assert sched.schedule().requests[0].token_ids[0] == 9
 
 
+def test_a_request_whose_drafts_miss_pauses_then_probes_with_one_draft():
+    sched = _scheduler(SpeculativeConfig(num_tokens=3, lookup_min=1, max_backoff=4))
+    _decoding(sched, "a", (list(range(1, 7)) * 6)[:-1], SamplingParams(max_tokens=200))  # 1 to 6 over and over
+    seen = []
+    for step_number in range(17):
+        step = sched.schedule()
+        draft = step.requests[0].draft_ids
+        seen.append(len(draft))
+        if step_number == 15:  # the 16th step's draft is taken
+            sched.update(step, {"a": 5}, {"a": list(draft)})
+        else:  # else every draft misses: the token sampled is another of 1 to 6 (so there is always a lookup)
+            sched.update(step, {"a": (draft[0] + 2) % 6 + 1 if draft else 3}, {})
+    # 3 drafts, a miss: a pause of 1 step, then a draft of 1; a miss: 2 steps, 1; a miss: 4 (the most), 1; ...
+    assert seen == [3, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3]
+
+
 def test_the_spec_section_names_what_is_wrong():
     assert Spec.model_validate({}).scheduler.speculative.config() is None
     on = Spec.model_validate({"scheduler": {"speculative": {"method": "ngram", "num_speculative_tokens": 5}}})
