@@ -201,12 +201,13 @@ class Scheduler:
         """Draft tokens (app/engine/speculative.py) for the step's decoding requests without a grammar, once every
         real token and admission is scheduled: from the tokens the step has left and the blocks nobody holds, so
         drafts never keep another request's token out of a step nor take a block from it. Each request's within
-        what it may still produce (max_tokens, the context). A request whose drafts all missed pauses before its
-        next ones, 1, 2, 4 ... max_backoff steps as misses follow misses, and then drafts one token (a taken draft
-        ends the pauses, and the next drafts are whole again): where its
-        text stops repeating what came before, each missed draft costs a row's compute for nothing (on an AVX2
-        Zen 3, a quarter of a one-stream step of the default model). Their rows run as a prompt chunk's would (the step's
-        time budget does not count them: drafts are few, and only where few sequences run)."""
+        what it may still produce (max_tokens, the context). Their rows run as a prompt chunk's would (the step's
+        time budget does not count them: drafts are few, and only where few sequences run).
+
+        A request whose drafts all missed pauses before its next ones, 1, 2, 4 ... max_backoff steps as misses
+        follow misses, and then drafts one token (a taken draft ends the pauses, and its next drafts are whole
+        again): where its text stops repeating what came before, each missed draft costs a row's compute for
+        nothing (on an AVX2 Zen 3, a quarter of a one-stream step of the default model, and the sampler's row)."""
         drafts = {}
         for request, count in chosen:
             params = request.params

@@ -768,3 +768,28 @@ def test_embeddings_are_the_models_normalized_last_hidden_states(client):
     # one input of token ids longer than 2,048 (the limit counts inputs, not a list's tokens)
     long_ids = (ids[2] * 400)[:2100]
     assert client.embeddings.create(model=MODEL, input=long_ids).usage.prompt_tokens == 2100
+
+
+def test_speculative_decoding_streams_the_answer_the_plain_server_gives(appliance, client, tmp_path):
+    """The appliance with n-gram drafts on (scheduler.speculative): a chat that copies its prompt, streamed (several
+    tokens may come from one step) and whole, with logprobs, says what the shared appliance (drafts off) says; the
+    drafts kept show in /metrics."""
+    from tests.server.conftest import Appliance
+
+    app = Appliance(tmp_path, sets=("scheduler.speculative.method=ngram",))
+    drafting = openai.OpenAI(base_url=app.wait_ready().url + "/v1", api_key="unused", max_retries=0)
+    text = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+            "members agreed to increase funding for the library by ten percent.")
+    ask = dict(model="smollm2", messages=[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+               temperature=0, max_tokens=48, logprobs=True, top_logprobs=2)
+    expected = client.chat.completions.create(**ask).choices[0]
+    whole = drafting.chat.completions.create(**ask).choices[0]
+    streamed = list(drafting.chat.completions.create(**ask, stream=True))
+    assert whole.message.content == expected.message.content and whole.finish_reason == expected.finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.message.content
+    ours = [t.logprob for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert ours == pytest.approx([t.logprob for t in expected.logprobs.content], abs=2e-3)
+    metrics = httpx.get(app.url + "/metrics").text
+    kept = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert kept and float(kept[0].rsplit(" ", 1)[1]) > 10, kept
+    assert app.stop() == 0, app.logs()[-3000:]
