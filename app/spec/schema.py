@@ -131,8 +131,8 @@ class SpeculativeSpec(Section):
     output is the same (greedy) or drawn from the same distribution (sampled). Pays where outputs repeat their
     input (editing code or text, extraction, quoting); a draft that misses costs its row's compute."""
 
-    method: Literal["off", "ngram"] = "off"
-    """"ngram" drafts by lookup in the sequence's own tokens; "off": no drafts."""
+    method: Literal["none", "ngram"] = "none"
+    """"ngram" drafts by lookup in the sequence's own tokens; "none": no drafts."""
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
     """Most drafts a sequence gets in one step."""
     prompt_lookup_min: int = Field(default=2, ge=1, le=16)
@@ -151,10 +151,10 @@ class SpeculativeSpec(Section):
         return self
 
     def config(self):
-        """The engine's SpeculativeConfig, or None when off."""
+        """The engine's SpeculativeConfig, or None without drafts."""
         from app.engine.speculative import SpeculativeConfig
 
-        if self.method == "off":
+        if self.method == "none":
             return None
         return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
                                  self.max_batch)
