@@ -126,10 +126,11 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenDelta]:
+        failed = self._failed_grammars()
         plan = self.scheduler.schedule()
         if plan.empty:
             self._wait_for_grammars()
-            return []
+            return failed
         started = time.perf_counter()
         try:
             result = self.executor.execute(plan)
@@ -139,11 +140,13 @@ class EngineCore:
             raise
         except Exception:  # a bug must not take every other request down: fail this step's requests only
             log.exception("a step failed; aborting its %d request(s)", len(plan.requests))
-            return [d for r in plan.requests if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
+            aborted = (self.abort(r.request_id, FinishReason.ABORT) for r in plan.requests)
+            return failed + [d for d in aborted if d is not None]
         sampled = {request_id: token for request_id, token in result.sampled.items() if token >= 0}
+        deltas = failed
         # a broken model's requests go before the update (their blocks never cached, nor any hash they would claim
         # from a sound request of the same prompt), a failed grammar's after it (its blocks are sound: cached)
-        deltas = self._abort_unusable([r for r, token in result.sampled.items() if token == NO_TOKEN], broken=True)
+        deltas += self._abort_unusable([r for r, token in result.sampled.items() if token == NO_TOKEN], broken=True)
         requests = self.scheduler.requests
         produced = {r: len(requests[r].output_ids) for r in sampled if r in requests}  # outputs before the step
         finished = {r.request_id: r for r in self.scheduler.update(plan, sampled, result.accepted)}
@@ -163,6 +166,15 @@ class EngineCore:
                                          result.prompt_logprobs.get(request_id) if j == 0 else None,
                                          result.embeddings.get(request_id) if j == 0 else None))
         return deltas
+
+    def _failed_grammars(self) -> list[TokenDelta]:
+        """Aborts of the waiting requests whose grammar could not be compiled (rare: the frontend checks each one
+        first; the tokenizer may fail to build), before their prompts are computed for a first token none can get."""
+        failed = [r for r in self.scheduler.waiting if _compile_failed(r)]
+        for request in failed:
+            log.warning("structured output of request %s failed before it started (%s); it is aborted",
+                        request.request_id, request.compiling.result().get_error())
+        return [d for r in failed if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
 
     def _wait_for_grammars(self, timeout: float = 0.01) -> None:
         """Where nothing could run because requests wait for their grammars: wait for the first of them (at most
@@ -205,6 +217,14 @@ class EngineCore:
         queries = self.kv.queries
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
                            self.kv.hits / queries if queries else 0.0)
+
+
+def _compile_failed(request: Request) -> bool:
+    """Whether the request's grammar was compiled, and failed (its matcher in llguidance's error state)."""
+    if request.compiling is None or not request.compiling.done() or request.compiling.cancelled():
+        return False
+    compiled = request.compiling.result()
+    return compiled is not None and compiled.is_error()
 
 
 def _read_fit(entry: Path | None, budget: float) -> StepCost | None:

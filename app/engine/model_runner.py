@@ -72,7 +72,7 @@ class ModelRunner:
             self.states.pop(request_id, None)
         for new in output.new_requests:
             matcher = None if new.params.grammar is None else self.grammars.matcher(new.params.grammar,
-                                                                                     new.eos_token_id)
+                                                                                     new.eos_token_id, new.compiled)
             self.states[new.request_id] = new_state(new.params, list(new.prompt_ids), new.eos_token_id, matcher)
         batch, hidden = self.forward(output)
         if any(r.prompt_rows and self.states[r.request_id].prompt_logprobs is not None for r in output.requests):

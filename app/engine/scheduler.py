@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from app.engine.kv_cache import KVCacheManager, PrefixHit
 from app.engine.params import SamplingParams
@@ -57,6 +58,7 @@ class NewRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     eos_token_id: int | None
+    compiled: Any = None  # its grammar as compiled for it (Request.compiling's result): its matcher is a copy
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ class Scheduler:
         if not chosen:  # nothing runs: the runner hears about finished requests with the next step
             return SchedulerOutput((), tuple(preempted))
         drafts = self._drafts(chosen, budget.tokens_left) if self._speculating() else {}
-        new = tuple(NewRequest(r.request_id, tuple(r.prompt_ids), r.params, r.eos_token_id)
+        new = tuple(NewRequest(r.request_id, tuple(r.prompt_ids), r.params, r.eos_token_id,
+                               None if r.compiling is None else r.compiling.result())
                     for r, _ in chosen if r.request_id not in self._runner_knows)
         self._runner_knows.update(n.request_id for n in new)
         finished, self._finished_ids = tuple(self._finished_ids), []

@@ -146,12 +146,14 @@ class Grammars:
         self.warm(eos_token_id)
         return self._thread.submit(self._compile, grammar, eos_token_id)
 
-    def matcher(self, grammar: str, eos_token_id: int | None):
-        """A matcher at the start of `grammar` (compiled here if `prepare` was not asked to, or its compilation
-        fell out of the cache meanwhile); where it cannot be built, one in llguidance's error state (the sampler
-        then gives its sequence no token, and the engine aborts that request alone)."""
+    def matcher(self, grammar: str, eos_token_id: int | None, compiled: Any = None):
+        """A matcher at the start of `grammar`: a copy of `compiled` (what `prepare`'s future gave: the engine keeps
+        it with the request, so that it cannot fall out of the cache before the request is admitted, 32 grammars
+        later), else of the cache's, compiled here if need be; where it cannot be built, one in llguidance's error
+        state (the sampler then gives its sequence no token, and the engine aborts that request alone)."""
         self.warm(eos_token_id)
-        compiled = self._compile(grammar, eos_token_id)
+        if compiled is None:
+            compiled = self._compile(grammar, eos_token_id)
         return compiled if isinstance(compiled, FailedMatcher) else compiled.deep_copy()
 
     def _compile(self, grammar: str, eos_token_id: int | None):

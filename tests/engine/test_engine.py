@@ -211,9 +211,41 @@ def test_structured_outputs_keep_their_grammar_through_batching_and_preemption(l
     for tokens, reason in zip(together, reasons, strict=True):
         assert reason == FinishReason.STOP and tokens[-1] == eos
         assert re.fullmatch(regex, loaded.tokenizer.decode(tokens[:-1])), loaded.tokenizer.decode(tokens)
-    broken, reasons, core = run(engine(256, tokenizer=False), chosen[:2])
-    assert reasons == [FinishReason.ABORT] * 2 and broken == [[], []]
-    assert core.kv.usage() == 0.0
+    broken = engine(256, tokenizer=False)
+    steps = []
+    broken.executor.execute = lambda plan: steps.append(plan)  # (none expected: the grammars fail first)
+    tokens, reasons, core = run(broken, chosen[:2])
+    assert reasons == [FinishReason.ABORT] * 2 and tokens == [[], []]
+    assert core.kv.usage() == 0.0 and steps == []  # aborted before their prompts were computed
+
+
+def test_a_grammar_compiled_for_a_waiting_request_is_its_own_past_the_compile_cache(loaded, prompts):
+    """A request that waits (one sequence a step, another running) while 40 other grammars are compiled after its
+    own: the cache of 32 compiled grammars has dropped its grammar by the time it starts, and it still starts from
+    what was compiled for it, not compiled again on the engine's thread between steps."""
+    import threading
+
+    from app.engine.structured import grammar_for
+    from app.model.tokenizer import tokenizer_json
+
+    source = resolve_source(ModelSpec())
+    core = local_engine(loaded.model, KVCacheConfig(256, BLOCK), SchedulerConfig(1, 64, 4096, True), "m",
+                        tokenizer_json=lambda: tokenizer_json(source))
+    grammars, threads = core.executor.grammars, []
+    compile_one = grammars._compile
+    grammars._compile = lambda *args: threads.append(threading.current_thread().name) or compile_one(*args)
+    eos = loaded.tokenizer.eos_token_id
+    core.add_request("plain", prompts[0], SamplingParams(temperature=0, max_tokens=2), eos)
+    core.add_request("first", prompts[1], SamplingParams(temperature=0, max_tokens=2,
+                                                          grammar=grammar_for("regex", "[0-9]+")), eos)
+    for i in range(40):
+        core.add_request(str(i), prompts[2], SamplingParams(temperature=0, max_tokens=1,
+                                                            grammar=grammar_for("regex", f"[a-z]{{{i + 1}}}")), eos)
+    finished = {}
+    while core.has_work():
+        finished.update({d.request_id: d.finish_reason for d in core.step() if d.finish_reason is not None})
+    assert len(finished) == 42 and all(r != FinishReason.ABORT for r in finished.values())
+    assert len(threads) == 41 and all(name.startswith("grammar") for name in threads), threads
 
 
 def test_a_request_waits_for_its_grammar_while_others_run_and_a_failed_grammar_keeps_its_prefix(loaded, prompts):
