@@ -114,12 +114,11 @@ class ModelRunner:
         penalties, min_tokens and logprobs see them), then its drafts taken while each is what its row sampled, and
         the first row that differs (or the one after the last draft) gives its token. A seeded request's generator
         ends as far on as without drafts: one draw a token it keeps. A request without drafts is one row, sampled as
-        in any step (drafted ones are decoding requests without a grammar: never a prompt's logprobs or embedding,
-        never a grammar's matcher to advance)."""
+        in any step (drafted ones are decoding requests: never a prompt's logprobs or embedding)."""
         rows: list[SamplingState] = []
         for r, state in zip(requests, states, strict=True):
             rows.append(state)
-            rows.extend(_ahead(state, r.draft_ids[:j]) for j in range(1, len(r.draft_ids) + 1))
+            rows.extend(_ahead(state, r.draft_ids))
         # the generators of seeded, drafted requests, to be rewound to the draws of the tokens kept
         seeded = {r.request_id: s.generator.get_state() for r, s in zip(requests, states, strict=True)
                   if s.generator is not None and r.draft_ids}
@@ -241,13 +240,12 @@ class ModelRunner:
                 continue
             if state.prompt_logprobs is not None:  # the prompt is whole: its logprobs go out with this token
                 prompt_logprobs[request_id], state.prompt_logprobs = state.prompt_logprobs, None
-            if accepted and request_id in accepted:  # drafts it kept, before its token (no grammar: never drafted)
-                state.output_ids.extend(accepted[request_id])
-            state.output_ids.append(tokens[row])
-            if state.matcher is not None and tokens[row] not in state.params.stop_token_ids:
-                # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
-                # does; the grammar, which allowed it only where it allows EOS, never sees it.
-                state.matcher.consume_token(tokens[row])
+            for token in (*(accepted or {}).get(request_id, ()), tokens[row]):  # drafts it kept, then its token
+                state.output_ids.append(token)
+                if state.matcher is not None and token not in state.params.stop_token_ids:
+                    # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
+                    # does; the grammar, which allowed it only where it allows EOS, never sees it.
+                    state.matcher.consume_token(token)
             k = state.params.logprobs
             if k is not None:
                 logprobs[request_id] = _token_logprobs(result, row, k)
@@ -267,10 +265,22 @@ def _rows_of(result, rows: list[int]):
                    top_logprobs=pick(result.top_logprobs))
 
 
-def _ahead(state: SamplingState, drafts: tuple[int, ...]) -> SamplingState:
-    """`state` as it would be with `drafts` sampled after its output: what a draft's row is sampled with. Its
-    penalty counts are its own copy; its generator is the request's (the runner rewinds it to the draws kept)."""
-    return replace(state, output_ids=state.output_ids + list(drafts), output_counts=dict(state.output_counts))
+def _ahead(state: SamplingState, drafts: tuple[int, ...]) -> list[SamplingState]:
+    """`state` as it would be with drafts[:j] sampled after its output, for j = 1 .. len(drafts): what draft j's row
+    is sampled with. Penalty counts are each row's own copy; the generator is the request's (the runner rewinds it
+    to the draws kept); a grammar's matcher a copy advanced by the drafts before the row. Where a draft is one the
+    grammar does not allow (or a stop token, which it never sees), the rows after it keep the matcher before it:
+    the row before it cannot sample it, so none of them is ever kept."""
+    rows, matcher = [], state.matcher
+    for j in range(1, len(drafts) + 1):
+        token = drafts[j - 1]
+        if matcher is not None and token not in state.params.stop_token_ids and not matcher.is_error() and \
+                matcher.validate_tokens([token]) == 1:
+            matcher = matcher.deep_copy()
+            matcher.consume_token(token)
+        rows.append(replace(state, output_ids=state.output_ids + list(drafts[:j]),
+                            output_counts=dict(state.output_counts), matcher=matcher))
+    return rows
 
 
 def calibration_step(count: int, num_computed: int, block_size: int, decodes: bool = False) -> SchedulerOutput:

@@ -201,7 +201,7 @@ class Scheduler:
         return self.cfg.speculative is not None and len(self.running) <= self.cfg.speculative.max_batch
 
     def _drafts(self, chosen: list[tuple[Request, int]], tokens_left: int) -> dict[str, tuple[int, ...]]:
-        """Draft tokens (app/engine/speculative.py) for the step's decoding requests without a grammar, once every
+        """Draft tokens (app/engine/speculative.py) for the step's decoding requests (a grammar's too), once every
         real token and admission is scheduled: from the tokens the step has left and the blocks nobody holds, so
         drafts never keep another request's token out of a step nor take a block from it. Each request's within
         what it may still produce (max_tokens, the context). Their rows run as a prompt chunk's would (the step's
@@ -216,9 +216,8 @@ class Scheduler:
             params = request.params
             if tokens_left <= 0:
                 break
-            if count != 1 or request.num_computed_tokens + 1 != request.num_tokens or not request.output_ids or \
-                    params.grammar is not None:
-                continue  # a prompt's chunk, or a grammar's answer
+            if count != 1 or request.num_computed_tokens + 1 != request.num_tokens or not request.output_ids:
+                continue  # a prompt's chunk
             if request.draft_pause > 0:  # its last drafts all missed: it drafts again after a pause
                 request.draft_pause -= 1
                 continue

@@ -94,11 +94,10 @@ def test_a_decoding_request_gets_drafts_within_max_tokens_and_the_context():
     assert short.schedule().requests[0].draft_ids == (1,)  # 12 tokens of 14: one draft and its token fill it
 
 
-def test_no_drafts_for_a_grammar_past_the_batch_limit_or_off():
-    for spec, params in [(None, SamplingParams()), (SpeculativeConfig(), SamplingParams(grammar="start: /a+/"))]:
-        sched = _scheduler(spec)
-        _decoding(sched, "a", REPEATING, params)
-        assert sched.schedule().requests[0].draft_ids == ()
+def test_no_drafts_past_the_batch_limit_or_off():
+    sched = _scheduler(None)
+    _decoding(sched, "a", REPEATING, SamplingParams())
+    assert sched.schedule().requests[0].draft_ids == ()
     sched = _scheduler(SpeculativeConfig(max_batch=2))
     _decoding(sched, "a", REPEATING, SamplingParams(), "b", REPEATING, SamplingParams(), "c", REPEATING,
               SamplingParams())
@@ -297,6 +296,27 @@ def test_seeded_samples_penalties_and_min_tokens_are_those_without_drafts(llm):
         for a, b in zip(without, with_drafts, strict=True):
             assert b.outputs[0].token_ids == a.outputs[0].token_ids, params
             assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+
+
+def test_structured_outputs_with_drafts_are_those_without(llm):
+    """Grammars' answers (a regex that repeats, a JSON schema, greedy and seeded): each draft's row is masked by the
+    grammar advanced through the drafts before it, and the drafts kept advance the request's matcher."""
+    from app.engine.structured import grammar_for
+
+    repeat = grammar_for("regex", r"( ?(apples|bananas|cherries|dates|figs),){3,6}")
+    schema = grammar_for("json", {"type": "object", "properties": {"fruits": {"type": "array", "items": {
+        "type": "string", "enum": ["apples", "bananas", "cherries", "dates", "figs"]}, "minItems": 3, "maxItems": 6}},
+        "required": ["fruits"]})
+    kept = 0
+    for grammar in (repeat, schema):
+        for params in (SamplingParams(temperature=0, max_tokens=80, grammar=grammar),
+                       SamplingParams(temperature=0.8, max_tokens=80, seed=4, grammar=grammar, logprobs=1)):
+            without, with_drafts, _, taken = _both(llm, PROMPTS[:1], params)
+            kept += taken
+            a, b = without[0].outputs[0], with_drafts[0].outputs[0]
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), params
+            assert a.finish_reason == "stop"  # each grammar was complete (not cut by max_tokens)
+    assert kept > 10
 
 
 def test_a_stop_inside_the_drafts_ends_where_it_would_have(llm):
