@@ -170,10 +170,10 @@ class EngineCore:
     def _failed_grammars(self) -> list[TokenDelta]:
         """Aborts of the waiting requests whose grammar could not be compiled (rare: the frontend checks each one
         first; the tokenizer may fail to build), before their prompts are computed for a first token none can get."""
-        failed = [r for r in self.scheduler.waiting if _compile_failed(r)]
+        failed = [r for r in self.scheduler.waiting if r.grammar_state() == "failed"]
         for request in failed:
             log.warning("structured output of request %s failed before it started (%s); it is aborted",
-                        request.request_id, request.compiling.result().get_error())
+                        request.request_id, _compile_error(request.compiling))
         return [d for r in failed if (d := self.abort(r.request_id, FinishReason.ABORT)) is not None]
 
     def _wait_for_grammars(self, timeout: float = 0.01) -> None:
@@ -219,12 +219,12 @@ class EngineCore:
                            self.kv.hits / queries if queries else 0.0)
 
 
-def _compile_failed(request: Request) -> bool:
-    """Whether the request's grammar was compiled, and failed (its matcher in llguidance's error state)."""
-    if request.compiling is None or not request.compiling.done() or request.compiling.cancelled():
-        return False
-    compiled = request.compiling.result()
-    return compiled is not None and compiled.is_error()
+def _compile_error(compiling: futures.Future) -> str:
+    if compiling.cancelled():
+        return "its compilation was cancelled"
+    if compiling.exception() is not None:
+        return f"its compilation raised {compiling.exception()!r}"
+    return compiling.result().get_error()
 
 
 def _read_fit(entry: Path | None, budget: float) -> StepCost | None:

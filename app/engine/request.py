@@ -53,3 +53,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def grammar_state(self) -> str:
+        """"ready" (no grammar, or it is compiled), "pending" (being compiled) or "failed" (it could not be: its
+        matcher is in llguidance's error state, or the compilation was cancelled or raised)."""
+        if self.compiling is None:
+            return "ready"
+        if not self.compiling.done():
+            return "pending"
+        if self.compiling.cancelled() or self.compiling.exception() is not None:
+            return "failed"
+        compiled = self.compiling.result()
+        return "failed" if compiled is not None and compiled.is_error() else "ready"
+
+    def take_compiled(self):
+        """The grammar compiled for this request, once, for the runner (it keeps it from then on; None: none, or the
+        runner is to compile it); the request no longer holds it."""
+        compiled = self.compiling.result() if self.grammar_state() == "ready" and self.compiling is not None else None
+        self.compiling = None
+        return compiled

@@ -189,8 +189,7 @@ class Scheduler:
         if not chosen:  # nothing runs: the runner hears about finished requests with the next step
             return SchedulerOutput((), tuple(preempted))
         drafts = self._drafts(chosen, budget.tokens_left) if self._speculating() else {}
-        new = tuple(NewRequest(r.request_id, tuple(r.prompt_ids), r.params, r.eos_token_id,
-                               None if r.compiling is None else r.compiling.result())
+        new = tuple(NewRequest(r.request_id, tuple(r.prompt_ids), r.params, r.eos_token_id, r.take_compiled())
                     for r, _ in chosen if r.request_id not in self._runner_knows)
         self._runner_knows.update(n.request_id for n in new)
         finished, self._finished_ids = tuple(self._finished_ids), []
@@ -261,8 +260,10 @@ class Scheduler:
             if request.wait_for in self.requests and self._prompt_pending(self.requests[request.wait_for]):
                 skipped.append(request)  # n > 1: let the first sibling cache the prompt first
                 continue
-            if request.compiling is not None and not request.compiling.done():
-                skipped.append(request)  # its grammar is still being compiled (the others go on meanwhile)
+            if request.grammar_state() != "ready":
+                # its grammar is still being compiled (the others go on meanwhile), or failed: the engine aborts it
+                # before the next step, without computing its prompt (EngineCore._failed_grammars)
+                skipped.append(request)
                 continue
             # prompt logprobs need every prompt token's logits: such a request computes its prompt whole
             looked_up = not request.params.scores_prompt

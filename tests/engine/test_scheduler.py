@@ -455,3 +455,26 @@ def test_requests_do_not_queue_for_their_first_token_where_decodes_take_half_the
     assert ttft[48] < 3.0, f"median TTFT {ttft[48]:.1f} s"
     assert 96 * 128 / now > 60  # output tokens/s: the same as without the floor or the decode term (67.4)
     assert all(c == 0 for c in kv.pool.ref_count)
+
+
+def test_a_request_whose_grammar_failed_or_is_compiling_is_not_admitted():
+    """Its compilation failed (a matcher in the error state, cancelled, or raised: the engine aborts such a request
+    before the next step, EngineCore._failed_grammars), or is not done: it waits, and its prompt is not computed."""
+    from concurrent.futures import Future
+
+    from app.engine.structured import FailedMatcher
+
+    h = make()
+    futures = [Future() for _ in range(4)]
+    futures[0].set_result(FailedMatcher("no tokenizer"))
+    futures[1].cancel()
+    futures[2].set_exception(RuntimeError("broken"))
+    for i, future in enumerate(futures):
+        h.add(str(i), [1, 2, 3], grammar="start: /a/").compiling = future
+    h.add("plain", [4, 5, 6])
+    out = h.step()
+    assert [r.request_id for r in out.requests] == ["plain"]
+    assert [r.grammar_state() for r in h.sched.waiting] == ["failed"] * 3 + ["pending"]
+    futures[3].set_result(None)  # done: the runner compiles it itself
+    out = h.sched.schedule()
+    assert [r.request_id for r in out.requests] == ["plain", "3"] and out.new_requests[0].compiled is None
