@@ -7,9 +7,10 @@ it. Input staging buffers are allocated once at the largest step size and reused
 
 from __future__ import annotations
 
+
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from itertools import chain
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ class ModelRunner:
             spans = [len(output.requests[i].draft_ids) + 1 for i in rows]
             ends = batch.logit_indices[rows].tolist()
             last = hidden[[e - span + 1 + j for e, span in zip(ends, spans, strict=True) for j in range(span)]]
-            firsts = [sum(spans[:k]) for k in range(len(rows))]  # each request's real token's row of `last`
+            firsts = [0, *accumulate(spans)][:-1]  # each request's real token's row of `last`
         else:
             # every scheduled request has at least one token, so as many sampled rows as tokens means a step of
             # decodes only, each sampled: hidden's rows in order, no gather (two torch ops) needed
@@ -96,7 +97,7 @@ class ModelRunner:
         logits = self.model.logits(last)
         states = [self.states[output.requests[i].request_id] for i in rows]
         if drafted:
-            collected = self._verify([output.requests[i] for i in rows], states, logits)
+            collected = self._verify([output.requests[i] for i in rows], states, logits, firsts)
         else:
             result = self.sampler(logits, states)
             collected = self._collect([output.requests[i].request_id for i in rows], states, result)
@@ -108,13 +109,14 @@ class ModelRunner:
                 collected.embeddings[output.requests[rows[k]].request_id] = vector
         return collected
 
-    def _verify(self, requests: list[ScheduledRequest], states: list[SamplingState],
-                logits: torch.Tensor) -> RunnerOutput:
+    def _verify(self, requests: list[ScheduledRequest], states: list[SamplingState], logits: torch.Tensor,
+                firsts: list[int]) -> RunnerOutput:
         """Sample a step with drafts: each drafted request's rows as if the drafts before each were its output (its
         penalties, min_tokens and logprobs see them), then its drafts taken while each is what its row sampled, and
         the first row that differs (or the one after the last draft) gives its token. A seeded request's generator
         ends as far on as without drafts: one draw a token it keeps. A request without drafts is one row, sampled as
-        in any step (drafted ones are decoding requests: never a prompt's logprobs or embedding)."""
+        in any step (drafted ones are decoding requests: never a prompt's logprobs or embedding). firsts: each
+        request's first row (its real token's) of `logits`."""
         rows: list[SamplingState] = []
         for r, state in zip(requests, states, strict=True):
             rows.append(state)
@@ -124,10 +126,9 @@ class ModelRunner:
                   if s.generator is not None and r.draft_ids}
         result = self.sampler(logits, rows)
         tokens = result.tokens.tolist()
-        ids, token_rows, firsts = [], [], []
+        ids, token_rows = [], []
         accepted: dict[str, list[int]] = {}
-        start = 0
-        for r, state in zip(requests, states, strict=True):
+        for r, state, start in zip(requests, states, firsts, strict=True):
             taken = 0
             while taken < len(r.draft_ids) and tokens[start + taken] == r.draft_ids[taken]:
                 taken += 1
@@ -139,8 +140,6 @@ class ModelRunner:
                     torch.rand(1, generator=state.generator, dtype=torch.float64)
             ids.append(r.request_id)
             token_rows.append(start + taken)  # the row of the token after the drafts it kept
-            firsts.append(start)
-            start += len(r.draft_ids) + 1
         last = _rows_of(result, token_rows)
         collected = self._collect(ids, states, last, accepted)
         for r, state, first in zip(requests, states, firsts, strict=True):  # the kept drafts' logprobs

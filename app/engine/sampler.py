@@ -431,7 +431,6 @@ def _sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams], head: 
     flat = probs.numpy()
     ids = np.argpartition(flat, vocab - head, axis=-1)[:, vocab - head:]  # [R, head], any order
     values = np.take_along_axis(flat, ids, axis=-1)
-    # Stable, so tied tokens keep a fixed order and a seeded row's draw never depends on the sort.
     order = np.argsort(-values, axis=-1, kind="stable")
     ids, values = np.take_along_axis(ids, order, axis=-1), np.take_along_axis(values, order, axis=-1)  # descending
     # top-k keeps every token at least as likely as the k-th (ties stay in, as without top-p); renormalized over them
@@ -442,10 +441,17 @@ def _sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams], head: 
     before = ordered.cumsum(dim=-1) - ordered  # mass of the more likely tokens; 0 for the top token
     top_p, min_p = _column([p.top_p for p in params]), _column([p.min_p for p in params])
     keep = torch.from_numpy(in_k) & (before < top_p) & (ordered >= min_p * ordered[:, :1])
-    # rows whose kept set may reach past the head: a top-k beyond it (and not all), a tie at the k-th reaching its
-    # end, or a nucleus not reached in it
-    whole = ((k > head) & (k < vocab)) | ((k <= head) & (values[:, -1:] >= kth) & (k < vocab)) | \
-        ((k >= vocab) & (before[:, -1:] + ordered[:, -1:] < top_p).numpy())
+    # rows whose kept set may reach past the head: a top-k beyond it (and not all), a nucleus not reached in it, or
+    # a cut (a top-k's k-th, a nucleus's last) on the head's least likely value where a token outside has it too
+    # (which of a run of equal values is kept is its lowest ids, and a top-k keeps the whole run)
+    kept = keep.numpy().sum(axis=-1)
+    last = np.take_along_axis(values, np.maximum(kept - 1, 0)[:, None], axis=-1)
+    _cut_ties_by_id(keep.numpy(), ids, values, kept)
+    edge = (((kth == values[:, -1:]) & (k < vocab)) | (last == values[:, -1:]))[:, 0] & (head < vocab)
+    spills = np.zeros_like(edge)
+    spills[edge] = (flat[edge] >= values[edge, -1:]).sum(axis=-1) > head
+    whole = ((k > head) & (k < vocab)) | ((k >= vocab) & (before[:, -1:] + ordered[:, -1:] < top_p).numpy()) | \
+        spills[:, None]
     out = torch.zeros_like(probs).scatter_(1, torch.from_numpy(ids), ordered.masked_fill(~keep, 0))
     rows = np.flatnonzero(whole[:, 0]).tolist()
     if rows:
@@ -453,6 +459,21 @@ def _sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams], head: 
         out[rows] = _sorted_probs(scaled[rows], chosen, wider) if wider * 4 <= vocab else \
             _fully_sorted_probs(scaled[rows], chosen)
     return out
+
+
+def _cut_ties_by_id(keep: np.ndarray, ids: np.ndarray, values: np.ndarray, kept: np.ndarray) -> None:
+    # keep: [R, head] bool, a prefix of each row's head (ids, values: most likely first, tied ones in any order),
+    # in place: where the cut falls inside a run of equal values, the run's kept ones are its lowest ids, as the
+    # whole row's stable sort would keep
+    head = keep.shape[1]
+    for r in np.flatnonzero((kept > 0) & (kept < head)).tolist():
+        n = int(kept[r])
+        if values[r, n] != values[r, n - 1]:
+            continue
+        run = np.flatnonzero(values[r] == values[r, n - 1])  # positions, contiguous
+        lowest = np.argsort(ids[r, run], kind="stable")[:int(keep[r, run].sum())]
+        keep[r, run] = False
+        keep[r, run[lowest]] = True
 
 
 def _fully_sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -227,7 +227,9 @@ class Scheduler:
                 limit = min(limit, params.max_tokens - len(request.output_ids) - 1)
             if request.draft_backoff:  # after a pause, one draft: a probe of whether its text repeats again
                 limit = min(limit, 1)
-            draft = self.cfg.speculative.propose(request.token_ids(), limit) if limit > 0 else ()
+            lookup = self.cfg.speculative
+            draft = lookup.propose(request.token_ids(max(request.num_tokens - lookup.max_context, 0)), limit) \
+                if limit > 0 else ()
             if draft and self.kv.allocate(request, 1 + len(draft)):
                 drafts[request.request_id] = draft
                 tokens_left -= len(draft)

@@ -3,8 +3,9 @@
 Where a sequence's last few tokens appeared before in its prompt or output, the tokens that followed them then are
 a guess at what comes next (a quoted passage, code being edited, a list repeated with changes). The guess goes
 into the sequence's next step after its real token; one forward pass computes them all, and the sampler takes the
-guesses it would have sampled itself (app/engine/model_runner.py). A decode step on a CPU reads every weight for
-one token, so a few more rows cost far less than a step each.
+guesses it would have sampled itself (app/engine/model_runner.py). A decode step reads every weight for one token,
+so a few more rows cost less than a step each: on an AVX2 Zen 3 (emulated int8 dot products) about a quarter of a
+one-stream step of the default model (docs/PERFORMANCE.md), so drafts pay only where most of them are kept.
 
 What comes out is what the sequence would have sampled without drafts: a draft is a certain guess (all its
 probability on one token), for which speculative sampling's rule (take draft d with probability p(d), else draw

@@ -195,6 +195,43 @@ def test_ties_at_the_kth_stay_in_on_every_path(monkeypatch, head):
     assert kept.tolist() == [[True, True, True, True, False]] * 3
 
 
+@pytest.mark.parametrize("head", [16, 1024, 8192])  # the cut's run inside the head, across it, past it
+def test_a_cut_inside_a_run_of_equal_probabilities_keeps_its_lowest_ids(monkeypatch, head):
+    """Top-p (and top-k, which keeps a whole run tied with its k-th) ending inside 3,000 tokens of exactly equal
+    logits at shuffled ids: the kept ones are the run's lowest ids, as in the definitions' stable sort, on every
+    path (the sorted head, a wider one, the whole row)."""
+    monkeypatch.setattr(sampler_module, "_NUCLEUS", head)
+    vocab, gen = 40000, torch.Generator().manual_seed(11)
+    logits = torch.randn(vocab, generator=gen) - 8
+    ids = torch.randperm(vocab, generator=gen)
+    logits[ids[:20]] = 6 + torch.arange(20.0) / 10  # twenty distinct likely tokens
+    logits[ids[20:3020]] = 4.0  # then a run of 3,000 equal ones, cut at ~280 (the head of 1,024 holds ~1,000)
+    params = [SamplingParams(top_p=0.2), SamplingParams(top_p=0.2, top_k=50), SamplingParams(top_p=0.2, min_p=0.01)]
+    got = filtered_probs(logits.expand(len(params), vocab), params).numpy()
+    for row, knobs in enumerate([dict(top_p=0.2), dict(top_p=0.2, top_k=50), dict(top_p=0.2, min_p=0.01)]):
+        expected, borderline = kept_by_definition(logits.numpy().astype(np.float64), **knobs)
+        run = np.sort(ids[20:3020].numpy())
+        kept = run[got[row][run] > 0]
+        assert 0 < len(kept) < 3000 and kept.tolist() == run[:len(kept)].tolist(), knobs  # the lowest ids of the run
+        assert ((got[row] > 0) == (expected > 0))[~borderline].all(), knobs
+
+
+def test_a_top_k_the_size_of_the_head_is_decided_in_it(monkeypatch):
+    """top_k == the head's size with no tie past it needs no wider head; a tie past it does."""
+    calls = []
+    inner = sampler_module._sorted_probs
+    monkeypatch.setattr(sampler_module, "_sorted_probs",
+                        lambda *a: calls.append(a[2] if len(a) > 2 else 0) or inner(*a))
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(12))
+    probs = filtered_probs(logits, [SamplingParams(top_k=1024, top_p=0.99999)])
+    assert calls == [0] and int((probs > 0).sum()) == 1024
+    tied = logits.clone()
+    tied[0, tied[0].argsort(descending=True)[1024]] = tied[0].sort(descending=True).values[1023]  # the 1,025th ties
+    calls.clear()
+    probs = filtered_probs(tied, [SamplingParams(top_k=1024, top_p=0.99999)])
+    assert calls == [0, 8192] and int((probs > 0).sum()) == 1025
+
+
 def test_rows_without_finite_mass_get_no_token_and_hold_up_no_other_row():
     """NaN or infinite logits, or all -inf: that row gets NO_TOKEN (the engine aborts its request), sampled or
     greedy, with logprobs asked for or not; the others their own tokens."""

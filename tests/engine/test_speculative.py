@@ -201,7 +201,7 @@ def _verify(params: SamplingParams, draft: tuple[int, ...], rows: list[dict[int,
     state = new_state(params, [5], None)
     state.output_ids.append(6)
     step = ScheduledRequest("r", (6, *draft), 2, (0,), True, 0, draft)
-    return runner._verify([step], [state], logits), state
+    return runner._verify([step], [state], logits, [0]), state
 
 
 def test_each_drafts_row_is_sampled_as_if_the_drafts_before_it_were_output():

@@ -91,11 +91,18 @@ SCORING = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
 
 
 def test_offline_llm_at_tp2_gives_tp1s_greedy_tokens(reference):
-    """...and tp=1's prompt logprobs (rank 0 takes the prompt rows' logits from the whole hidden states)."""
-    ids, expected, _, scored = reference
+    """...and tp=1's prompt logprobs (rank 0 takes the prompt rows' logits from the whole hidden states), and its
+    tokens with drafts (speculative decoding: the ranks compute the drafts' rows too)."""
+    ids, expected, longer, scored = reference
     with LLM(model={"dtype": "float32"}, kv_cache={"memory": "512MiB", "dtype": "float32"}, parallel={"tp": 2},
              bind_threads=False) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY)] == expected
+        drafts = SpeculativeConfig(lookup_min=1, max_batch=8)
+        llm.core.scheduler.cfg = dataclasses.replace(llm.core.scheduler.cfg, speculative=drafts)
+        counting = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)  # "1 2 3 4 5" goes on counting
+        assert [o.outputs[0].token_ids for o in llm.generate([ids[3], ids[6]], counting)] == [longer[3], longer[6]]
+        assert llm.core.scheduler.num_accepted_tokens > 0
+        llm.core.scheduler.cfg = dataclasses.replace(llm.core.scheduler.cfg, speculative=None)
         for ours, theirs in zip([o.prompt_logprobs for o in llm.generate(ids[:2], SCORING)], scored, strict=True):
             assert len(ours) == len(theirs) and ours[0] is theirs[0] is None
             assert [a.logprob for a in ours[1:]] == pytest.approx([b.logprob for b in theirs[1:]], abs=1e-3)
@@ -103,15 +110,10 @@ def test_offline_llm_at_tp2_gives_tp1s_greedy_tokens(reference):
 
 
 def test_tp3_gives_tp1s_greedy_tokens(reference):
-    """...also with drafts (speculative decoding: the ranks compute the drafts' rows too)."""
-    ids, expected, longer, _ = reference
+    ids, expected, _, _ = reference
     core, _ = build_core(_replica(3), bind=False)
     try:
         assert _generate(core, ids, GREEDY)[0] == expected
-        drafts = SpeculativeConfig(lookup_min=1, max_batch=8)
-        core.scheduler.cfg = dataclasses.replace(core.scheduler.cfg, speculative=drafts)
-        assert _generate(core, ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0] == longer
-        assert core.scheduler.num_accepted_tokens > 0
     finally:
         core.close()
 
