@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -330,6 +331,19 @@ def use_amx_tiles(mode: str) -> AbstractContextManager[None]:
 Parts = list[tuple[torch.Tensor, int, int]]  # a packed linear's parts: (uint8 data, type id, rows)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A layer's mixture of experts for DecoderStack.add_layer: the router [experts, hidden] in the activation
+    dtype, each expert's gate/up and down parts, how many experts a token takes, and whether their weights are
+    rescaled to sum to 1."""
+
+    router: torch.Tensor
+    gate_up: list[Parts]
+    down: list[Parts]
+    top_k: int
+    renormalize: bool
+
+
 class DecoderStack:
     """A Llama-family layer stack run in one native call a step (native/include/decoder.h): kept-quantized
     linears with quantized activations, on this rank's heads; `group` is the native tensor-parallel group
@@ -346,12 +360,20 @@ class DecoderStack:
     def add_layer(self, qkv: Parts, o: Parts, gate_up: Parts, down: Parts, input_norm: torch.Tensor,
                   post_norm: torch.Tensor, qkv_bias: torch.Tensor | None, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None) -> None:
+                  k_norm: torch.Tensor | None = None, experts: Experts | None = None) -> None:
         # each linear: its parts, (packed uint8 data, type id, rows) each, stacked by rows (one part but for a
         # fused projection whose parts differ in type); caches as write_kv_cache takes them; q_norm and k_norm
-        # [head_dim] (Qwen3's per-head norms, both or neither)
+        # [head_dim] (Qwen3's per-head norms, both or neither); experts in place of the MLP (gate_up and down
+        # then empty)
         def packed(parts, name):
             return [(_ref(data, name, (torch.uint8,), 1), int(qtype), int(rows)) for data, qtype, rows in parts]
+
+        mixture = {}
+        if experts is not None:
+            mixture = dict(router=_ref(experts.router, "router", dims=2),
+                           experts_gate_up=[packed(p, "expert gate_up") for p in experts.gate_up],
+                           experts_down=[packed(p, "expert down") for p in experts.down],
+                           top_k=experts.top_k, renormalize=experts.renormalize)
 
         self._stack.add_layer(packed(qkv, "qkv"), packed(o, "o"), packed(gate_up, "gate_up"), packed(down, "down"),
                               _ref(input_norm, "input_norm", dims=1), _ref(post_norm, "post_norm", dims=1),
@@ -359,7 +381,7 @@ class DecoderStack:
                               _ref(key_cache, "key_cache", CACHE_DTYPES, 4),
                               _ref(value_cache, "value_cache", CACHE_DTYPES, 4),
                               None if q_norm is None else _ref(q_norm, "q_norm", dims=1),
-                              None if k_norm is None else _ref(k_norm, "k_norm", dims=1))
+                              None if k_norm is None else _ref(k_norm, "k_norm", dims=1), **mixture)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, q_starts: torch.Tensor, prompt_rows: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, runs: Sequence[RowRun] = ()) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        scores = torch.softmax(linear(x, self.router).float(), dim=-1)
+        scores = torch.softmax(kernels.linear_f32_out(x, self.router), dim=-1)  # float32 logits, as the native stack
         weights, chosen = scores.topk(self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)

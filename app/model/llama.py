@@ -100,7 +100,7 @@ class LlamaForCausalLM:
 
     def _native_stack(self, caches: list[KVCache]):
         """The native layer stack for these caches (built on first use), or None where a layer needs the
-        Python path: float32 weights, quantized ones under float activations, experts."""
+        Python path: float32 weights, quantized ones under float activations."""
         if self._stack is not None and self._stack[0] is caches:
             return self._stack[1]
         self._stack = (caches, self._build_stack(caches))
@@ -110,24 +110,28 @@ class LlamaForCausalLM:
         from app import kernels
         from app.model.quant import ACTIVATIONS, BF16
 
-        if self.cfg.num_experts:
-            return None
-        linears = [(lay.attention.qkv, lay.attention.o, lay.mlp.gate_up, lay.mlp.down) for lay in self.layers]
-        weights = [lin.weight for group in linears for lin in group]
+        weights = [lin.weight for lin in self.linears()]
         # quantized weights under "float" activations take torch's GEMM for prompts: the Python layers
         if (not all(isinstance(w, Packed) for w in weights)
                 or self.activations not in ("int8", "int16") and any(p.qtype != BF16 for w in weights for p in w.parts)
                 or self.group.size > 1 and getattr(self.group, "native", None) is None):
             return None
         native_group = self.group.native if self.group.size > 1 else None
+        dense = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MLP)]
+        inter = (dense[0] if dense else self.layers[0].mlp.experts[0]).down.weight.in_features
         stack = kernels.DecoderStack(self.dtype, ACTIVATIONS[self.activations], self.cfg.hidden_size,
-                                     self.shard.num_heads, self.shard.num_kv_heads, self.cfg.head_dim,
-                                     self.layers[0].mlp.down.weight.in_features, self.cfg.rms_norm_eps,
-                                     self.cfg.head_dim ** -0.5, self.cos_sin, self.norm, native_group)
+                                     self.shard.num_heads, self.shard.num_kv_heads, self.cfg.head_dim, inter,
+                                     self.cfg.rms_norm_eps, self.cfg.head_dim ** -0.5, self.cos_sin, self.norm,
+                                     native_group)
         for layer, cache in zip(self.layers, caches, strict=True):
             a, m = layer.attention, layer.mlp
-            stack.add_layer(*([(p.data, p.qtype, p.rows) for p in lin.weight.parts] for lin in (a.qkv, a.o, m.gate_up, m.down)),
-                            layer.input_norm, layer.post_norm, a.qkv.bias, *cache, a.q_norm, a.k_norm)
+            experts = None
+            if isinstance(m, MoE):
+                experts = kernels.Experts(m.router, [_parts(e.gate_up) for e in m.experts],
+                                          [_parts(e.down) for e in m.experts], m.top_k, m.renormalize)
+            mlp = ([], []) if experts else (_parts(m.gate_up), _parts(m.down))
+            stack.add_layer(_parts(a.qkv), _parts(a.o), *mlp, layer.input_norm, layer.post_norm, a.qkv.bias, *cache,
+                            a.q_norm, a.k_norm, experts)
         return stack
 
     @torch.inference_mode()
@@ -167,6 +171,11 @@ class LlamaForCausalLM:
             out += a.qkv.tensors() + a.o.tensors() + layer.mlp.tensors()
             out += [layer.input_norm, layer.post_norm] + [t for t in (a.q_norm, a.k_norm) if t is not None]
         return out
+
+
+def _parts(linear) -> list[tuple[torch.Tensor, int, int]]:
+    """A packed linear's parts as the native stack takes them: (packed data, type id, rows) each."""
+    return [(p.data, p.qtype, p.rows) for p in linear.weight.parts]
 
 
 class _Weights:

@@ -3,8 +3,9 @@
 //
 // It strings together the same kernels app/model/layers.py calls one by one (through kernels(), so the
 // ISA is the one dispatch picked), on scratch buffers it owns; a row-parallel layer's float32 partial
-// sums go through the tensor-parallel group's all-reduce when there is one. What it does not cover
-// (dense float weights, float activations, mixtures of experts) stays on the Python path.
+// sums go through the tensor-parallel group's all-reduce when there is one; a mixture of experts routes each
+// token to its experts in it too. What it does not cover (dense float weights, float activations) stays on the
+// Python path.
 #pragma once
 
 #include <algorithm>
@@ -27,8 +28,16 @@ struct PackedMatrix {  // a [rows, in_features] weight: one part, or a fused pro
   int64_t rows, in_features;
 };
 
+struct Experts {  // a mixture of experts in place of the MLP (app/model/layers.py MoE), or none (router null)
+  const void* router = nullptr;         // [experts, hidden], activation dtype
+  std::vector<PackedMatrix> gate_up, down;  // each expert's, its share of the features (unreduced down)
+  int64_t top_k = 0;
+  bool renormalize = false;             // the chosen weights rescaled to sum to 1
+};
+
 struct DecoderLayerWeights {
   PackedMatrix qkv, o, gate_up, down;  // qkv rows: this rank's Q heads, then K, then V; gate_up: [gate | up]
+                                       // (gate_up, down: empty in a layer of experts)
   const void* input_norm;              // [hidden], activation dtype
   const void* post_norm;
   const void* qkv_bias;                // [qkv rows] or null
@@ -36,6 +45,7 @@ struct DecoderLayerWeights {
   const void* k_norm;                  // [head_dim], with q_norm: the same over each head of K
   void* key_cache;                     // [blocks, Hk, D, B]
   void* value_cache;                   // [blocks, Hk, B, D]
+  Experts experts;
 };
 
 struct DecoderShape {
@@ -67,7 +77,10 @@ class DecoderStack {
   DecoderStack(const DecoderShape& shape, ShmGroup* group) : shape_(shape), group_(group) {}
   void add_layer(const DecoderLayerWeights& layer) {
     layers_.push_back(layer);
-    for (const PackedMatrix* m : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+    std::vector<const PackedMatrix*> matrices{&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    for (size_t e = 0; e < layer.experts.gate_up.size(); ++e)
+      matrices.insert(matrices.end(), {&layer.experts.gate_up[e], &layer.experts.down[e]});
+    for (const PackedMatrix* m : matrices)
       for (const PackedPart& p : m->parts)
         if (std::find(qtypes_.begin(), qtypes_.end(), p.qtype) == qtypes_.end()) qtypes_.push_back(p.qtype);
   }
@@ -84,6 +97,7 @@ class DecoderStack {
   void find_runs(const StepBatch& batch);
   const std::vector<RowRun>& slab_runs(int64_t t0, int64_t n);
   void row_parallel(const PackedMatrix& w, const void* in, void* x, const std::vector<RowRun>& runs);
+  void mixture(const Experts& e, void* x, int64_t n, const std::vector<RowRun>& runs);
   void* buffer(size_t index, int64_t bytes);
 
   DecoderShape shape_;
@@ -92,6 +106,10 @@ class DecoderStack {
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<RowRun> runs_, slab_;  // this step's (find_runs), a slab's (slab_runs)
   std::vector<QType> qtypes_;        // the weights' types (find_runs: whether any runs prompt rows its own way)
+  // mixture(): a slab's (token, choice) pairs grouped by expert
+  std::vector<int64_t> choice_expert_, choice_order_, expert_count_;
+  std::vector<float> choice_weight_;
+  std::vector<RowRun> expert_runs_;
 };
 
 }  // namespace appliance

@@ -2,6 +2,7 @@
 #include "decoder.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace appliance {
@@ -13,6 +14,8 @@ namespace {
 // prompts in one step, three alternated rounds on Zen 5: 795-813 -> 728-753 ms; 4 x 256 1.5% faster,
 // 2 x 256 2%; decode steps (at most 256 rows) run as before. 128 and 512 measured the same as 256.
 constexpr int64_t kMlpRows = 256;
+// A mixture's gather of routed rows and weighted sum back run on the threads from this many elements
+constexpr int64_t kGatherElements = 1 << 16;
 
 int64_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 
@@ -116,6 +119,90 @@ void DecoderStack::row_parallel(const PackedMatrix& w, const void* in, void* x, 
   for (int64_t i = 0; i < tokens * H; ++i) y[i] = float_to_bf16(partial[i]);
 }
 
+// The n rows of x (a slab, after the post-attention norm) through a mixture of experts, in place, as MoE in
+// app/model/layers.py: the router's float32 logits, a softmax over the experts, the top k (the lower expert first
+// among equal scores), rescaled to sum to 1 where the model says; the (token, choice) pairs grouped by expert in
+// token order, each expert's rows gathered and run through its gate/up, SiLU and down (float32, unreduced) into
+// its slice of one buffer; each token's outputs weighed and summed in float32, over the TP group once, into x.
+void DecoderStack::mixture(const Experts& e, void* x, int64_t n, const std::vector<RowRun>& runs) {
+  const DType dt = shape_.dtype;
+  const int64_t H = shape_.hidden, E = static_cast<int64_t>(e.gate_up.size()), K = e.top_k, B = element_bytes(dt);
+  const int64_t pairs = n * K;
+  float* scores = static_cast<float*>(buffer(6, n * E * 4));
+  kernels().linear_f32_out({dt, scores, x, e.router, n, H, E, H});
+  choice_expert_.resize(pairs), choice_weight_.resize(pairs), choice_order_.resize(pairs);
+  expert_count_.assign(E + 1, 0);
+  std::vector<int64_t> ranked(E);
+  for (int64_t t = 0; t < n; ++t) {
+    float* p = scores + t * E;
+    const float top = *std::max_element(p, p + E);
+    float sum = 0.f;
+    for (int64_t i = 0; i < E; ++i) sum += (p[i] = std::exp(p[i] - top));
+    for (int64_t i = 0; i < E; ++i) p[i] /= sum;
+    for (int64_t i = 0; i < E; ++i) ranked[i] = i;
+    std::partial_sort(ranked.begin(), ranked.begin() + K, ranked.end(),
+                      [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float chosen = 0.f;
+    for (int64_t j = 0; j < K; ++j) chosen += p[ranked[j]];
+    for (int64_t j = 0; j < K; ++j) {
+      choice_expert_[t * K + j] = ranked[j];
+      choice_weight_[t * K + j] = e.renormalize ? p[ranked[j]] / chosen : p[ranked[j]];
+      ++expert_count_[ranked[j] + 1];
+    }
+  }
+  for (int64_t i = 0; i < E; ++i) expert_count_[i + 1] += expert_count_[i];  // each expert's first routed row
+  std::vector<int64_t>& row_of = ranked;  // (reused) each pair's routed row
+  row_of.resize(pairs);
+  {
+    std::vector<int64_t> next(expert_count_.begin(), expert_count_.end() - 1);
+    for (int64_t i = 0; i < pairs; ++i) {  // in token order within each expert
+      row_of[i] = next[choice_expert_[i]]++;
+      choice_order_[row_of[i]] = i;
+    }
+  }
+  std::vector<char> prompt(n, 0);  // each row's role (RowRun::prompt)
+  for (const RowRun& r : runs) std::fill(prompt.begin() + r.begin, prompt.begin() + r.end, r.prompt);
+  uint8_t* routed = static_cast<uint8_t*>(buffer(7, pairs * H * B));
+  float* outputs = static_cast<float*>(buffer(8, pairs * H * 4));
+#pragma omp parallel for schedule(static) if (pairs * H >= kGatherElements)
+  for (int64_t r = 0; r < pairs; ++r)
+    std::memcpy(routed + r * H * B, static_cast<const uint8_t*>(x) + (choice_order_[r] / K) * H * B, H * B);
+  for (int64_t i = 0; i < E; ++i) {
+    const int64_t begin = expert_count_[i], count = expert_count_[i + 1] - begin;
+    if (count == 0) continue;
+    const int64_t inter = e.gate_up[i].rows / 2;
+    void* gate_up = buffer(9, count * 2 * inter * B);
+    void* act = buffer(10, count * inter * B);
+    expert_runs_.clear();
+    for (int64_t r = 0; r < count; ++r) {
+      const bool role = prompt[choice_order_[begin + r] / K];
+      if (!expert_runs_.empty() && expert_runs_.back().prompt == role) expert_runs_.back().end = r + 1;
+      else expert_runs_.push_back({r, r + 1, role});
+    }
+    linear(e.gate_up[i], shape_.act, dt, dt, gate_up, routed + begin * H * B, expert_runs_, 2 * inter);
+    kernels().silu_and_mul({dt, act, gate_up, count, inter, 2 * inter, inter});
+    linear(e.down[i], shape_.act, dt, DType::f32, outputs + begin * H, act, expert_runs_, H);
+  }
+  float* out = static_cast<float*>(buffer(11, n * H * 4));
+#pragma omp parallel for schedule(static) if (pairs * H >= kGatherElements)
+  for (int64_t t = 0; t < n; ++t) {
+    float* o = out + t * H;
+    std::fill(o, o + H, 0.f);
+    for (int64_t j = 0; j < K; ++j) {
+      const float w = choice_weight_[t * K + j];
+      const float* y = outputs + row_of[t * K + j] * H;
+      for (int64_t c = 0; c < H; ++c) o[c] += w * y[c];
+    }
+  }
+  if (group_) group_->all_reduce(out, n * H, 0);
+  if (dt == DType::f32) {
+    std::memcpy(x, out, n * H * 4);
+  } else {
+    uint16_t* y = static_cast<uint16_t*>(x);
+    for (int64_t i = 0; i < n * H; ++i) y[i] = float_to_bf16(out[i]);
+  }
+}
+
 void DecoderStack::run(void* x, const StepBatch& b) {
   const DecoderShape& s = shape_;
   const DType dt = s.dtype;
@@ -155,6 +242,10 @@ void DecoderStack::run(void* x, const StepBatch& b) {
       const std::vector<RowRun>& runs = slab_runs(t0, n);
       row_parallel(l.o, static_cast<uint8_t*>(attn) + t0 * q_width * E, xs, runs);
       kernels().add_rms_norm({dt, xs, residual + t0 * H * E, l.post_norm, n, H, H, H, s.eps});
+      if (l.experts.router) {
+        mixture(l.experts, xs, n, runs);
+        continue;
+      }
       linear(l.gate_up, s.act, dt, dt, gate_up, xs, runs, 2 * s.inter);
       kernels().silu_and_mul({dt, act, gate_up, n, s.inter, 2 * s.inter, s.inter});
       row_parallel(l.down, act, xs, runs);

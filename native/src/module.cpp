@@ -398,9 +398,35 @@ std::unique_ptr<DecoderStack> make_stack(int dtype, int act, int64_t hidden, int
   return std::make_unique<DecoderStack>(shape, group);
 }
 
+// A layer's experts (app/model/layers.py MoE): the router [experts, hidden] in the activation dtype, each expert's
+// gate/up [2 I, hidden] and down [hidden, I] parts (I: this rank's share of its features)
+Experts stack_experts(const DecoderShape& s, const Ref& router_r, const std::vector<Parts>& gate_up,
+                      const std::vector<Parts>& down, int64_t top_k, bool renormalize) {
+  T router = tensor(router_r, "router", 2);
+  contiguous(router);
+  const int64_t count = router.dim(0);
+  require(router.code == (s.dtype == DType::f32 ? F32 : BF16) && router.dim(1) == s.hidden,
+          "router: must be [experts, " + std::to_string(s.hidden) + "] in the activation dtype");
+  require(static_cast<int64_t>(gate_up.size()) == count && static_cast<int64_t>(down.size()) == count,
+          "experts: the router scores " + std::to_string(count) + " experts, given " + std::to_string(gate_up.size()) +
+              " gate/up and " + std::to_string(down.size()) + " down projections");
+  require(top_k >= 1 && top_k <= count, "top_k: must be in [1, " + std::to_string(count) + "]");
+  Experts e{router.ptr, {}, {}, top_k, renormalize};
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t rows = 0;
+    for (const auto& part : gate_up[i]) rows += std::get<2>(part);
+    require(rows > 0 && rows % 2 == 0, "expert " + std::to_string(i) + " gate_up: must have 2 x its features rows");
+    e.gate_up.push_back(packed_matrix(gate_up[i], rows, s.hidden, "expert " + std::to_string(i) + " gate_up"));
+    e.down.push_back(packed_matrix(down[i], s.hidden, rows / 2, "expert " + std::to_string(i) + " down"));
+  }
+  return e;
+}
+
 void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, const Parts& gu, const Parts& down,
                      const Ref& in_norm, const Ref& post_norm, const std::optional<Ref>& bias, const Ref& kc_r,
-                     const Ref& vc_r, const std::optional<Ref>& q_norm, const std::optional<Ref>& k_norm) {
+                     const Ref& vc_r, const std::optional<Ref>& q_norm, const std::optional<Ref>& k_norm,
+                     const std::optional<Ref>& router, const std::vector<Parts>& experts_gate_up,
+                     const std::vector<Parts>& experts_down, int64_t top_k, bool renormalize) {
   DecoderShape s = stack.shape();
   const int code = s.dtype == DType::f32 ? F32 : BF16;
   const int64_t H = s.hidden, qw = s.q_heads * s.head_dim, qkvw = qw + 2 * s.kv_heads * s.head_dim;
@@ -417,17 +443,21 @@ void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, cons
     require(cache_type(kc) == s.cache_dtype && vc.dim(2) == s.block_size && vc.dim(0) == s.num_blocks,
             "key_cache: every layer's cache must have the first layer's dtype and shape");
   }
+  require(router.has_value() == (gu.empty() && down.empty()),
+          "gate_up, down: a layer has a dense MLP (gate_up and down) or experts (a router), not both");
   DecoderLayerWeights l{packed_matrix(qkv, qkvw, H, "qkv"),
                         packed_matrix(o, H, qw, "o"),
-                        packed_matrix(gu, 2 * s.inter, H, "gate_up"),
-                        packed_matrix(down, H, s.inter, "down"),
+                        router ? PackedMatrix{} : packed_matrix(gu, 2 * s.inter, H, "gate_up"),
+                        router ? PackedMatrix{} : packed_matrix(down, H, s.inter, "down"),
                         vector_of(in_norm, "input_norm", code, H),
                         vector_of(post_norm, "post_norm", code, H),
                         bias ? vector_of(*bias, "qkv_bias", code, qkvw) : nullptr,
                         q_norm ? vector_of(*q_norm, "q_norm", code, s.head_dim) : nullptr,
                         k_norm ? vector_of(*k_norm, "k_norm", code, s.head_dim) : nullptr,
                         kc.ptr,
-                        vc.ptr};
+                        vc.ptr,
+                        router ? stack_experts(s, *router, experts_gate_up, experts_down, top_k, renormalize)
+                               : Experts{}};
   stack.set_cache_shape(s.cache_dtype, s.block_size, s.num_blocks);
   stack.add_layer(l);
 }
@@ -543,7 +573,11 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init(&make_stack), py::arg("dtype"), py::arg("act"), py::arg("hidden"), py::arg("q_heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("inter"), py::arg("eps"), py::arg("scale"),
            py::arg("cos_sin"), py::arg("final_norm"), py::arg("group").none(true), py::keep_alive<1, 13>())
-      .def("add_layer", &stack_add_layer)
+      .def("add_layer", &stack_add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv_bias").none(true), py::arg("key_cache"),
+           py::arg("value_cache"), py::arg("q_norm").none(true), py::arg("k_norm").none(true),
+           py::arg("router").none(true) = py::none(), py::arg("experts_gate_up") = std::vector<Parts>{},
+           py::arg("experts_down") = std::vector<Parts>{}, py::arg("top_k") = 0, py::arg("renormalize") = false)
       .def("run", &stack_run)
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
   py::class_<ShmGroup>(m, "ShmGroup")

@@ -28,9 +28,12 @@ PROMPTS = [[5, 17, 300, 2, 511, 64, 9, 100, 200], [1, 2, 3], list(range(40, 90))
 
 
 def write_qwen3_moe(path: Path, expert_type: str) -> None:
+    """Attention of Q8_0 where the experts are kept quantized (the native layer stack runs such a model), float32
+    where they are (the Python layers)."""
     write_random_gguf(path, "qwen3moe", seed=3, layers=LAYERS, hidden=HIDDEN, inter=512, heads=HEADS,
                       kv_heads=KV_HEADS, vocab=VOCAB, experts=EXPERTS, experts_used=USED, expert_inter=EXPERT_INTER,
-                      expert_type=expert_type, rms_eps=1e-6, rope_base=1000000.0)
+                      expert_type=expert_type, weight_type="F32" if expert_type == "F32" else "Q8_0", rms_eps=1e-6,
+                      rope_base=1000000.0)
 
 
 def gguf_reference(path: Path, **config):
@@ -77,8 +80,10 @@ def test_qwen3_moe_follows_transformers_with_its_experts_kept_quantized(qwen3_mo
     assert isinstance(moe, MoE) and len(moe.experts) == EXPERTS and moe.top_k == USED
     if kind != "F32":  # every expert in the file's blocks: nothing expanded at load
         assert {lin.weight.type_name for lin in moe.linears()} == {kind}
-        assert f"kept quantized: {kind} " in caplog.text and "dequantized" not in caplog.text
-    assert ours.model._native_stack(ours.model.new_kv_cache(16, 16)) is None  # the Python layers route the experts
+        assert f"kept quantized: {kind}" in caplog.text and "dequantized" not in caplog.text
+    # the native stack routes quantized experts under quantized activations; float32 ones take the Python layers
+    native = ours.model._native_stack(ours.model.new_kv_cache(16, 16)) is not None
+    assert native == (kind != "F32" and activations == "int16")
     follow(ours.model, reference, PROMPTS)
     follow(ours.model, reference, PROMPTS[:1])  # one sequence: a decode step of one token (MoE's own path)
 

@@ -163,3 +163,22 @@ def test_qwen3s_per_head_norms_run_on_the_native_stack(tmp_path, dtype):
     assert loaded.model.layers[0].attention.q_norm.numel() == 96
     _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3], list(range(100, 140))], steps=3,
              tol=1e-5 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("dtype,kind", [("float32", "Q4_K"), ("bfloat16", "Q8_0")])
+def test_a_mixture_of_experts_runs_on_the_native_stack(tmp_path, dtype, kind):
+    """Qwen3-MoE: the router, the top k of 8 experts, their kept-quantized projections and the weighted sum in the
+    native stack give the Python layers' logits, in steps of several sequences' prompts (each expert gets rows of
+    several tokens, some experts none) and of one token each. Within 1e-4 in float32, not the dense layers' 1e-5:
+    each token's experts are summed in another order (the Python layers add them expert by expert over the step's
+    rows, or in the top k's order for one row) and the softmax's exponentials are not torch's."""
+    from tests.model.test_moe import write_qwen3_moe
+
+    path = tmp_path / "tiny-moe.gguf"
+    write_qwen3_moe(path, kind)
+    loaded = load_model(ModelSource(path, "gguf", "tiny"), dtype, tokenizer=False)
+    assert loaded.config.num_experts == 8
+    tol = 1e-4 if dtype == "float32" else 1e-2
+    _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3], list(range(100, 140))], steps=3, tol=tol)
+    # one sequence: its decode steps are one row (the Python layers' path without grouping)
+    _compare(loaded.model, [list(range(7, 20))], steps=3, tol=tol)
