@@ -66,7 +66,8 @@ class MoE:
     sum to 1 where `renormalize`), and their outputs, weighed by those scores, are summed in float32. Each
     expert is a SwiGLU MLP over this rank's share of its features (its down projection not reduced, its output
     float32), so the experts' partial sums meet in one float32 all-reduce. The router [experts, H] is a plain
-    tensor in the compute dtype."""
+    tensor in the compute dtype, its logits float32. A model whose linears are all packed runs this in the native
+    layer stack instead (DecoderStack::mixture, native/src/decoder.cpp)."""
 
     def __init__(self, router: torch.Tensor, experts: Sequence[MLP], top_k: int, renormalize: bool, group):
         self.router, self.experts, self.top_k, self.renormalize = router, list(experts), top_k, renormalize
