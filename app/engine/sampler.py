@@ -482,7 +482,10 @@ def _fully_sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) 
     k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(1)  # [R, 1]
     top_p = _column([p.top_p for p in params])
     min_p = _column([p.min_p for p in params])
-    ordered, order = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    # in the order of the probabilities, ties by id, as the sorted head orders them: logits that differ can give
+    # equal probabilities, and which of those a cut keeps must not depend on the path
+    order = scaled.softmax(dim=-1).sort(dim=-1, descending=True, stable=True).indices  # [R, V]
+    ordered = scaled.gather(1, order)
     keep = ordered >= ordered.gather(1, k - 1)  # the top k, and any tied with the k-th
     probs = ordered.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over them
     before = probs.cumsum(dim=-1) - probs

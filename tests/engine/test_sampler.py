@@ -216,6 +216,18 @@ def test_a_cut_inside_a_run_of_equal_probabilities_keeps_its_lowest_ids(monkeypa
         assert ((got[row] > 0) == (expected > 0))[~borderline].all(), knobs
 
 
+@pytest.mark.parametrize("head", [2, 1024])  # 2: the tie spills past the head, and a head of 16 is too big: whole
+def test_equal_probabilities_from_unequal_logits_tie_by_id_on_every_path(monkeypatch, head):
+    monkeypatch.setattr(sampler_module, "_NUCLEUS", head)
+    logits = torch.full((1, 40), -30.0)
+    logits[0, 30], logits[0, 10] = 0.0, -0.01
+    logits[0, 3] = float(np.nextafter(np.float32(-0.01), np.float32(-1)))  # lower, at a lower id
+    probs = logits.softmax(-1)
+    assert logits[0, 3] < logits[0, 10] and probs[0, 3] == probs[0, 10]
+    kept = filtered_probs(logits, [SamplingParams(top_p=0.5)])[0]
+    assert torch.nonzero(kept).flatten().tolist() == [3, 30]
+
+
 def test_a_top_k_the_size_of_the_head_is_decided_in_it(monkeypatch):
     """top_k == the head's size with no tie past it needs no wider head; a tie past it does."""
     calls = []

@@ -447,7 +447,8 @@ def test_bf16_dot_switches_between_float32_arithmetic_and_rounded_q_and_p():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "inp", "outp"), [(1, 576, 49152 // 16 + 5), (7, 4096 + 13, 301), (16, 64, 33)])
+@pytest.mark.parametrize(("rows", "inp", "outp"), [(1, 576, 49152 // 16 + 5), (7, 4096 + 13, 301), (16, 64, 33),
+                                                   (37, 2048, 128)])  # (a mixture's router, in tiles of rows)
 def test_linear_f32_out(isa, dtype, rows, inp, outp):
     x, w = strided(rows, inp, dtype), torch.randn(outp, inp).to(dtype)
     out = kernels.linear_f32_out(x, w)
@@ -457,3 +458,15 @@ def test_linear_f32_out(isa, dtype, rows, inp, outp):
     if dtype == torch.bfloat16:  # a bf16 GEMM rounds its output; this one must be far closer
         rounded = (x @ w.T).double()
         assert (out.double() - expected).abs().max() < (rounded - expected).abs().max() / 10
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("outp", [128, 1200])  # a weight that stays in cache (rows in tiles), one read once
+def test_linear_f32_out_gives_a_row_the_same_bits_in_any_batch(isa, dtype, outp):
+    """Rows run four at a time or alone, in tiles or not: each one's logits are the same bits as alone (a seeded
+    request's draw, and which experts a token takes, must not depend on its batch)."""
+    x, w = torch.randn(23, 1000 + 3).to(dtype), torch.randn(outp, 1000 + 3).to(dtype)
+    batch = kernels.linear_f32_out(x, w)
+    for r in (0, 5, 17, 22):
+        assert torch.equal(kernels.linear_f32_out(x[r:r + 1], w)[0], batch[r])
+        assert torch.equal(kernels.linear_f32_out(x[r:r + 3], w)[0], batch[r])

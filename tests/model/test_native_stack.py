@@ -182,3 +182,22 @@ def test_a_mixture_of_experts_runs_on_the_native_stack(tmp_path, dtype, kind):
     _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3], list(range(100, 140))], steps=3, tol=tol)
     # one sequence: its decode steps are one row (the Python layers' path without grouping)
     _compare(loaded.model, [list(range(7, 20))], steps=3, tol=tol)
+
+
+def test_a_mixture_of_experts_over_more_rows_than_its_chunk(tmp_path):
+    """The stack runs experts on chunks of 1,024 rows: a step of 1,200 prompt rows (the second chunk partial, and
+    more than the 256-row slabs of the layers' first half) gives the Python layers' logits."""
+    from tests.model.test_moe import write_qwen3_moe
+
+    path = tmp_path / "tiny-moe.gguf"
+    write_qwen3_moe(path, "Q8_0")
+    model = load_model(ModelSource(path, "gguf", "tiny"), "float32", tokenizer=False).model
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (500, 400, 300)]
+    native, python = Session(model, 3, capacity=512), Session(model, 3, capacity=512)
+    model.native_stack = True
+    a = native.step(prompts)
+    model.native_stack = False
+    b = python.step(prompts)
+    assert model._stack is not None and model._stack[1] is not None
+    assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
