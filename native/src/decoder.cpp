@@ -144,8 +144,9 @@ void DecoderStack::mixture(const Experts& e, void* x, int64_t n, const std::vect
     for (int64_t i = 0; i < E; ++i) sum += (p[i] = std::exp(p[i] - top));
     for (int64_t i = 0; i < E; ++i) p[i] /= sum;
     for (int64_t i = 0; i < E; ++i) ranked[i] = i;
-    std::partial_sort(ranked.begin(), ranked.begin() + K, ranked.end(),
-                      [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    if (std::isfinite(sum))  // (a row that is not: NaN weights on the first k, so NaN logits and no token)
+      std::partial_sort(ranked.begin(), ranked.begin() + K, ranked.end(),
+                        [p](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     float chosen = 0.f;
     for (int64_t j = 0; j < K; ++j) chosen += p[ranked[j]];
     for (int64_t j = 0; j < K; ++j) {

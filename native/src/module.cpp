@@ -444,7 +444,9 @@ void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, cons
             "key_cache: every layer's cache must have the first layer's dtype and shape");
   }
   require(router.has_value() == (gu.empty() && down.empty()),
-          "gate_up, down: a layer has a dense MLP (gate_up and down) or experts (a router), not both");
+          "gate_up, down: a layer has either a dense MLP (gate_up and down) or experts (a router): give one of them");
+  require(router.has_value() || (experts_gate_up.empty() && experts_down.empty()),
+          "experts_gate_up, experts_down: a layer's experts need its router");
   DecoderLayerWeights l{packed_matrix(qkv, qkvw, H, "qkv"),
                         packed_matrix(o, H, qw, "o"),
                         router ? PackedMatrix{} : packed_matrix(gu, 2 * s.inter, H, "gate_up"),

@@ -9,6 +9,8 @@ per-head Q/K norms.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -201,3 +203,41 @@ def test_a_mixture_of_experts_over_more_rows_than_its_chunk(tmp_path):
     b = python.step(prompts)
     assert model._stack is not None and model._stack[1] is not None
     assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+def test_a_layers_experts_are_checked_as_they_are_added(tmp_path):
+    """DecoderStack.add_layer names what is wrong with a layer's experts (the caller's bug, not a model's)."""
+    import dataclasses
+
+    from app import kernels
+    from app.model.llama import _parts
+    from app.model.quant import ACTIVATIONS
+    from tests.gguf_files import write_random_gguf
+
+    path = tmp_path / "moe.gguf"
+    write_random_gguf(path, "qwen3moe", seed=3, layers=1, hidden=256, inter=512, heads=4, kv_heads=2, vocab=512,
+                      experts=4, experts_used=2, expert_inter=256, expert_type="Q8_0", weight_type="Q8_0")
+    model = load_model(ModelSource(path, "gguf", "m"), "float32", tokenizer=False).model
+    layer, cache = model.layers[0], model.new_kv_cache(4, 16)[0]
+    a, m = layer.attention, layer.mlp
+    good = kernels.Experts(m.router, [_parts(e.gate_up) for e in m.experts], [_parts(e.down) for e in m.experts], 2,
+                           True)
+
+    def add(experts, mlp=([], [])):
+        stack = kernels.DecoderStack(torch.float32, ACTIVATIONS["int16"], 256, 4, 2, 64, 256, 1e-6, 0.125,
+                                     model.cos_sin, model.norm)
+        stack.add_layer(_parts(a.qkv), _parts(a.o), *mlp, layer.input_norm, layer.post_norm, None, *cache, a.q_norm,
+                        a.k_norm, experts)
+
+    add(good)
+    wrong = [(dataclasses.replace(good, top_k=5), "top_k: must be in [1, 4]"),
+             (dataclasses.replace(good, gate_up=good.gate_up[:3]), "given 3 gate/up and 4 down"),
+             (dataclasses.replace(good, router=m.router.bfloat16()), "router: must be [experts, 256] in the activation"),
+             (dataclasses.replace(good, router=m.router[:, :128].contiguous()), "router: must be [experts, 256]")]
+    for experts, message in wrong:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            add(experts)
+    with pytest.raises(ValueError, match="either a dense MLP"):
+        add(good, (_parts(m.experts[0].gate_up), _parts(m.experts[0].down)))
+    with pytest.raises(ValueError, match="either a dense MLP"):
+        add(None)
