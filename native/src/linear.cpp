@@ -77,7 +77,8 @@ void linear_impl(const LinearArgs& a) {
   }
   const T* w = static_cast<const T*>(a.weight);
   float* out = a.out;
-  const int64_t tile = V * K * static_cast<int64_t>(sizeof(T)) <= kCachedWeightBytes ? kRowTile : std::max<int64_t>(S, 1);
+  const bool cached = V * K * static_cast<int64_t>(sizeof(T)) <= kCachedWeightBytes;
+  const int64_t tile = cached ? kRowTile : std::max<int64_t>(S, 1);
   const int64_t tiles = (S + tile - 1) / tile;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t t = 0; t < tiles; ++t) {

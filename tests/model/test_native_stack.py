@@ -232,7 +232,7 @@ def test_a_layers_experts_are_checked_as_they_are_added(tmp_path):
     add(good)
     wrong = [(dataclasses.replace(good, top_k=5), "top_k: must be in [1, 4]"),
              (dataclasses.replace(good, gate_up=good.gate_up[:3]), "given 3 gate/up and 4 down"),
-             (dataclasses.replace(good, router=m.router.bfloat16()), "router: must be [experts, 256] in the activation"),
+             (dataclasses.replace(good, router=m.router.bfloat16()), "router: must be [experts, 256] in the"),
              (dataclasses.replace(good, router=m.router[:, :128].contiguous()), "router: must be [experts, 256]")]
     for experts, message in wrong:
         with pytest.raises(ValueError, match=re.escape(message)):
