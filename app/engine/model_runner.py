@@ -7,7 +7,6 @@ it. Input staging buffers are allocated once at the largest step size and reused
 
 from __future__ import annotations
 
-
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain
