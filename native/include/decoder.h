@@ -107,8 +107,9 @@ class DecoderStack {
   std::vector<RowRun> runs_, slab_;  // this step's (find_runs), a slab's (slab_runs)
   std::vector<QType> qtypes_;        // the weights' types (find_runs: whether any runs prompt rows its own way)
   // mixture(): a slab's (token, choice) pairs grouped by expert
-  std::vector<int64_t> choice_expert_, choice_order_, expert_count_;
+  std::vector<int64_t> choice_expert_, choice_order_, expert_count_, ranked_, row_of_, next_row_;
   std::vector<float> choice_weight_;
+  std::vector<char> prompt_rows_;  // each row's role (RowRun::prompt)
   std::vector<RowRun> expert_runs_;
 };
 

@@ -37,6 +37,17 @@ uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// y[:n] = x[:n] in dt (bfloat16: rounded to nearest even)
+void store(DType dt, void* y, const float* x, int64_t n) {
+  if (dt == DType::f32) {
+    std::memcpy(y, x, n * 4);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(y);
+#pragma omp parallel for schedule(static) if (n >= kGatherElements)
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(x[i]);
+}
+
 // x[t, :] += bias for T rows of width n (contiguous)
 void add_bias(DType dt, void* x, const void* bias, int64_t tokens, int64_t n) {
   if (dt == DType::f32) {
@@ -119,8 +130,7 @@ void DecoderStack::row_parallel(const PackedMatrix& w, const void* in, void* x, 
   float* partial = static_cast<float*>(buffer(5, tokens * H * 4));
   linear(w, shape_.act, dt, DType::f32, partial, in, runs, H);
   group_->all_reduce(partial, tokens * H, 0);
-  uint16_t* y = static_cast<uint16_t*>(x);
-  for (int64_t i = 0; i < tokens * H; ++i) y[i] = float_to_bf16(partial[i]);
+  store(dt, x, partial, tokens * H);
 }
 
 // The n rows of x (a slab, after the post-attention norm) through a mixture of experts, in place, as MoE in
@@ -136,7 +146,8 @@ void DecoderStack::mixture(const Experts& e, void* x, int64_t n, const std::vect
   kernels().linear_f32_out({dt, scores, x, e.router, n, H, E, H});
   choice_expert_.resize(pairs), choice_weight_.resize(pairs), choice_order_.resize(pairs);
   expert_count_.assign(E + 1, 0);
-  std::vector<int64_t> ranked(E);
+  std::vector<int64_t>& ranked = ranked_;
+  ranked.resize(E);
   for (int64_t t = 0; t < n; ++t) {
     float* p = scores + t * E;
     const float top = *std::max_element(p, p + E);
@@ -156,16 +167,15 @@ void DecoderStack::mixture(const Experts& e, void* x, int64_t n, const std::vect
     }
   }
   for (int64_t i = 0; i < E; ++i) expert_count_[i + 1] += expert_count_[i];  // each expert's first routed row
-  std::vector<int64_t>& row_of = ranked;  // (reused) each pair's routed row
+  std::vector<int64_t>& row_of = row_of_;  // each pair's routed row
   row_of.resize(pairs);
-  {
-    std::vector<int64_t> next(expert_count_.begin(), expert_count_.end() - 1);
-    for (int64_t i = 0; i < pairs; ++i) {  // in token order within each expert
-      row_of[i] = next[choice_expert_[i]]++;
-      choice_order_[row_of[i]] = i;
-    }
+  next_row_.assign(expert_count_.begin(), expert_count_.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i) {  // in token order within each expert
+    row_of[i] = next_row_[choice_expert_[i]]++;
+    choice_order_[row_of[i]] = i;
   }
-  std::vector<char> prompt(n, 0);  // each row's role (RowRun::prompt)
+  std::vector<char>& prompt = prompt_rows_;
+  prompt.assign(n, 0);
   for (const RowRun& r : runs) std::fill(prompt.begin() + r.begin, prompt.begin() + r.end, r.prompt);
   uint8_t* routed = static_cast<uint8_t*>(buffer(7, pairs * H * B));
   float* outputs = static_cast<float*>(buffer(8, pairs * H * 4));
@@ -200,12 +210,7 @@ void DecoderStack::mixture(const Experts& e, void* x, int64_t n, const std::vect
     }
   }
   if (group_) group_->all_reduce(out, n * H, 0);
-  if (dt == DType::f32) {
-    std::memcpy(x, out, n * H * 4);
-  } else {
-    uint16_t* y = static_cast<uint16_t*>(x);
-    for (int64_t i = 0; i < n * H; ++i) y[i] = float_to_bf16(out[i]);
-  }
+  store(dt, x, out, n * H);
 }
 
 void DecoderStack::run(void* x, const StepBatch& b) {
