@@ -98,6 +98,7 @@ class DecoderStack {
   const std::vector<RowRun>& slab_runs(int64_t t0, int64_t n);
   void row_parallel(const PackedMatrix& w, const void* in, void* x, const std::vector<RowRun>& runs);
   void mixture(const Experts& e, void* x, int64_t n, const std::vector<RowRun>& runs);
+  bool one_row_experts(const Experts& e, const uint8_t* routed, float* outputs, const std::vector<char>& prompt);
   void* buffer(size_t index, int64_t bytes);
 
   DecoderShape shape_;
@@ -111,6 +112,8 @@ class DecoderStack {
   std::vector<float> choice_weight_;
   std::vector<char> prompt_rows_;  // each row's role (RowRun::prompt)
   std::vector<RowRun> expert_runs_;
+  std::vector<int64_t> singles_;             // the experts of one routed row (one_row_experts)
+  std::vector<PackedLinearArgs> calls_;      // their linears
 };
 
 }  // namespace appliance

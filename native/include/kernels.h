@@ -351,6 +351,7 @@ struct DequantArgs {  // out[r, :] = dequant(weight[r, :])
   void linear_f32_out(const LinearArgs&);        \
   void pack_quant(const PackArgs&);              \
   void packed_linear(const PackedLinearArgs&);   \
+  void packed_linears(const PackedLinearArgs*, int64_t); \
   void packed_rows(const PackedRowsArgs&);       \
   void dequantize(const DequantArgs&);           \
   bool widens_prompts(QType);                    \
@@ -386,6 +387,7 @@ struct KernelTable {
   void (*linear_f32_out)(const LinearArgs&);
   void (*pack_quant)(const PackArgs&);
   void (*packed_linear)(const PackedLinearArgs&);
+  void (*packed_linears)(const PackedLinearArgs*, int64_t);  // n independent calls, one region where they are one row each
   void (*packed_rows)(const PackedRowsArgs&);
   void (*dequantize)(const DequantArgs&);
   bool (*widens_prompts)(QType);  // whether int16 prompt rows of a type run as float32 FMAs on widened weights

@@ -12,7 +12,7 @@ namespace {
 #define APPLIANCE_TABLE(isa) \
   KernelTable { #isa, isa::rms_norm, isa::add_rms_norm, isa::rotary_embedding, isa::silu_and_mul, \
                 isa::write_kv_cache, isa::paged_attention, isa::linear_f32_out, isa::pack_quant, \
-                isa::packed_linear, isa::packed_rows, isa::dequantize, isa::widens_prompts, \
+                isa::packed_linear, isa::packed_linears, isa::packed_rows, isa::dequantize, isa::widens_prompts, \
                 std::string_view(#isa) == "avx512bf16" }
 
 #if defined(__x86_64__)

@@ -557,6 +557,69 @@ void packed_linear(const PackedLinearArgs& a) {
   else bits == 4 ? run<4, 0>(t, a, &x) : bits == 2 ? run<2, 0>(t, a, &x) : run<8, 0>(t, a, &x);
 }
 
+namespace {
+
+// One-row calls' panel pairs, [first_pair[c], first_pair[c + 1]) call c's, split evenly over the threads in one
+// region: each thread runs its share as the one-row path of run() does (four-panel tiles, each asking for the next).
+template <int BITS, int PLANES>
+void one_row_calls(const std::vector<Tiles>& calls, const std::vector<int64_t>& first_pair) {
+  const int64_t n = static_cast<int64_t>(calls.size()), pairs = first_pair[n];
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t begin = pairs * id / threads, end = pairs * (id + 1) / threads;
+    int64_t c = std::upper_bound(first_pair.begin(), first_pair.end(), begin) - first_pair.begin() - 1;
+    for (; c < n && first_pair[c] < end; ++c) {
+      const Tiles& t = calls[c];
+      int64_t p = (std::max(begin, first_pair[c]) - first_pair[c]) * 2;
+      const int64_t stop = (std::min(end, first_pair[c + 1]) - first_pair[c]) * 2;
+      for (; p + 4 <= stop; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p, p + 8 <= stop ? p + 4 : p + 4 < stop ? p + 2 : -1);
+      if (p < stop) tile<1, 2, BITS, PLANES>(t, 0, p);
+    }
+  }
+}
+
+}  // namespace
+
+// A decode step's routed experts (decoder.cpp, mixture) at one row each: one region for all their panels, not a
+// region (and a wait at its end) and a quantization of x for each. Other calls run one at a time.
+void packed_linears(const PackedLinearArgs* calls, int64_t n) {
+  bool together = n > 1;
+  for (int64_t c = 0; c < n && together; ++c) {
+    const PackedLinearArgs& a = calls[c];
+    const PackedLayout L = packed_layout(a.qtype);
+    together = a.rows == 1 && a.act == calls[0].act && L.bits == packed_layout(calls[0].qtype).bits &&
+               L.bits != 16 && a.act != ActQuant::none &&
+               !(kWidenPrompts && a.prompt && a.act == ActQuant::int16 && !expands_words(L));
+  }
+  if (!together) {
+    for (int64_t c = 0; c < n; ++c) packed_linear(calls[c]);
+    return;
+  }
+  thread_local std::vector<Activations> xs;  // kept between calls, as packed_linear's
+  thread_local std::vector<Tiles> tiles;
+  thread_local std::vector<int64_t> first_pair;
+  if (static_cast<int64_t>(xs.size()) < n) xs.resize(n);
+  tiles.clear(), first_pair.assign(1, 0);
+  for (int64_t c = 0; c < n; ++c) {
+    const PackedLinearArgs& a = calls[c];
+    const PackedLayout L = packed_layout(a.qtype);
+    const int64_t blocks = a.in_features / kQuantBlock;
+    size_for(a, xs[c]);
+    prepare(a, xs[c], 0);
+    tiles.push_back({a.weight, L, blocks, packed_panel_bytes(L, blocks), a.out_features, &xs[c], a.out, a.out_dtype,
+                     a.out_stride, a.x, a.x_dtype, a.x_stride});
+    first_pair.push_back(first_pair.back() + packed_panels(a.out_features) / 2);
+  }
+  const int bits = tiles[0].layout.bits;
+  if (calls[0].act == ActQuant::int16)
+    bits == 4 ? one_row_calls<4, 2>(tiles, first_pair) : bits == 2 ? one_row_calls<2, 2>(tiles, first_pair)
+              : one_row_calls<8, 2>(tiles, first_pair);
+  else
+    bits == 4 ? one_row_calls<4, 1>(tiles, first_pair) : bits == 2 ? one_row_calls<2, 1>(tiles, first_pair)
+              : one_row_calls<8, 1>(tiles, first_pair);
+}
+
 }  // namespace appliance::APPLIANCE_ISA
 
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16 || APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512 || \
