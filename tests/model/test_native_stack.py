@@ -20,6 +20,7 @@ from app.model.loader import load_model
 from app.model.source import ModelSource, resolve_source
 from app.spec.schema import ModelSpec
 from tests.gguf_files import new_gguf, write_gguf
+from tests.kernels.isas import running, variants
 from tests.model.test_parity import Session
 
 
@@ -184,6 +185,41 @@ def test_a_mixture_of_experts_runs_on_the_native_stack(tmp_path, dtype, kind):
     _compare(loaded.model, [[5, 17, 300, 2, 511, 64, 9], [3, 3, 3, 3], list(range(100, 140))], steps=3, tol=tol)
     # one sequence: its decode steps are one row (the Python layers' path without grouping)
     _compare(loaded.model, [list(range(7, 20))], steps=3, tol=tol)
+
+
+class _LastRows(Session):
+    """A Session whose steps give each sequence's last hidden row (the layers' output, before the head)."""
+
+    def step(self, new: list[list[int]], prompt_rows: list[int] | None = None) -> torch.Tensor:
+        done = [len(t) for t in self.tokens]
+        batch = make_batch(self.blocks, done, [len(n) for n in new], self.block_size, prompt_rows)
+        for t, n in zip(self.tokens, new, strict=True):
+            t.extend(n)
+        return self.model.forward(torch.tensor([tok for n in new for tok in n]), batch, self.cache)[batch.logit_indices]
+
+
+@pytest.mark.parametrize("variant", variants(tiles=True))
+@pytest.mark.parametrize("dtype,kind", [("float32", "Q4_K"), ("bfloat16", "Q8_0")])
+def test_a_tokens_experts_give_the_same_bits_alone_and_beside_a_copy(tmp_path, dtype, kind, variant):
+    """A decode row alone gives each of its experts one row, and those run together (DecoderStack::one_row_experts,
+    kernels' packed_linears); beside a copy of its sequence, two rows each, run one expert at a time. The same
+    tiles per row either way: the same hidden rows, bit for bit, on every kernel variant. (Hidden rows, not logits:
+    this file's float32 head is torch's GEMM, whose sums differ between one row and two.)"""
+    from tests.model.test_moe import write_qwen3_moe
+
+    path = tmp_path / "tiny-moe.gguf"
+    write_qwen3_moe(path, kind)
+    model = load_model(ModelSource(path, "gguf", "tiny"), dtype, tokenizer=False).model
+    with running(variant):
+        alone, pair = _LastRows(model, 1), _LastRows(model, 2)
+        prompt = list(range(7, 20))
+        a, b = alone.step([prompt]), pair.step([prompt, prompt])
+        assert model._stack is not None and model._stack[1] is not None
+        for _ in range(3):
+            assert torch.equal(a[0], b[0]) and torch.equal(b[0], b[1])
+            token = int(model.logits(a[:1]).argmax())
+            a, b = alone.step([[token]]), pair.step([[token], [token]])
+        assert torch.equal(a[0], b[0]) and torch.equal(b[0], b[1])
 
 
 def test_a_mixture_of_experts_over_more_rows_than_its_chunk(tmp_path):
