@@ -201,25 +201,26 @@ class _LastRows(Session):
 @pytest.mark.parametrize("variant", variants(tiles=True))
 @pytest.mark.parametrize("dtype,kind", [("float32", "Q4_K"), ("bfloat16", "Q8_0")])
 def test_a_tokens_experts_give_the_same_bits_alone_and_beside_a_copy(tmp_path, dtype, kind, variant):
-    """A decode row alone gives each of its experts one row, and those run together (DecoderStack::one_row_experts,
-    kernels' packed_linears); beside a copy of its sequence, two rows each, run one expert at a time. The same
-    tiles per row either way: the same hidden rows, bit for bit, on every kernel variant. (Hidden rows, not logits:
-    this file's float32 head is torch's GEMM, whose sums differ between one row and two.)"""
+    """Three sequences' decode rows give many of their experts one row, and those run together
+    (DecoderStack::one_row_experts, the kernels' packed_linears); each sequence beside a copy of itself gives every
+    expert two rows or more, run one expert at a time. The same tiles per row either way: the same hidden rows, bit
+    for bit, on every kernel variant. (Hidden rows, not logits: this file's float32 head is torch's GEMM, whose sums
+    differ between batches.)"""
     from tests.model.test_moe import write_qwen3_moe
 
     path = tmp_path / "tiny-moe.gguf"
     write_qwen3_moe(path, kind)
     model = load_model(ModelSource(path, "gguf", "tiny"), dtype, tokenizer=False).model
+    prompts = [list(range(7, 20)), [5, 17, 300, 2, 511, 64, 9], list(range(100, 140))]
     with running(variant):
-        alone, pair = _LastRows(model, 1), _LastRows(model, 2)
-        prompt = list(range(7, 20))
-        a, b = alone.step([prompt]), pair.step([prompt, prompt])
+        alone, pair = _LastRows(model, 3), _LastRows(model, 6)
+        a, b = alone.step(prompts), pair.step(prompts + prompts)
         assert model._stack is not None and model._stack[1] is not None
         for _ in range(3):
-            assert torch.equal(a[0], b[0]) and torch.equal(b[0], b[1])
-            token = int(model.logits(a[:1]).argmax())
-            a, b = alone.step([[token]]), pair.step([[token], [token]])
-        assert torch.equal(a[0], b[0]) and torch.equal(b[0], b[1])
+            assert torch.equal(a, b[:3]) and torch.equal(a, b[3:])
+            tokens = [[t] for t in model.logits(a).argmax(-1).tolist()]
+            a, b = alone.step(tokens), pair.step(tokens + tokens)
+        assert torch.equal(a, b[:3]) and torch.equal(a, b[3:])
 
 
 def test_a_mixture_of_experts_over_more_rows_than_its_chunk(tmp_path):
