@@ -448,6 +448,13 @@ void row_tiles(const Tiles& t, int64_t r_begin, int64_t r_end, int64_t p0, int64
   rows_in_tiles<kMR, NP, BITS, PLANES>(t, r_begin, r_end, p0, pre, expand);
 }
 
+// One row's panels [p, end) (a thread's share, even in number): four-panel tiles, each asking for the next (see run)
+template <int BITS, int PLANES>
+void one_row_panels(const Tiles& t, int64_t p, int64_t end) {
+  for (; p + 4 <= end; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p, p + 8 <= end ? p + 4 : p + 4 < end ? p + 2 : -1);
+  if (p < end) tile<1, 2, BITS, PLANES>(t, 0, p);
+}
+
 // x is quantized into `prepared` first (unless it is null: BF16 weights read x as it is), in the same
 // parallel region as the tiles when there are several rows: each thread quantizes a share of them, and
 // no thread waits through a serial quantization (it was one below 16 rows) or a region of its own.
@@ -474,10 +481,7 @@ void run(const Tiles& t, const PackedLinearArgs& a, Activations* prepared) {
 #pragma omp parallel
     {
       const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), pairs = panels / 2;
-      const int64_t end = pairs * (id + 1) / threads * 2;
-      int64_t p = pairs * id / threads * 2;
-      for (; p + 4 <= end; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p, p + 8 <= end ? p + 4 : p + 4 < end ? p + 2 : -1);
-      if (p < end) tile<1, 2, BITS, PLANES>(t, 0, p);
+      one_row_panels<BITS, PLANES>(t, pairs * id / threads * 2, pairs * (id + 1) / threads * 2);
     }
     return;
   }
@@ -514,6 +518,13 @@ void run(const Tiles& t, const PackedLinearArgs& a, Activations* prepared) {
   }
 }
 
+// What every tile of call `a` shares (its weight's layout L; x prepared into `x`)
+Tiles call_tiles(const PackedLinearArgs& a, const PackedLayout& L, const Activations* x) {
+  const int64_t blocks = a.in_features / kQuantBlock;
+  return {a.weight, L, blocks, packed_panel_bytes(L, blocks), a.out_features, x, a.out, a.out_dtype, a.out_stride,
+          a.x, a.x_dtype, a.x_stride};
+}
+
 // The call's tiles with x as float32 rows: as given, or bfloat16 rows widened into `x.fx` (this thread's: x is
 // thread_local, the team's threads have their own).
 Tiles float_rows(const Tiles& t, const PackedLinearArgs& a, Activations& x) {
@@ -534,9 +545,7 @@ Tiles float_rows(const Tiles& t, const PackedLinearArgs& a, Activations& x) {
 void packed_linear(const PackedLinearArgs& a) {
   thread_local Activations x;  // kept between calls: no allocation per call
   const PackedLayout L = packed_layout(a.qtype);
-  const int64_t blocks = a.in_features / kQuantBlock;
-  const Tiles t{a.weight, L, blocks, packed_panel_bytes(L, blocks), a.out_features, &x, a.out, a.out_dtype, a.out_stride,
-                a.x, a.x_dtype, a.x_stride};
+  const Tiles t = call_tiles(a, L, &x);
   const int bits = L.bits;
   if (bits == 16) {  // BF16 weights take x as it is (act does not apply)
 #if APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16
@@ -560,7 +569,7 @@ void packed_linear(const PackedLinearArgs& a) {
 namespace {
 
 // One-row calls' panel pairs, [first_pair[c], first_pair[c + 1]) call c's, split evenly over the threads in one
-// region: each thread runs its share as the one-row path of run() does (four-panel tiles, each asking for the next).
+// region: each thread runs its share as the one-row path of run() does.
 template <int BITS, int PLANES>
 void one_row_calls(const std::vector<Tiles>& calls, const std::vector<int64_t>& first_pair) {
   const int64_t n = static_cast<int64_t>(calls.size()), pairs = first_pair[n];
@@ -570,11 +579,8 @@ void one_row_calls(const std::vector<Tiles>& calls, const std::vector<int64_t>& 
     const int64_t begin = pairs * id / threads, end = pairs * (id + 1) / threads;
     int64_t c = std::upper_bound(first_pair.begin(), first_pair.end(), begin) - first_pair.begin() - 1;
     for (; c < n && first_pair[c] < end; ++c) {
-      const Tiles& t = calls[c];
-      int64_t p = (std::max(begin, first_pair[c]) - first_pair[c]) * 2;
-      const int64_t stop = (std::min(end, first_pair[c + 1]) - first_pair[c]) * 2;
-      for (; p + 4 <= stop; p += 4) tile<1, 4, BITS, PLANES>(t, 0, p, p + 8 <= stop ? p + 4 : p + 4 < stop ? p + 2 : -1);
-      if (p < stop) tile<1, 2, BITS, PLANES>(t, 0, p);
+      one_row_panels<BITS, PLANES>(calls[c], (std::max(begin, first_pair[c]) - first_pair[c]) * 2,
+                                   (std::min(end, first_pair[c + 1]) - first_pair[c]) * 2);
     }
   }
 }
@@ -585,11 +591,11 @@ void one_row_calls(const std::vector<Tiles>& calls, const std::vector<int64_t>& 
 // region (and a wait at its end) and a quantization of x for each. Other calls run one at a time.
 void packed_linears(const PackedLinearArgs* calls, int64_t n) {
   bool together = n > 1;
+  const int bits = n > 0 ? packed_layout(calls[0].qtype).bits : 0;
   for (int64_t c = 0; c < n && together; ++c) {
     const PackedLinearArgs& a = calls[c];
     const PackedLayout L = packed_layout(a.qtype);
-    together = a.rows == 1 && a.act == calls[0].act && L.bits == packed_layout(calls[0].qtype).bits &&
-               L.bits != 16 && a.act != ActQuant::none &&
+    together = a.rows == 1 && a.act == calls[0].act && L.bits == bits && bits != 16 && a.act != ActQuant::none &&
                !(kWidenPrompts && a.prompt && a.act == ActQuant::int16 && !expands_words(L));
   }
   if (!together) {
@@ -603,15 +609,11 @@ void packed_linears(const PackedLinearArgs* calls, int64_t n) {
   tiles.clear(), first_pair.assign(1, 0);
   for (int64_t c = 0; c < n; ++c) {
     const PackedLinearArgs& a = calls[c];
-    const PackedLayout L = packed_layout(a.qtype);
-    const int64_t blocks = a.in_features / kQuantBlock;
     size_for(a, xs[c]);
     prepare(a, xs[c], 0);
-    tiles.push_back({a.weight, L, blocks, packed_panel_bytes(L, blocks), a.out_features, &xs[c], a.out, a.out_dtype,
-                     a.out_stride, a.x, a.x_dtype, a.x_stride});
+    tiles.push_back(call_tiles(a, packed_layout(a.qtype), &xs[c]));
     first_pair.push_back(first_pair.back() + packed_panels(a.out_features) / 2);
   }
-  const int bits = tiles[0].layout.bits;
   if (calls[0].act == ActQuant::int16)
     bits == 4 ? one_row_calls<4, 2>(tiles, first_pair) : bits == 2 ? one_row_calls<2, 2>(tiles, first_pair)
               : one_row_calls<8, 2>(tiles, first_pair);

@@ -74,13 +74,16 @@ class Session:
     def step(self, new: list[list[int]], prompt_rows: list[int] | None = None) -> torch.Tensor:
         """Run `new[s]` more tokens of each sequence (`prompt_rows[s]` of them prompt tokens: by default all of
         several, none of one); returns the logits of each one's last token."""
+        return self.model.logits(self.rows(new, prompt_rows))
+
+    def rows(self, new: list[list[int]], prompt_rows: list[int] | None = None) -> torch.Tensor:
+        """As `step`, but each sequence's last hidden row (the layers' output, before the head)."""
         done = [len(t) for t in self.tokens]
         batch = make_batch(self.blocks, done, [len(n) for n in new], self.block_size, prompt_rows)
         ids = torch.tensor([tok for n in new for tok in n])
         for t, n in zip(self.tokens, new, strict=True):
             t.extend(n)
-        hidden = self.model.forward(ids, batch, self.cache)
-        return self.model.logits(hidden[batch.logit_indices])
+        return self.model.forward(ids, batch, self.cache)[batch.logit_indices]
 
     def greedy(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
         logits = self.step(prompts)
