@@ -41,6 +41,11 @@ class Deployment:
             return Path(override).read_text()
         return override
 
+    def pooling(self) -> str:
+        """How embeddings pool the final hidden states: the spec's model.pooling, or where "auto" the model's."""
+        chosen = self.spec.model.pooling
+        return self.footprint.pooling if chosen == "auto" else chosen
+
     def launches(self, sockets: Path | None = None) -> list[RankLaunch]:
         """One launch record per rank of every replica, in plan order; `sockets` is where rank 0s bind."""
         from app.cache import cache_root

@@ -63,6 +63,7 @@ class LLM:
         deployment = prepare(spec, overrides)
         self.spec = deployment.spec
         self.dtype = deployment.plan.dtype  # the compute dtype the spec's "auto" resolved to on this machine
+        self.pooling = deployment.pooling()  # how embed pools (model.pooling, "auto" resolved for the model)
         if self.spec.parallel.dp != 1:
             raise ValueError("the offline LLM runs one replica; dp > 1 needs the server (`app serve`)")
         launches = deployment.launches()
@@ -96,9 +97,10 @@ class LLM:
         return self._run(texts, ids, self._params_for(params, len(batch)))
 
     def embed(self, prompts: Prompt | Sequence[Prompt]) -> list[list[float]]:
-        """Each prompt's embedding (text or token ids): its last token's final hidden state, L2-normalized
-        (SamplingParams.embed; vLLM's `LLM.embed` pools the same way for a decoder model by default)."""
-        outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1, embed=True))
+        """Each prompt's embedding (text or token ids): its final hidden states pooled as `self.pooling` says (by
+        default its last token's; vLLM's `LLM.embed` pools that way for a decoder model), L2-normalized
+        (SamplingParams.embed)."""
+        outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1, embed=True, pooling=self.pooling))
         return [output.embedding for output in outputs]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],

@@ -77,6 +77,8 @@ class ModelRunner:
         batch, hidden = self.forward(output)
         if any(r.prompt_rows and self.states[r.request_id].prompt_logprobs is not None for r in output.requests):
             self._prompt_logprobs(output, hidden)
+        if any(r.prompt_rows and self.states[r.request_id].params.whole_prompt for r in output.requests):
+            self._pool(output, hidden)
         rows = [i for i, r in enumerate(output.requests) if r.sample]
         if not rows:
             return RunnerOutput({}, {})
@@ -100,10 +102,12 @@ class ModelRunner:
         else:
             result = self.sampler(logits, states)
             collected = self._collect([output.requests[i].request_id for i in rows], states, result)
-        # the prompt is whole, its first token out just now: its last row is its embedding (SamplingParams.embed)
+        # the prompt is whole, its first token out just now: its embedding goes with it (SamplingParams.embed), of
+        # its last row here, or of what _pool kept
         embed = [k for k, state in enumerate(states) if state.params.embed and len(state.output_ids) == 1]
         if embed:
-            vectors = torch.nn.functional.normalize(last[[firsts[k] for k in embed]].float(), dim=-1).tolist()
+            pooled = torch.stack([_pooled(states[k], last[firsts[k]]) for k in embed])
+            vectors = torch.nn.functional.normalize(pooled, dim=-1).tolist()
             for k, vector in zip(embed, vectors, strict=True):
                 collected.embeddings[output.requests[rows[k]].request_id] = vector
         return collected
@@ -174,6 +178,25 @@ class ModelRunner:
                     tops = [()] * len(ranks)
                 state.prompt_logprobs.extend(map(TokenLogprobs, chosen.squeeze(1).tolist(), tops, ranks))
             state.prompt_done = max(state.prompt_done, r.num_computed + end)
+
+    def _pool(self, output: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """For embeddings pooled over the prompt ("mean", "cls"): this step's prompt rows added to the request's
+        float32 sum (its first row kept, for "cls"), each prompt position once, through chunks and preemptions."""
+        start = 0
+        for r in output.requests:
+            row, start = start, start + len(r.token_ids)
+            state = self.states[r.request_id]
+            if not (state.params.embed and state.params.pooling != "last"):
+                continue
+            first = max(state.pooled_done - r.num_computed, 0)  # positions read before a preemption
+            if first >= r.prompt_rows:
+                continue
+            rows = hidden[row + first: row + r.prompt_rows].float()
+            if state.params.pooling == "mean":
+                state.pooled = rows.sum(dim=0) if state.pooled is None else state.pooled.add_(rows.sum(dim=0))
+            elif r.num_computed + first == 0:  # "cls": the first position's
+                state.pooled = rows[0].clone()
+            state.pooled_done = r.num_computed + r.prompt_rows
 
     @torch.inference_mode()
     def forward(self, output: SchedulerOutput) -> tuple[ForwardBatch, torch.Tensor]:
@@ -279,6 +302,15 @@ def _ahead(state: SamplingState, drafts: tuple[int, ...]) -> list[SamplingState]
         rows.append(replace(state, output_ids=state.output_ids + list(drafts[:j]),
                             output_counts=dict(state.output_counts), matcher=matcher))
     return rows
+
+
+def _pooled(state: SamplingState, last: torch.Tensor) -> torch.Tensor:
+    """A finished prompt's embedding before its norm: its last row (`last`), or the mean or first row _pool kept."""
+    if state.params.pooling == "mean":
+        return state.pooled / len(state.prompt_ids)
+    if state.params.pooling == "cls":
+        return state.pooled
+    return last.float()
 
 
 def calibration_step(count: int, num_computed: int, block_size: int, decodes: bool = False) -> SchedulerOutput:

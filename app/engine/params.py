@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+# How an embedding pools a prompt's final hidden states (SamplingParams.pooling, the spec's model.pooling)
+POOLINGS = ("last", "mean", "cls")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -55,8 +58,12 @@ class SamplingParams:
     """An llguidance grammar the output must follow (app/engine/structured.py `grammar_for` makes one from a JSON
     schema, a regular expression, a list of choices or a Lark grammar); it ends where the grammar is complete."""
     embed: bool = False
-    """Give the prompt's embedding with the first token: the last prompt token's final hidden state (after the
-    model's last norm), L2-normalized (vLLM's default pooling for a decoder model); the /v1/embeddings endpoint's."""
+    """Give the prompt's embedding with the first token: its final hidden states (after the model's last norm)
+    pooled as `pooling` says, L2-normalized; the /v1/embeddings endpoint's."""
+    pooling: str = "last"
+    """How `embed` pools: "last" takes the last prompt token's hidden state (vLLM's default pooling for a decoder
+    model), "mean" the mean of every prompt token's, "cls" the first token's. "mean" and "cls" compute the whole
+    prompt (no prefix-cache hit: a cached token's hidden state was never kept)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +88,7 @@ class SamplingParams:
             (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "logit_bias must map token ids (>= 0) to biases from -100 to 100"),
             (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
+            (self.pooling in POOLINGS, f"pooling must be one of {', '.join(POOLINGS)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,6 +108,12 @@ class SamplingParams:
         """Whether the prompt's tokens get their logprobs (prompt_logprobs, 0 included): the whole prompt is
         computed (no prefix-cache hit) and the head's logits taken for every prompt row."""
         return self.prompt_logprobs is not None
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether the request computes its whole prompt, taking no prefix-cache hit: it scores its prompt, or
+        pools every prompt token's hidden state (or the first one's) into its embedding."""
+        return self.scores_prompt or (self.embed and self.pooling != "last")
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice `index` (0 to n-1) of one prompt: with a seed, each choice gets its own

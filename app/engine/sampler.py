@@ -51,6 +51,10 @@ class SamplingState:
     # request recomputes its prompt: those are not read twice)
     prompt_logprobs: list | None = None
     prompt_done: int = 0
+    # params.embed with "mean" or "cls" pooling: the float32 sum of the prompt's final hidden states so far (or its
+    # first token's), and how many prompt positions gave theirs (not read twice after a preemption, as above)
+    pooled: torch.Tensor | None = None
+    pooled_done: int = 0
 
 
 def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int | None,

@@ -267,8 +267,9 @@ class Scheduler:
                 # before the next step, without computing its prompt (EngineCore._failed_grammars)
                 skipped.append(request)
                 continue
-            # prompt logprobs need every prompt token's logits: such a request computes its prompt whole
-            looked_up = not request.params.scores_prompt
+            # prompt logprobs need every prompt token's logits, mean pooling every one's hidden state: such a request
+            # computes its prompt whole
+            looked_up = not request.params.whole_prompt
             hit = self.kv.find_prefix(request) if looked_up else PrefixHit((), 0)
             wanted = request.num_tokens - hit.num_tokens
             if not self.cfg.chunked_prefill and wanted > budget.tokens_left:

@@ -16,6 +16,9 @@ from app.parallel.heads import split_features, split_heads
 from app.spec.errors import Described, Problem, SpecError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# llama.cpp's `{arch}.pooling_type` values for the poolings of embeddings (model.pooling; 0, none, and 4, rank, are
+# none /v1/embeddings can give: such a file pools "last", the default for a decoder model)
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 # How each checkpoint tensor is split over TP ranks (see app/parallel/shard.py), by a part of its name,
 # GGUF's and Hugging Face's; anything else (norms, rope factors) is replicated on every rank.
@@ -69,6 +72,8 @@ class ModelFootprint:
     # the bytes row-parallel K-quant weights (attn_output, ffn_down) add when a rank's cut of their input
     # features does not fall on their superblocks of 256 and they load in blocks of 32 (QuantizedTensor.columns)
     cut_bytes: ParamCounts | None = None
+    # how the file says its embeddings pool the final hidden states (model.pooling): "last" unless it says otherwise
+    pooling: str = "last"
 
     def dequantized(self) -> ModelFootprint:
         """The footprint when every weight is expanded to the compute dtype (model.quantized: dequantize)."""
@@ -159,6 +164,7 @@ def _from_gguf(path: Path) -> ModelFootprint:
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of(kept_bytes) if kept else None,
         cut_bytes=ParamCounts.of(cut_bytes) if cut_bytes else None,
+        pooling=GGUF_POOLING.get(meta.get(f"{arch}.pooling_type"), "last"),
     )
 
 
@@ -212,7 +218,23 @@ def _from_hf(path: Path) -> ModelFootprint:
         params=params,
         kept=ParamCounts.of(kept) if kept else None,
         kept_bytes=ParamCounts.of({name: (_product(shape) * 2,) for name, shape in kept.items()}) if kept else None,
+        pooling=_sentence_transformers_pooling(path),
     )
+
+
+def _sentence_transformers_pooling(path: Path) -> str:
+    """A sentence-transformers directory's pooling (modules.json names a Pooling module, whose config.json says
+    which mode), as vLLM reads it; "last" where there is none or it is one this server has not (max, weighted
+    mean): the pooling of decoder embedding models such as Qwen3-Embedding."""
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+        where = next(m["path"] for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+        config = json.loads((path / where / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
+        return "last"
+    modes = [mode for mode, key in (("mean", "pooling_mode_mean_tokens"), ("cls", "pooling_mode_cls_token"),
+                                    ("last", "pooling_mode_lasttoken")) if config.get(key) is True]
+    return modes[0] if len(modes) == 1 else "last"
 
 
 HF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))  # (HF names) stacked into

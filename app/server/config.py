@@ -18,6 +18,7 @@ class FrontendConfig:
     engine_addresses: list[str]  # one per data-parallel replica
     chat_template: str | None = None
     reasoning: str = "auto"  # model.reasoning
+    pooling: str = "last"  # model.pooling, resolved (Deployment.pooling): how /v1/embeddings pools
     api_key: str | None = None
     max_body_size: int = 4 << 20
     cors_origins: list[str] = field(default_factory=list)

@@ -1,10 +1,11 @@
 """POST /v1/embeddings: OpenAI's embeddings endpoint (llama.cpp's server has it; vLLM serves it for models it runs as
 pooling models), on the generative model this appliance serves.
 
-Each input's embedding is its last token's final hidden state, after the model's last norm, L2-normalized: vLLM's
-default pooling for a decoder model (`LAST`, normalized), and what llama.cpp's `--pooling last` gives. The engine
-computes the prompt as for a completion of one token (SamplingParams.embed) and sends the vector with that token,
-which is not shown; a prompt whose blocks are in the prefix cache computes only the rest, and gives the same vector
+Each input's embedding is its final hidden states, after the model's last norm, pooled as model.pooling says and
+L2-normalized: by default its last token's, vLLM's default pooling for a decoder model (`LAST`, normalized) and what
+llama.cpp's `--pooling last` gives; "mean" and "cls" as llama.cpp's `--pooling mean` and `cls`. The engine computes
+the prompt as for a completion of one token (SamplingParams.embed) and sends the vector with that token, which is not
+shown; under "last", a prompt whose blocks are in the prefix cache computes only the rest, and gives the same vector
 but for rounding (~2e-4). A request's inputs go to the engine in waves (`WAVE`). An instruction-tuned chat model is
 no trained embedding model: its vectors serve retrieval less well than a model made for it would.
 """
@@ -43,7 +44,8 @@ async def embeddings(request: Request) -> Response:
     vectors: list[list[float]] = []
     for first in range(0, len(prompts), WAVE):  # (up to 2,048 inputs: the engine's queue holds 256 requests)
         gen = Generation(ctx.engine, ctx.metrics, ctx.tokenizer,
-                         SamplingParams(temperature=0, max_tokens=1, embed=True), ctx.eos_token_id, "embd")
+                         SamplingParams(temperature=0, max_tokens=1, embed=True, pooling=ctx.cfg.pooling),
+                         ctx.eos_token_id, "embd")
         for ids in prompts[first:first + WAVE]:
             add_prompt(gen, ids, 1, 1)
         await start_generation(gen)

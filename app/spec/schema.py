@@ -62,6 +62,12 @@ class ModelSpec(Section):
     """A thinking model's `<think>` block (Qwen3, QwQ, DeepSeek-R1's distillations): "auto" returns it apart from the
     answer on /v1/chat/completions, as `reasoning_content` and `reasoning`, where the chat template knows the tags;
     "none" leaves it in `content`."""
+    pooling: Literal["auto", "last", "mean", "cls"] = "auto"
+    """How /v1/embeddings pools a prompt's final hidden states (after the model's last norm) into its vector,
+    L2-normalized: "last" takes the last token's (decoder embedding models, such as Qwen3-Embedding), "mean"
+    averages every token's, "cls" takes the first token's; "auto" is what the model file says (a GGUF file's
+    `pooling_type`, a sentence-transformers directory's Pooling module), else "last". "mean" and "cls" compute the
+    whole prompt of each input (no prefix-cache hit)."""
 
     @model_validator(mode="before")
     @classmethod

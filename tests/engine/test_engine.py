@@ -401,3 +401,36 @@ def test_prompt_logprobs_of_a_prompt_preempted_halfway(loaded, prompts):
         assert b.logprob == pytest.approx(a.logprob, abs=1e-4) and [t for t, _ in b.top] == [t for t, _ in a.top]
         assert b.rank == a.rank
     assert step(cut, [ScheduledRequest("r", (last.sampled["r"],), 40, blocks, True)]).prompt_logprobs == {}
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_a_pooled_embedding_of_a_prompt_preempted_halfway(loaded, prompts, pooling):
+    """An embedding pooled over the prompt ("mean", "cls"), its prompt computed in chunks, preempted after its first
+    chunk and recomputed from the start beside another request: each position's hidden state is counted once, and
+    the vector that comes with the first sampled token is the one pass's (and not the last token's)."""
+    from app.engine.scheduler import NewRequest
+
+    prompt = tuple(prompts[4][:40])
+    params = SamplingParams(temperature=0, max_tokens=1, embed=True, pooling=pooling)
+    blocks = (5, 9, 2)
+
+    def step(runner, requests, new=()):
+        return runner.execute(SchedulerOutput(tuple(requests), new_requests=tuple(new)))
+
+    def part(start, end, sample=False):
+        return ScheduledRequest("r", prompt[start:end], start, blocks, sample, end - start)
+
+    def runner():
+        return ModelRunner(loaded.model, KVCacheConfig(64, BLOCK), max_num_tokens=512, max_num_seqs=8)
+
+    whole = torch.tensor(step(runner(), [part(0, 40, True)], [NewRequest("r", prompt, params, None)]).embeddings["r"])
+    last = torch.tensor(step(runner(), [part(0, 40, True)],
+                             [NewRequest("r", prompt, SamplingParams(max_tokens=1, embed=True), None)]).embeddings["r"])
+    cut = runner()
+    assert step(cut, [part(0, 12)], [NewRequest("r", prompt, params, None)]).embeddings == {}
+    other = ScheduledRequest("o", prompt[:7], 0, (11,), True, 7)
+    again = step(cut, [other, part(0, 25)], [NewRequest("o", prompt[:7], SamplingParams(max_tokens=2), None)])
+    assert again.embeddings == {}
+    got = torch.tensor(step(cut, [part(25, 40, True)]).embeddings["r"])
+    assert abs(float(got.norm()) - 1) < 1e-5 and float(got @ whole) > 0.99999, float(got @ whole)
+    assert float(got @ last) < 0.99

@@ -222,6 +222,46 @@ def test_embeddings_are_transformers_last_hidden_states_normalized(llm, transfor
     assert float(torch.tensor(embedded[0]) @ torch.tensor(embedded[1])) < 0.99
 
 
+def test_mean_and_first_token_pooling_through_chunks_and_preemption(llm, transformers_model, tmp_path):
+    """model.pooling "mean" (here read from a GGUF copy whose `llama.pooling_type` says 1, llama.cpp's mean) and
+    "cls": each prompt's embedding is the mean (or the first) of transformers' final hidden states of every prompt
+    token, L2-normalized, though the prompts are prefilled 16 tokens a step, and one of them is in the prefix cache
+    (such a request computes its prompt whole: a cached token's hidden state was never kept). Preempted halfway:
+    test_engine's runner test."""
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+    from tests.gguf_files import copy_gguf
+
+    path = tmp_path / "mean.gguf"
+    copy_gguf(resolve_source(ModelSpec()).path, path, {"llama.pooling_type": 1})
+    texts = [*SCORED, "The quick brown fox jumps over the lazy dog. " * 9, "One, two, three, four, five. " * 9]
+    want = {}
+    for ids in [llm.tokenizer(t).input_ids for t in texts]:
+        with torch.no_grad():
+            hidden = transformers_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        want.setdefault("mean", []).append(torch.nn.functional.normalize(hidden.mean(dim=0), dim=0))
+        want.setdefault("cls", []).append(torch.nn.functional.normalize(hidden[0], dim=0))
+        want.setdefault("last", []).append(torch.nn.functional.normalize(hidden[-1], dim=0))
+    for chosen in ("auto", "cls"):
+        small = LLM(model={"path": str(path), "dtype": "float32", "max_model_len": 128, "pooling": chosen},
+                    kv_cache={"memory": "7MiB", "dtype": "float32"},
+                    scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 4, "step_time_budget": 0},
+                    bind_threads=False)
+        try:
+            pooling = "mean" if chosen == "auto" else chosen
+            assert small.pooling == pooling
+            small.generate(texts[0], SamplingParams(temperature=0, max_tokens=1))  # its prompt's blocks now cached
+            got = small.embed(texts)
+            assert small.core.kv.hits == 0  # texts[0] took no hit
+        finally:
+            small.close()
+        for vector, mean, other in zip(got, want[pooling], want["last"], strict=True):
+            vector = torch.tensor(vector)
+            assert abs(float(vector.norm()) - 1) < 1e-5
+            assert float(vector @ mean) > 0.999, (pooling, float(vector @ mean))  # cosine similarity
+            assert float(vector @ other) < 0.99  # not the last token's
+
+
 def test_prompt_logprobs_through_chunks_and_preemption(llm):
     """A prompt prefilled in chunks of 16 tokens, under preemptions (here after the prompts; one halfway through a
     prompt: test_engine's runner test), gives every position's logprob once, as one pass does; a prompt-scoring

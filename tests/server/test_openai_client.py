@@ -771,6 +771,40 @@ def test_embeddings_are_the_models_normalized_last_hidden_states(client):
     assert client.embeddings.create(model=MODEL, input=long_ids).usage.prompt_tokens == 2100
 
 
+def test_embeddings_pooled_as_the_spec_says(client, tmp_path):
+    """model.pooling "mean" reaches /v1/embeddings: each input's vector is the mean of transformers' final hidden
+    states of its tokens, L2-normalized (the default server's last-token vector is another), asked twice (the
+    second time its prompt's blocks are cached: a mean-pooled input computes its prompt whole all the same)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+    from tests.server.conftest import BASE_SPEC, Appliance
+
+    app = Appliance(tmp_path, BASE_SPEC, ("model.pooling=mean",)).wait_ready()
+    try:
+        pooled = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+        texts = ["The cat sat on the mat.", "Stock markets fell sharply today, and again in the evening."]
+        got = [pooled.embeddings.create(model=MODEL, input=texts, encoding_format="float") for _ in range(2)]
+    finally:
+        app.stop()
+    last = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    path = resolve_source(ModelSpec()).path
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(gguf_file=path.name,
+                                                                                dequantize=True)).eval()
+    for i, text in enumerate(texts):
+        with torch.no_grad():
+            hidden = model(torch.tensor([tokenizer(text).input_ids]), output_hidden_states=True).hidden_states[-1][0]
+        want = torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
+        for answer in got:
+            assert float(np.dot(answer.data[i].embedding, want)) > 0.999
+        assert float(np.dot(last.data[i].embedding, want)) < 0.99
+
+
 def test_speculative_decoding_streams_the_answer_the_plain_server_gives(appliance, client, tmp_path):
     """The appliance with n-gram drafts on (scheduler.speculative): a chat that copies its prompt, streamed (several
     tokens may come from one step) and whole, with logprobs, says what the shared appliance (drafts off) says; the

@@ -118,6 +118,32 @@ def test_hugging_face_directory_footprint(tmp_path):
     footprint = read_footprint(source)
     assert (footprint.num_params, footprint.num_layers, footprint.num_kv_heads, footprint.head_dim) == (25622, 3, 2, 32)
     assert footprint.architecture == "Qwen2ForCausalLM" and footprint.context_length == 4096
+    assert footprint.pooling == "last"  # no sentence-transformers modules: a decoder model's pooling
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    for modes, pooling in ((("mean_tokens",), "mean"), (("cls_token",), "cls"), (("lasttoken",), "last"),
+                           (("max_tokens",), "last"), (("mean_tokens", "cls_token"), "last")):
+        config = {f"pooling_mode_{mode}": mode in modes for mode in
+                  ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 256, **config}))
+        assert read_footprint(source).pooling == pooling, modes
+
+
+@pytest.mark.parametrize(("value", "pooling"), [(None, "last"), (0, "last"), (1, "mean"), (2, "cls"), (3, "last"),
+                                                (4, "last")])
+def test_a_gguf_files_pooling_type(tmp_path, smollm2_path, value, pooling):
+    """llama.cpp's `{arch}.pooling_type` (none 0, mean 1, cls 2, last 3, rank 4): none and rank are no pooling
+    /v1/embeddings gives, so such a file pools as one that says nothing, the last token's."""
+    from tests.gguf_files import copy_gguf
+
+    path = smollm2_path
+    if value is not None:
+        path = tmp_path / "pooled.gguf"
+        copy_gguf(smollm2_path, path, {"llama.pooling_type": value})
+    assert read_footprint(ModelSource(path, "gguf", "m")).pooling == pooling
 
 
 def test_a_truncated_gguf_file_fails_to_load_with_a_clear_error(tmp_path, smollm2_path):
