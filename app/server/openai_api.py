@@ -126,7 +126,7 @@ async def chat_completions(request: Request) -> Response:
         return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
     events = await collect(gen, request)
     choices = [{"index": s.index, **chat_message(s, forced, reader()),
-                "logprobs": _chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
+                "logprobs": chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
                for s in gen.sequences]
 
     def answer() -> dict:
@@ -430,7 +430,7 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
             reason = tools.finish_reason(reason, readers[event.index].tools)
         if not delta and reason is None and not (body.logprobs and event.logprobs):
             continue
-        logprobs = _chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
+        logprobs = chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
         yield _counted({**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": reason}]}, gen, body)
     if body.stream_options and body.stream_options.include_usage:
@@ -506,7 +506,7 @@ def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
             for token, lp in zip(seq.prompt_ids, seq.text.prompt_logprobs, strict=False)]
 
 
-def _chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -637,6 +637,13 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+# What the Responses API's `include` may name (OpenAI's list): the text's logprobs are given; the others name what
+# only OpenAI's own tools, image inputs or stored reasoning make, none of which this server has, so they add nothing
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
+
+
 class ResponsesRequest(_Body):
     """OpenAI's Responses API, stateless: the conversation comes whole with each request (`store` is answered false,
     as vLLM does without its store; `previous_response_id` is a 400)."""
@@ -659,6 +666,8 @@ class ResponsesRequest(_Body):
     background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: Annotated[list[str], Field(max_length=16)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -672,6 +681,20 @@ class ResponsesRequest(_Body):
             raise ValueError("not supported: this server keeps no responses, conversations or prompts; send the "
                              "conversation in input")
         return value
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or ():
+            if name not in INCLUDABLE:
+                raise ValueError(f"{name!r} is not one of {', '.join(map(repr, INCLUDABLE))}")
+        return value
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer's text carries its tokens' logprobs: `include` asks for them (OpenAI's way); so does
+        `top_logprobs` alone (it asks for them at each position)."""
+        return "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None
 
     @field_validator("background")
     @classmethod
@@ -712,6 +735,8 @@ class ResponsesRequest(_Body):
         fields: dict = {"model": self.model, "messages": messages, "stream": self.stream,
                         "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                         "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}
+        if self.logprobs:
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                                for t in self.tools]

@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.server.errors import APIError, from_validation_error
 from app.server.generation import Generation
-from app.server.openai_api import (AnswerReader, chat_message, collect, read_body, sse_json, start_chat,
-                                   stream_error)
+from app.server.openai_api import (AnswerReader, chat_logprobs, chat_message, collect, read_body, sse_json,
+                                   start_chat, stream_error)
 from app.server.protocol import ChatCompletionRequest, ResponsesRequest
 
 
@@ -45,7 +45,8 @@ async def responses(request: Request) -> Response:
     reasoning, text = fields.get("reasoning"), fields.get("content")
     calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields.get("tool_calls") or ()]
     answer.finished(seq.text.finish_reason.value if seq.text.finish_reason else None)
-    return JSONResponse(answer.response(answer.items(reasoning, text, calls)))
+    logprobs = answer.logprobs(seq.text.token_ids, seq.text.logprobs)
+    return JSONResponse(answer.response(answer.items(reasoning, text, calls, logprobs)))
 
 
 def _in_responses_terms(error: APIError) -> APIError:
@@ -100,17 +101,27 @@ class _Answer:
                      if body.text is not None and body.text.format is not None else {"type": "text"}},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
-            "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
+            "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs,
+            "truncation": "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
         }
 
-    def items(self, reasoning: str | None, text: str | None, calls: list[tuple[str, str, str]]) -> list[dict]:
-        """A whole answer's output items: its thinking, its text, then its function calls (the order it wrote them)."""
+    def logprobs(self, token_ids: list[int], logprobs) -> list[dict]:
+        """The tokens' logprobs in the Responses API's shape (chat's: token, bytes, logprob, top_logprobs), where
+        the request asked for them."""
+        if not self.body.logprobs or not token_ids:
+            return []
+        return chat_logprobs(self.gen.tokenizer, token_ids, logprobs)["content"]
+
+    def items(self, reasoning: str | None, text: str | None, calls: list[tuple[str, str, str]],
+              logprobs: list[dict] = ()) -> list[dict]:
+        """A whole answer's output items: its thinking, its text (with `logprobs`), then its function calls (the
+        order it wrote them)."""
         out = []
         if reasoning:
             out.append(_reasoning_item(self._item_id("rs"), reasoning))
         if text:
-            out.append(_message_item(self._item_id("msg"), text))
+            out.append(_message_item(self._item_id("msg"), text, logprobs))
         out += [_call_item(self._item_id("fc"), call_id, name, arguments) for call_id, name, arguments in calls]
         if out and self.status == "incomplete":
             out[-1]["status"] = "incomplete"  # the item the cut ended
@@ -132,8 +143,10 @@ class _Answer:
         output = self.output
         item: dict | None = None  # the item being written
         calls: dict[int, dict] = {}  # a stream's tool call index -> its item
+        pending: list[dict] = []  # logprobs of tokens no text delta carried yet (a thinking block's, the end token)
         async for event in self.gen.events():
             last = event.finish_reason is not None
+            pending += self.logprobs(event.token_ids, event.logprobs)
             delta = reader.feed(event.text, last=last)
             pieces = [("reasoning", delta["reasoning"])] if delta.get("reasoning") else []
             pieces += [("text", delta["content"])] if delta.get("content") else []
@@ -150,11 +163,16 @@ class _Answer:
                 text = piece.get("function", {}).get("arguments", "") if kind == "call" else piece
                 if text:
                     target["text"] += text
+                    extra = {"content_index": 0} if kind != "call" else {}
+                    if kind == "text":  # the logprobs of the tokens since the last text delta (where asked)
+                        extra["logprobs"], pending = pending, []
+                        target["logprobs"] += extra["logprobs"]
                     yield self._event(target["delta"], item_id=target["item"]["id"], output_index=target["index"],
-                                      **({} if kind == "call" else {"content_index": 0}), delta=text,
-                                      **({"logprobs": []} if kind == "text" else {}))
+                                      delta=text, **extra)
             if last:
                 self.finished(event.finish_reason)
+                if item is not None and item["kind"] == "text":
+                    item["logprobs"] += pending  # the end token's
                 for e in self._close(item, output, "incomplete" if self.status == "incomplete" else "completed"):
                     yield e
                 item = None
@@ -178,7 +196,7 @@ class _Answer:
                     "status": "in_progress"}
             opening = [self._event("response.output_item.added", output_index=index, item=item)]
             state = {"delta": "response.function_call_arguments.delta"}
-        state.update(kind=kind, item=item, index=index, text="", opening=opening)
+        state.update(kind=kind, item=item, index=index, text="", logprobs=[], opening=opening)
         if kind == "call":
             calls[piece["index"]] = state
         return state
@@ -195,11 +213,11 @@ class _Answer:
             events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                       content_index=0, text=text))
         elif state["kind"] == "text":
-            done = _message_item(item["id"], text)
+            done = _message_item(item["id"], text, state["logprobs"])
             events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=text, logprobs=[]),
+                                   content_index=0, text=text, logprobs=state["logprobs"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=_text_part(text))]
+                                   content_index=0, part=_text_part(text, state["logprobs"]))]
         else:
             done = _call_item(item["id"], item["call_id"], item["name"], text)
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
@@ -215,13 +233,13 @@ def _reasoning_item(item_id: str, text: str) -> dict:
             "status": "completed"}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] = ()) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def _message_item(item_id: str, text: str) -> dict:
+def _message_item(item_id: str, text: str, logprobs: list[dict] = ()) -> dict:
     return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
-            "content": [_text_part(text)]}
+            "content": [_text_part(text, logprobs)]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:

@@ -617,6 +617,38 @@ def test_responses_api_answers_as_chat_does(client):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer.output_text
 
 
+def test_responses_api_gives_the_texts_logprobs_as_chat_does(client):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the message's output_text carries each
+    generated token's logprob and its most likely alternatives, those chat gives for the same greedy answer (the
+    same engine rows: equal to rounding); streamed, the deltas' logprobs add up to the whole answer's; without
+    asking, none."""
+    question = [{"role": "user", "content": "Name a primary color."}]
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=question,
+                                          logprobs=True, top_logprobs=3)
+    kwargs = dict(model=MODEL, input=question, temperature=0, max_output_tokens=12, top_logprobs=3,
+                  include=["message.output_text.logprobs"])
+    answer = client.responses.create(**kwargs)
+    got = answer.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert answer.output_text == chat.choices[0].message.content and answer.top_logprobs == 3
+    assert [e.token for e in got] == [e.token for e in want] and len(got) == chat.usage.completion_tokens
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4) and ours.bytes == theirs.bytes
+        assert [t.token for t in ours.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        assert len(ours.top_logprobs) == 3 and ours.top_logprobs[0].logprob >= ours.logprob - 1e-6
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [e.token for e in done.logprobs] == [e.token for e in got]
+    assert [e.token for e in streamed] == [e.token for e in got][:len(streamed)]  # the end token's at the close
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [(e.token, e.logprob) for e in final] == [(e.token, e.logprob) for e in done.logprobs]
+    plain = client.responses.create(model=MODEL, input=question, temperature=0, max_output_tokens=12)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs is None
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.create(model=MODEL, input=question, include=["message.output_text.everything"])
+
+
 def test_responses_api_calls_functions_and_reads_their_outputs(client):
     """Function tools in the Responses API's flat shape: a forced call comes back as a function_call item (streamed
     through the SDK's own accumulator too), and its output sent back as a function_call_output item is read."""
