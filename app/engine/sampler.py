@@ -201,11 +201,11 @@ def _grammar_argmax(row: torch.Tensor, best: int, state: SamplingState) -> int:
     """`row`'s argmax among the tokens its grammar allows next (`best`: its argmax among all), or GRAMMAR_FAILED
     where the grammar failed (allowed_tokens' rule: in an error state, or allowing no token); `_usable` makes that
     NO_TOKEN where the row's logits are not finite."""
-    from app.engine.structured import mask_bits
+    from app.engine.structured import grammar_error, mask_bits
 
     bits = mask_bits(state.matcher, state.eos_token_id, state.params.stop_token_ids)
     if bits is None:
-        log.warning("structured output of a sequence failed (%s); its request is aborted", state.matcher.get_error())
+        log.warning("structured output of a sequence failed (%s); its request is aborted", grammar_error(state.matcher))
         return GRAMMAR_FAILED
     if best >> 3 < len(bits) and bits[best >> 3] >> (best & 7) & 1:
         return best
@@ -255,7 +255,7 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
     aborts their requests.
 
     shaped: [S, V] float32, already a copy of the raw logits wherever a row has a grammar (see __call__)."""
-    from app.engine.structured import allowed_tokens
+    from app.engine.structured import allowed_tokens, grammar_error
 
     rows = [s for s, state in enumerate(states) if state.matcher is not None]
     if not rows:
@@ -264,7 +264,7 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
                                         [(states[s].eos_token_id, states[s].params.stop_token_ids) for s in rows])
     for i in failed_at:
         log.warning("structured output of a sequence failed (%s); its request is aborted",
-                    states[rows[i]].matcher.get_error())
+                    grammar_error(states[rows[i]].matcher))
     refused = torch.from_numpy(~allowed)
     whole = len(rows) == shaped.shape[0]  # every row has a grammar: masked in place, no gather and scatter
     masked = shaped if whole else shaped[rows]

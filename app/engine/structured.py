@@ -73,6 +73,69 @@ def check_grammar(grammar: str, tokenizer) -> str | None:
     return messages[0] if is_error else None
 
 
+# The frontend's trial of a new grammar (first_mask_problem): its first TRIAL_TOKENS masks, within TRIAL_SECONDS in
+# all. The engine computes a mask a step for each sequence while every running request waits (JSON schemas, tool
+# calls and regexes take 0.1-20 ms one), and some grammars that compile fail only in their first masks.
+TRIAL_TOKENS = 4
+TRIAL_SECONDS = 1.0
+# A mask that takes longer in the engine fails its sequence (mask_bits): grammars the trial let through (it follows
+# only one path, of a few tokens) can still be slow further on
+SLOW_MASK_SECONDS = TRIAL_SECONDS
+# Trials at once (one that overran goes on: llguidance cannot be stopped): past this many, a new grammar is a 503
+MAX_TRIALS = 2
+_trials = threading.BoundedSemaphore(MAX_TRIALS)
+
+
+class GrammarBusy(Exception):
+    """Too many grammars' trials overran and still run: a new grammar cannot be checked now (a 503)."""
+
+
+def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
+                       seconds: float = TRIAL_SECONDS) -> str | None:
+    """Why `grammar` cannot constrain an output, found by following it for its first `tokens` tokens as the engine
+    would (each step's mask, then the lowest token it allows but the end): llguidance's error (one of its limits
+    hit: a language without a finite text, a regex too big to run), no token allowed, or masks that take over
+    `seconds` in all; None where it can. The masks are computed on a thread of their own (llguidance lets go of the
+    GIL); one that overruns goes on there until llguidance ends it, waited for by nobody, and while MAX_TRIALS of
+    those run, this raises GrammarBusy rather than start another."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        return matcher.get_error().splitlines()[0]
+    slots = _trials
+    if not slots.acquire(blocking=False):
+        raise GrammarBusy("the server is still computing other grammars' too complex masks; try again later")
+    done = threading.Event()
+    found: list[str] = []
+    eos = tokenizer.eos_token
+
+    def follow() -> None:
+        try:
+            for _ in range(tokens):
+                bits = None if matcher.is_error() else matcher.compute_bitmask()
+                if bits is None or matcher.is_error():
+                    break
+                allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bits, np.uint8), bitorder="little"))
+                if allowed.size == 0:
+                    found.append("it allows no output at all")
+                    return
+                onward = allowed[allowed != eos]
+                if onward.size == 0 or not matcher.consume_token(int(onward[0])):
+                    break
+            if matcher.is_error():  # (llguidance's message, less the parser state it may add after its line)
+                found.append(matcher.get_error().splitlines()[0])
+        finally:
+            done.set()
+            slots.release()
+
+    threading.Thread(target=follow, name="grammar-trial", daemon=True).start()
+    if not done.wait(seconds):
+        return (f"its first tokens' choices took over {seconds:g} s to compute (the engine computes them for every "
+                "token, while every other request waits): too complex a grammar to serve")
+    return found[0] if found else None
+
+
 class Grammars:
     """The engine's side: the model's LLTokenizer and a compiled matcher per grammar, both made on a thread of their
     own so that no step of other requests waits for them, and a matcher for each sequence: a copy of one compiled
@@ -199,13 +262,21 @@ class FailedMatcher:
         return False
 
 
+def grammar_error(matcher) -> str:
+    """Why a sequence's grammar failed (`mask_bits` gave None): llguidance's error, or a mask too slow."""
+    return (matcher.get_error().splitlines() or [""])[0] or \
+        f"a mask took over {SLOW_MASK_SECONDS:g} s to compute: too complex a grammar to serve"
+
+
 def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = ()) -> bytes | None:
     """The tokens `matcher` allows next, one bit each (token t: bit t % 8 of byte t // 8), or None where its grammar
-    failed, before or in the computation. Where it allows `eos` (the grammar is complete), it allows `stops` too:
+    failed, before or in the computation, or the computation took over SLOW_MASK_SECONDS (the step waits for it,
+    every running request with it: the grammar's request is aborted rather than let it hold them again). Where it allows `eos` (the grammar is complete), it allows `stops` too:
     the request's stop token ids, the model's other end tokens among them (llguidance knows one EOS; a Llama 3 file
     whose EOS is <|end_of_text|> ends its turns with <|eot_id|>), which end a sequence as EOS does."""
+    started = time.perf_counter()
     bits = None if matcher.is_error() else matcher.compute_bitmask()
-    if bits is None or matcher.is_error():
+    if bits is None or matcher.is_error() or time.perf_counter() - started > SLOW_MASK_SECONDS:
         return None
     if stops and eos is not None and eos >> 3 < len(bits) and bits[eos >> 3] >> (eos & 7) & 1:
         more = bytearray(bits)

@@ -32,7 +32,7 @@ class AsyncTokenizer:
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer (`warm_grammars`), on the pool's thread
         # grammars already checked, most recently used last: a client sends the same schema or tools every turn
         # (128 functions' schemas take ~25 ms to check on this thread)
-        self._checked: OrderedDict[str, None] = OrderedDict()
+        self._checked: OrderedDict[str, str | None] = OrderedDict()  # grammar -> why it was refused, or None
         # the variables the template reads (None: unknown), so whether it renders `tools` (app/server/tools.py
         # writes them into a system message otherwise), and which chat_template_kwargs it can use
         template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -102,22 +102,30 @@ class AsyncTokenizer:
         return await self._run(lambda: self._grammar(kind, value, param))
 
     def _grammar(self, kind: str, value, param: str) -> str:
-        from app.engine.structured import check_grammar, grammar_for
+        """The grammar, checked: it compiles, and its first mask is computed here as the engine would (quickly,
+        allowing some token), so that a grammar that fails or stalls the engine only there is a 400 too.
+        Grammars checked, either way, are remembered (a client sends the same schema every turn; a refused one
+        again is refused at once)."""
+        from app.engine.structured import GrammarBusy, check_grammar, first_mask_problem, grammar_for
 
+        what = {"json": "JSON schema", "json_object": "JSON object"}.get(kind, kind)
         try:
             grammar = grammar_for(kind, value)
             if grammar in self._checked:
                 self._checked.move_to_end(grammar)
-                return grammar
-            error = check_grammar(grammar, self._grammar_tokenizer_built())
+                error = self._checked[grammar]
+            else:
+                tokenizer = self._grammar_tokenizer_built()
+                error = check_grammar(grammar, tokenizer) or first_mask_problem(grammar, tokenizer)
+                self._checked[grammar] = error
+                while len(self._checked) > self.CHECKED:
+                    self._checked.popitem(last=False)
+        except GrammarBusy as exc:
+            raise APIError(503, f"{param}: {exc}", param, "server_busy") from None
         except Exception as exc:  # noqa: BLE001 (whatever the library says of this input is the client's 400)
             error = str(exc) or type(exc).__name__
         if error is not None:
-            what = {"json": "JSON schema", "json_object": "JSON object"}.get(kind, kind)
             raise APIError(400, f"{param}: this {what} cannot constrain the output: {error}", param, "invalid_value")
-        self._checked[grammar] = None
-        while len(self._checked) > self.CHECKED:
-            self._checked.popitem(last=False)
         return grammar
 
     def check_length(self, chars: int, param: str) -> None:

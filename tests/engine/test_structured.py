@@ -157,7 +157,7 @@ def test_an_engine_without_a_tokenizer_fails_the_request_once_and_says_why():
 
 def test_the_frontend_checks_each_grammar_once_and_still_refuses_bad_ones(hf, monkeypatch):
     """AsyncTokenizer.grammar: a grammar checked once is not checked again (a client sends its schema or tools every
-    turn); a bad one is a 400 every time, never remembered as good."""
+    turn); a bad one is a 400 every time, remembered as bad (a client that sends it again costs no check)."""
     import asyncio
 
     from app.engine import structured
@@ -172,9 +172,9 @@ def test_the_frontend_checks_each_grammar_once_and_still_refuses_bad_ones(hf, mo
         first = asyncio.run(text.grammar("regex", "[ab]+", "structured_outputs"))
         assert asyncio.run(text.grammar("regex", "[ab]+", "structured_outputs")) == first and len(checks) == 1
         for _ in range(2):
-            with pytest.raises(APIError):
+            with pytest.raises(APIError, match="cannot constrain"):
                 asyncio.run(text.grammar("json", {"type": "nonsense"}, "response_format"))
-        assert len(checks) == 3
+        assert len(checks) == 2
     finally:
         text.close()
 
@@ -234,3 +234,58 @@ def test_a_complete_grammar_lets_the_requests_stop_tokens_end_it_as_eos(grammars
     assert hf.decode([sampled((stop,))]).isdigit()  # not complete yet: the stop token is refused
     assert all(matcher.consume_token(t) for t in hf("42", add_special_tokens=False).input_ids)
     assert sampled((stop,)) == stop and sampled(()) == eos
+
+
+def test_the_frontends_trial_refuses_grammars_that_fail_or_stall_in_their_first_masks(text):
+    """first_mask_problem follows a grammar's first tokens as the engine would: grammars that compile but fail in
+    their first masks (a regex too big for llguidance's lexer, a schema or grammar with no finite text) or take too
+    long there (every running request would wait for each such mask) are refused with llguidance's reason, or the
+    time; a schema or a regex that can be served passes; and while MAX_TRIALS overrunning trials still run, a new
+    grammar is GrammarBusy, not checked."""
+    import threading
+
+    from app.engine import structured
+    from app.engine.structured import GrammarBusy, first_mask_problem, tokenizer_from_json
+
+    tokenizer = tokenizer_from_json(text, VOCAB, 2)
+    for kind, value, reason in [
+            ("regex", "a{1000000}", "too many expressions"),
+            ("json", {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, "Too many items"),
+            ("json", {"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "Too many items"),
+            ("grammar", 'start: "(" start ")"', "Too many items")]:
+        problem = first_mask_problem(grammar_for(kind, value), tokenizer)
+        assert problem is not None and reason in problem and "\n" not in problem, (value, problem)
+    for kind, value in [("json", {"type": "object", "properties": {"name": {"type": "string"},
+                                                                   "age": {"type": "integer"}}}),
+                        ("regex", r"[0-9]{3}-[a-z]+"), ("choice", ["yes", "no"])]:
+        assert first_mask_problem(grammar_for(kind, value), tokenizer) is None
+    # 300 alternatives of one recursive rule: ~0.1 s a mask here, and a 50 ms budget
+    slow = grammar_for("grammar", "start: e\ne: " + " | ".join(f'"(" e "op{i}" e ")"' for i in range(300)) +
+                       " | /[0-9]+/")
+    assert "took over 0.05 s" in first_mask_problem(slow, tokenizer, seconds=0.05)
+    taken = threading.BoundedSemaphore(structured.MAX_TRIALS)
+    for _ in range(structured.MAX_TRIALS):
+        taken.acquire()
+    real, structured._trials = structured._trials, taken
+    try:
+        with pytest.raises(GrammarBusy):
+            first_mask_problem(grammar_for("regex", "[ab]+"), tokenizer)
+    finally:
+        structured._trials = real
+
+
+def test_a_mask_slower_than_the_engine_allows_fails_its_row(grammars, hf, monkeypatch):
+    """In the engine, a mask that took over SLOW_MASK_SECONDS (here: any) fails its sequence, with that reason,
+    on both the general and the greedy path: its request is aborted rather than let it hold the others again."""
+    from app.engine import structured
+    from app.engine.structured import grammar_error, mask_bits
+
+    matcher = grammars.matcher(grammar_for("regex", r"[0-9]{2}"), hf.eos_token_id)
+    assert mask_bits(matcher) is not None
+    monkeypatch.setattr(structured, "SLOW_MASK_SECONDS", -1.0)
+    assert mask_bits(matcher) is None and "took over" in grammar_error(matcher)
+    for logprobs in (0, None):  # the general path, the greedy one
+        state = new_state(SamplingParams(temperature=0, logprobs=logprobs), [], hf.eos_token_id,
+                          grammars.matcher(grammar_for("regex", r"[0-9]{2}"), hf.eos_token_id))
+        out = Sampler(VOCAB)(torch.randn(1, VOCAB), [state])
+        assert out.tokens.tolist() == [GRAMMAR_FAILED]

@@ -126,6 +126,16 @@ CASES = [
     ("responses-unknown-function", "POST", "/v1/responses", {"input": "x", "tools": [
         {"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, 400, "invalid_value",
      "tool_choice"),
+    ("regex-too-big-to-run", "POST", "/v1/completions", {"prompt": "x", "structured_outputs": {
+        "regex": "a{1000000}"}}, 400, "invalid_value", "too many expressions"),
+    ("schema-without-end", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "response_format": {"type": "json_schema", "json_schema": {
+                                                                "name": "t", "schema": {"type": "array",
+                                                                                       "items": {"$ref": "#"},
+                                                                                       "minItems": 1}}}},
+     400, "invalid_value", "Too many items"),
+    ("responses-include-unknown", "POST", "/v1/responses", {"input": "x", "include": ["everything"]}, 400,
+     "invalid_value", "include"),
     ("embeddings-empty-input", "POST", "/v1/embeddings", {"input": []}, 400, "invalid_value", "input"),
     ("embeddings-empty-text", "POST", "/v1/embeddings", {"input": ""}, 400, "empty_prompt", "empty"),
     ("embeddings-dimensions", "POST", "/v1/embeddings", {"input": "x", "dimensions": 64}, 400, "invalid_value",
