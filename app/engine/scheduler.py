@@ -256,6 +256,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: StepBudget) -> None:
+        if len(self.waiting) > 1:
+            self.waiting = deque(fair_order(self.waiting))
         skipped: list[Request] = []
         while self.waiting and not budget.exhausted and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting.popleft()
@@ -347,3 +349,21 @@ class Scheduler:
         if request.num_tokens >= self.cfg.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def fair_order(waiting) -> list[Request]:
+    """The waiting requests in the order they are admitted: preempted ones first (they resume), then the others
+    round by round, each client request's first waiting sequence (in the order they came), then each one's second,
+    and so on. A client request's sequences (its prompts, its n choices) are the engine requests whose ids differ
+    only after their last "-" (the frontend's `cmpl-<id>-<index>`): one of 64 prompts of 600 tokens queued ahead of
+    a short request had kept it from its first token for 32 s (2 cores); now it waits for one of them."""
+    rounds: dict[str, int] = {}
+    keys = []
+    for position, request in enumerate(waiting):
+        if request.status == Status.PREEMPTED:
+            keys.append((0, 0, position))
+            continue
+        group = request.request_id.rsplit("-", 1)[0]
+        keys.append((1, rounds.get(group, 0), position))
+        rounds[group] = rounds.get(group, 0) + 1
+    return [request for _, request in sorted(zip(keys, waiting, strict=True), key=lambda pair: pair[0])]

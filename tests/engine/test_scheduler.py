@@ -340,6 +340,40 @@ def test_a_short_request_gets_in_while_a_long_prompt_is_prefilled():
     h.assert_no_leaks()
 
 
+def test_a_short_request_gets_in_while_one_request_of_many_prompts_is_prefilled():
+    """A client request of 16 prompts (its engine requests "cmpl-a-0" .. "cmpl-a-15") queued before a short
+    request: the short one is admitted in the first step after it came, with the next of them, not after all 16
+    (they had queued ahead of it, and it had waited for every one's prefill); the batch goes on in its order.
+    Preempted requests still resume first."""
+    cost = StepCost(overhead=0.0, per_token=1e-3, per_pair=1e-6, budget=0.1)
+    h = Harness(blocks=4000, seqs=64, budget=4096, max_len=8192, cost=cost)
+    for i in range(16):
+        h.add(f"cmpl-a-{i}", [5 + i] * 600, max_tokens=1)
+    h.step()
+    h.add("cmpl-b-0", [3] * 10, max_tokens=2)
+    admitted = []
+    for _ in range(3):
+        out = h.step()
+        admitted += [r.request_id for r in out.requests if r.num_computed == 0]
+        if "cmpl-b-0" in admitted:
+            break
+    assert "cmpl-b-0" in admitted and len(admitted) <= 3, admitted
+    h.run(500)
+    batch = [r.request_id for r in h.finished if r.request_id.startswith("cmpl-a-")]
+    assert batch == [f"cmpl-a-{i}" for i in range(16)]
+    h.assert_no_leaks()
+
+
+def test_fair_order_puts_preempted_requests_first_then_takes_client_requests_in_turn():
+    from app.engine.scheduler import fair_order
+
+    requests = [Request(rid, [1], SamplingParams()) for rid in
+                ("cmpl-a-0", "cmpl-a-1", "cmpl-a-2", "cmpl-b-0", "chat-c-0", "chat-c-1", "cmpl-a-3", "7-0")]
+    requests[6].status = Status.PREEMPTED
+    assert [r.request_id for r in fair_order(requests)] == [
+        "cmpl-a-3", "cmpl-a-0", "cmpl-b-0", "chat-c-0", "7-0", "cmpl-a-1", "chat-c-1", "cmpl-a-2"]
+
+
 def test_an_empty_step_always_makes_progress_whatever_the_budget():
     # a token alone is over budget
     cost = StepCost(overhead=1e-3, per_token=1.0, per_pair=1e-6, budget=0.1)
