@@ -7,6 +7,7 @@ it. Input staging buffers are allocated once at the largest step size and reused
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain
@@ -266,7 +267,9 @@ class ModelRunner:
                 if state.matcher is not None and token not in state.params.stop_token_ids:
                     # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
                     # does; the grammar, which allowed it only where it allows EOS, never sees it.
+                    started = time.perf_counter()
                     state.matcher.consume_token(token)
+                    state.mask_clock.spent(time.perf_counter() - started)
             k = state.params.logprobs
             if k is not None:
                 logprobs[request_id] = _token_logprobs(result, row, k)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from app.engine.params import SamplingParams
+from app.engine.structured import MaskClock
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class SamplingState:
     prompt_tokens: torch.Tensor | None = None  # [n] int64: the prompt's distinct tokens, once asked for
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as ([n] int64 ids, [n] float32 biases)
     matcher: Any = None  # the grammar's llguidance matcher (params.grammar), advanced by each token sampled
+    mask_clock: MaskClock = field(default_factory=MaskClock)  # how slow its masks have been (structured.py)
     # params.prompt_logprobs: the prompt's so far (None for its first token, then a TokenLogprobs for each next one),
     # until they go out with the first sampled token; and how many prompt positions gave theirs (a preempted
     # request recomputes its prompt: those are not read twice)
@@ -203,7 +205,7 @@ def _grammar_argmax(row: torch.Tensor, best: int, state: SamplingState) -> int:
     NO_TOKEN where the row's logits are not finite."""
     from app.engine.structured import grammar_error, mask_bits
 
-    bits = mask_bits(state.matcher, state.eos_token_id, state.params.stop_token_ids)
+    bits = mask_bits(state.matcher, state.eos_token_id, state.params.stop_token_ids, state.mask_clock)
     if bits is None:
         log.warning("structured output of a sequence failed (%s); its request is aborted", grammar_error(state.matcher))
         return GRAMMAR_FAILED
@@ -261,7 +263,8 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
     if not rows:
         return []
     allowed, failed_at = allowed_tokens([states[s].matcher for s in rows], shaped.shape[1],
-                                        [(states[s].eos_token_id, states[s].params.stop_token_ids) for s in rows])
+                                        [(states[s].eos_token_id, states[s].params.stop_token_ids) for s in rows],
+                                        [states[s].mask_clock for s in rows])
     for i in failed_at:
         log.warning("structured output of a sequence failed (%s); its request is aborted",
                     grammar_error(states[rows[i]].matcher))

@@ -77,10 +77,14 @@ def check_grammar(grammar: str, tokenizer) -> str | None:
 # all. The engine computes a mask a step for each sequence while every running request waits (JSON schemas, tool
 # calls and regexes take 0.1-20 ms one), and some grammars that compile fail only in their first masks.
 TRIAL_TOKENS = 4
-TRIAL_SECONDS = 1.0
-# A mask that takes longer in the engine fails its sequence (mask_bits): grammars the trial let through (it follows
-# only one path, of a few tokens) can still be slow further on
-SLOW_MASK_SECONDS = TRIAL_SECONDS
+TRIAL_SECONDS = 0.5
+# In the engine, a sequence whose mask takes longer than SLOW_MASK_SECONDS once, or longer than SLOW_STEP_SECONDS
+# SLOW_STEPS times, fails (MaskClock): grammars the trial let through (it follows one path, of a few tokens) can
+# still be slow further on, or grow slower token by token (nested brackets a logit_bias forces: 0.15 s a token,
+# every other stream at a fifteenth of its speed for half a minute)
+SLOW_MASK_SECONDS = 1.0
+SLOW_STEP_SECONDS = 0.05
+SLOW_STEPS = 16
 # Trials at once (one that overran goes on: llguidance cannot be stopped): past this many, a new grammar is a 503
 MAX_TRIALS = 2
 _trials = threading.BoundedSemaphore(MAX_TRIALS)
@@ -262,21 +266,40 @@ class FailedMatcher:
         return False
 
 
+class MaskClock:
+    """One sequence's grammar's time a token in the engine (each step waits for it, every running request with it):
+    `spent` adds the time of advancing the matcher by a token (llguidance computes what it forces next there),
+    `ok` that of the next mask and says whether the grammar may go on."""
+
+    def __init__(self):
+        self.slow, self.pending = 0, 0.0
+
+    def spent(self, seconds: float) -> None:
+        self.pending += seconds
+
+    def ok(self, seconds: float) -> bool:
+        seconds, self.pending = seconds + self.pending, 0.0
+        self.slow += seconds > SLOW_STEP_SECONDS
+        return seconds <= SLOW_MASK_SECONDS and self.slow < SLOW_STEPS
+
+
 def grammar_error(matcher) -> str:
-    """Why a sequence's grammar failed (`mask_bits` gave None): llguidance's error, or a mask too slow."""
+    """Why a sequence's grammar failed (`mask_bits` gave None): llguidance's error, or masks too slow."""
     return (matcher.get_error().splitlines() or [""])[0] or \
-        f"a mask took over {SLOW_MASK_SECONDS:g} s to compute: too complex a grammar to serve"
+        (f"its masks took over {SLOW_STEP_SECONDS:g} s {SLOW_STEPS} times, or one over {SLOW_MASK_SECONDS:g} s, "
+         "every running request waiting for each: too complex a grammar to serve")
 
 
-def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = ()) -> bytes | None:
+def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = (),
+              clock: MaskClock | None = None) -> bytes | None:
     """The tokens `matcher` allows next, one bit each (token t: bit t % 8 of byte t // 8), or None where its grammar
-    failed, before or in the computation, or the computation took over SLOW_MASK_SECONDS (the step waits for it,
-    every running request with it: the grammar's request is aborted rather than let it hold them again). Where it allows `eos` (the grammar is complete), it allows `stops` too:
+    failed, before or in the computation, or its masks are too slow (`clock`; the step waits for them, every
+    running request with it: the grammar's request is aborted rather than let it hold them again). Where it allows `eos` (the grammar is complete), it allows `stops` too:
     the request's stop token ids, the model's other end tokens among them (llguidance knows one EOS; a Llama 3 file
     whose EOS is <|end_of_text|> ends its turns with <|eot_id|>), which end a sequence as EOS does."""
     started = time.perf_counter()
     bits = None if matcher.is_error() else matcher.compute_bitmask()
-    if bits is None or matcher.is_error() or time.perf_counter() - started > SLOW_MASK_SECONDS:
+    if bits is None or matcher.is_error() or not (clock or MaskClock()).ok(time.perf_counter() - started):
         return None
     if stops and eos is not None and eos >> 3 < len(bits) and bits[eos >> 3] >> (eos & 7) & 1:
         more = bytearray(bits)
@@ -288,14 +311,15 @@ def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = ()) -> b
 
 
 def allowed_tokens(matchers: list, vocab_size: int,
-                   stops: list[tuple[int | None, tuple[int, ...]]] | None = None) -> tuple[np.ndarray, list[int]]:
+                   stops: list[tuple[int | None, tuple[int, ...]]] | None = None,
+                   clocks: list[MaskClock] | None = None) -> tuple[np.ndarray, list[int]]:
     """The tokens each matcher allows next, as a bool array [len(matchers), vocab_size], and the indices of the
     matchers in an error state, before or after computing their mask (llguidance fails inside the computation
-    where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete).
-    `stops`: each matcher's (EOS, stop token ids), as `mask_bits` takes them."""
+    where a grammar cannot go on, and then allows only EOS: such a row must fail, not end as if complete), or too
+    slow. `stops`, `clocks`: each matcher's (EOS, stop token ids) and MaskClock, as `mask_bits` takes them."""
     masks, failed = [], []
     for i, matcher in enumerate(matchers):
-        bits = mask_bits(matcher, *(stops[i] if stops else (None, ())))
+        bits = mask_bits(matcher, *(stops[i] if stops else (None, ())), clocks[i] if clocks else None)
         if bits is None:
             failed.append(i)
             bits = b""

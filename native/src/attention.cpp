@@ -28,8 +28,9 @@
 //   - softmax is online in float32: per row and key tile one max, one exp per key (vector), one
 //     sum; keys past a row's causal limit get -inf, so probability exactly 0;
 //   - both inner products run on a few rows at once (kRows x kCols vectors of accumulators).
-// With few items (decode of one or two sequences), each item's keys are split in ranges that run
-// in parallel; their partial (max, sum, accumulator) are merged at the end (split-KV).
+// An item walks its keys in ranges of kRangeKeys, each with its own online softmax, and merges their
+// partial (max, sum, accumulator) at its end. With few items (decode of one or two sequences), the ranges
+// run as items of their own, in parallel, merged after them the same way (split-KV): the same bits.
 // The loops over one key tile (the prefetches, both products, the softmax) are in attention_tile.h.
 #include <algorithm>
 #include <cmath>
@@ -48,7 +49,11 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // queries per item: more amortise the key loads, fewer balance threads
 constexpr int64_t kKeyTile = 64;    // keys per tile (at least one block): amortises the per-tile reductions
-constexpr int64_t kSplitKeys = 128; // fewest keys a split-KV range gets
+// Keys a range: an item's keys are walked in ranges of this many from the first key, each with its own softmax
+// state, merged at the end in order (merge_rows), whether the ranges run in one item or as split-KV items on
+// several threads: so a row's result is the same bits however many rows share its step (batch invariance;
+// the split had depended on the step's item count: a greedy answer changed with its neighbours).
+constexpr int64_t kRangeKeys = 256;
 // Against a bfloat16 cache, q and p are multiplied as bfloat16 pairs (vdpbf16ps: kRound) where the CPU has
 // AVX512-BF16 and issues it fast enough (kernels.h, bf16_dot), else as float32.
 constexpr bool kHasBf16Dot = APPLIANCE_ISA_ID == APPLIANCE_ISA_avx512bf16;
@@ -68,6 +73,7 @@ struct Scratch {
     std::fill(ones.begin() + padded, ones.end(), 0.f);
   }
   int64_t key_tile, padded;               // KT: keys a tile (whole blocks); KP: that rounded up to 16
+  int64_t range_keys = 0;                 // keys a range (kRangeKeys rounded up to whole tiles)
   std::vector<C> packed;                  // key vectors copied out of the cache, zero-padded, in the cache's layout
   std::vector<KeyVector<C>> vectors;      // [KP / keys a vector]
   std::vector<const C*> vrow;             // value rows in the cache: [KT] rows (float32), [KT / 2] row pairs (bfloat16)
@@ -75,6 +81,7 @@ struct Scratch {
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
   std::vector<bf16> q2, p2;                  // q and p rounded to bfloat16, used when kRoundedQP<C, kRound>
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
+  std::vector<float> ranges;                 // the item's finished key ranges: per range and row [m, l, acc[D]]
   Prefetcher prefetch;
 };
 
@@ -191,6 +198,36 @@ int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile
   return std::min(key_tile, last_key(a, it) - it.key_begin + 1);
 }
 
+// Key ranges' partial results back into rows: per row the largest max, then each range's sum and accumulator
+// weighted by exp(its max - that), in range order (a range no key of which the row sees is skipped). One range
+// gives its own sum and accumulator exactly (weight 1). part(s, r): range s's [m, l, acc[D]] of row r.
+template <typename Part>
+void merge_rows(int64_t ranges, int64_t rows, int64_t D, Part part, float* acc, float* l) {
+  std::fill(acc, acc + rows * D, 0.f), std::fill(l, l + rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int64_t s = 0; s < ranges; ++s) m = std::max(m, part(s, r)[0]);
+    for (int64_t s = 0; s < ranges; ++s) {
+      const float* x = part(s, r);
+      if (x[1] == 0.f) continue;
+      const float w = std::exp(x[0] - m);
+      l[r] += x[1] * w;
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += x[2 + d] * w;
+    }
+  }
+}
+
+// The item's softmax state so far (a finished key range) kept in st.ranges, and a fresh one for the next range.
+template <typename C>
+void end_range(int64_t rows, int64_t D, Scratch<C>& st) {
+  for (int64_t r = 0; r < rows; ++r) {
+    st.ranges.push_back(st.m[r]), st.ranges.push_back(st.l[r]);
+    st.ranges.insert(st.ranges.end(), &st.acc[r * D], &st.acc[r * D] + D);
+  }
+  std::fill(st.m.begin(), st.m.begin() + rows, kNegInf), std::fill(st.l.begin(), st.l.begin() + rows, 0.f);
+  std::fill(st.acc.begin(), st.acc.begin() + rows * D, 0.f);
+}
+
 template <typename T, typename C, bool kRound>  // T: q and out, C: the cache; kRound: see kRoundedQP
 void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<C>& st, Partials& partials) {
   const int64_t D = a.head_dim, group = a.q_heads / a.kv_heads, R = it.tile_len * group, rows = it.heads * R;
@@ -201,7 +238,9 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
     st.prefetch.template plan<C>(a, it, it.key_begin, first_tile_keys(a, it, key_tile));
     st.prefetch.rest();
   }
+  st.ranges.clear();
   for (int64_t k0 = it.key_begin; k0 <= last; k0 += key_tile) {
+    if (k0 > it.key_begin && k0 % st.range_keys == 0) end_range(rows, D, st);
     const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, kVectorKeys<C>);
     const int64_t row0 = std::max<int64_t>(0, k0 - tile_pos) * group;  // rows before see no key here
     if (k0 + key_tile <= last)  // the next tile, or the thread's next item's first
@@ -221,6 +260,13 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
                       &st.keep[base + row0], &st.visible[base + row0], st.vrow.data(), D, np, st.prefetch);
     }
   }
+  if (!st.ranges.empty()) {  // several ranges: merged as split-KV items' are (a split item is one range)
+    end_range(rows, D, st);
+    const int64_t ranges = static_cast<int64_t>(st.ranges.size()) / (rows * (D + 2));
+    const float* kept = st.ranges.data();
+    merge_rows(ranges, rows, D, [&](int64_t s, int64_t r) { return kept + (s * rows + r) * (D + 2); },
+               st.acc.data(), st.l.data());
+  }
   if (it.partial < 0) return write_rows<T>(a, it, rows, st.acc.data(), st.l.data());
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = partials.at(it.partial, r);
@@ -233,24 +279,16 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
 template <typename T>
 void merge(const AttentionArgs& a, const Item& first, int64_t splits, Partials& partials) {
   const int64_t D = a.head_dim, rows = first.heads * first.tile_len * (a.q_heads / a.kv_heads);
-  std::vector<float> acc(rows * D, 0.f), l(rows, 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    float m = kNegInf;
-    for (int64_t s = 0; s < splits; ++s) m = std::max(m, partials.at(first.partial + s, r)[0]);
-    for (int64_t s = 0; s < splits; ++s) {
-      const float* part = partials.at(first.partial + s, r);
-      if (part[1] == 0.f) continue;  // a range with no key this row sees
-      const float w = std::exp(part[0] - m);
-      l[r] += part[1] * w;
-      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += part[2 + d] * w;
-    }
-  }
+  std::vector<float> acc(rows * D), l(rows);
+  merge_rows(splits, rows, D, [&](int64_t s, int64_t r) { return partials.at(first.partial + s, r); },
+             acc.data(), l.data());
   write_rows<T>(a, first, rows, acc.data(), l.data());
 }
 
 template <typename T, typename C, bool kRound = false>
 void attention_impl(const AttentionArgs& a) {
   const int64_t key_tile = std::max<int64_t>(1, kKeyTile / a.block_size) * a.block_size;
+  const int64_t range_keys = round_up(kRangeKeys, key_tile);
   // An item covers every KV head of its sequence: a cache block holds them side by side, so its key tiles
   // read one contiguous run a block instead of a head's 1/kv_heads of it. With few such items (decode
   // of a sequence or two) they are split per KV head first, then by keys below.
@@ -278,10 +316,10 @@ void attention_impl(const AttentionArgs& a) {
   thread_local std::vector<float> slots;
   int64_t used = 0;
   if (count > 0 && count < 2 * threads) {
-    const int64_t want = (4 * threads + count - 1) / count, group = a.q_heads / a.kv_heads;
+    const int64_t group = a.q_heads / a.kv_heads;
     partials.rows = whole.front().heads * kQueryTile * group, partials.row_floats = a.head_dim + 2;
     for (const Item& it : whole) {
-      const int64_t keys = it.key_end, step = round_up(std::max(kSplitKeys, (keys + want - 1) / want), key_tile);
+      const int64_t keys = it.key_end, step = range_keys;  // one range a split item: see kRangeKeys
       const int64_t splits = (keys + step - 1) / step;
       if (splits <= 1) {
         items.push_back(it);
@@ -306,6 +344,7 @@ void attention_impl(const AttentionArgs& a) {
 #pragma omp parallel
   {
     Scratch<C> st(key_tile, a.head_dim);
+    st.range_keys = range_keys;
     // With items to spare, each thread claims its next item before it runs the current one: each item
     // prefetches the tile after its own, and its last tile the next item's first. With few (fewer than
     // two a thread), claiming ahead would leave threads without any.

@@ -275,13 +275,18 @@ def test_the_frontends_trial_refuses_grammars_that_fail_or_stall_in_their_first_
 
 
 def test_a_mask_slower_than_the_engine_allows_fails_its_row(grammars, hf, monkeypatch):
-    """In the engine, a mask that took over SLOW_MASK_SECONDS (here: any) fails its sequence, with that reason,
-    on both the general and the greedy path: its request is aborted rather than let it hold the others again."""
+    """In the engine, a mask that took over SLOW_MASK_SECONDS (here: any), or SLOW_STEPS masks over
+    SLOW_STEP_SECONDS, fail the sequence, with that reason, on both the general and the greedy path: its request
+    is aborted rather than let it hold the others again."""
     from app.engine import structured
-    from app.engine.structured import grammar_error, mask_bits
+    from app.engine.structured import MaskClock, grammar_error, mask_bits
 
-    matcher = grammars.matcher(grammar_for("regex", r"[0-9]{2}"), hf.eos_token_id)
+    matcher = grammars.matcher(grammar_for("regex", r"[0-9]+"), hf.eos_token_id)
     assert mask_bits(matcher) is not None
+    monkeypatch.setattr(structured, "SLOW_STEP_SECONDS", -1.0)  # every mask slow: the third fails
+    monkeypatch.setattr(structured, "SLOW_STEPS", 3)
+    clock = MaskClock()
+    assert [mask_bits(matcher, clock=clock) is None for _ in range(3)] == [False, False, True]
     monkeypatch.setattr(structured, "SLOW_MASK_SECONDS", -1.0)
     assert mask_bits(matcher) is None and "took over" in grammar_error(matcher)
     for logprobs in (0, None):  # the general path, the greedy one

@@ -294,6 +294,32 @@ def test_split_kv_decode_attention(isa, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_a_rows_attention_is_the_same_bits_in_any_batch_and_chunk(isa, dtype, block_size):
+    """Batch invariance: each sequence's rows, computed beside 7 others (items to spare: each walks its key ranges
+    in turn) or alone (too few items for 4 threads: its ranges run as split-KV items), and a prompt's last 16
+    queries computed as a chunk of their own, are the same bits; all of them the reference's, within rounding.
+    (The split had depended on the step's item count, and a greedy answer on its neighbours.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        context_lens, q_lens = [700, 33, 1000, 300, 90, 520, 1, 257], [1, 1, 16, 1, 40, 1, 1, 5]
+        q, kc, vc, tables, lens, starts = attention_case(dtype, 9, 3, 64, context_lens, q_lens, block_size, seed=3)
+        together = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
+        assert_close(together, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
+        for s, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
+            alone = kernels.paged_attention(q[a:b], kc, vc, tables[s:s + 1], lens[s:s + 1],
+                                            torch.tensor([0, b - a]), 0.125)
+            assert torch.equal(alone, together[a:b]), s
+            if b - a >= 16:
+                tail = kernels.paged_attention(q[b - 16:b], kc, vc, tables[s:s + 1], lens[s:s + 1],
+                                               torch.tensor([0, 16]), 0.125)
+                assert torch.equal(tail, together[b - 16:b]), s
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(6, 6), (9, 3), (16, 2)])
 def test_prefill_and_extend_attention(isa, dtype, q_heads, kv_heads):
     # a whole prompt, a chunk after a cached prefix (extend / chunked prefill), a decode, an odd tail
