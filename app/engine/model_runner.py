@@ -267,9 +267,9 @@ class ModelRunner:
                 if state.matcher is not None and token not in state.params.stop_token_ids:
                     # (a token the mask allowed; else the next step fails it). A stop token ends the sequence as EOS
                     # does; the grammar, which allowed it only where it allows EOS, never sees it.
-                    started = time.perf_counter()
+                    started = time.thread_time()
                     state.matcher.consume_token(token)
-                    state.mask_clock.spent(time.perf_counter() - started)
+                    state.mask_clock.spent(time.thread_time() - started)
             k = state.params.logprobs
             if k is not None:
                 logprobs[request_id] = _token_logprobs(result, row, k)

@@ -256,8 +256,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, chosen: list[tuple[Request, int]], budget: StepBudget) -> None:
-        if len(self.waiting) > 1:
-            self.waiting = deque(fair_order(self.waiting))
+        if len(self.waiting) > 1 and not budget.exhausted and len(self.running) < self.cfg.max_num_seqs:
+            self.waiting = deque(fair_order(self.waiting))  # (only where some can be admitted: a sort a step)
         skipped: list[Request] = []
         while self.waiting and not budget.exhausted and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting.popleft()

@@ -73,19 +73,23 @@ def check_grammar(grammar: str, tokenizer) -> str | None:
     return messages[0] if is_error else None
 
 
-# The frontend's trial of a new grammar (first_mask_problem): its first TRIAL_TOKENS masks, within TRIAL_SECONDS in
+# The frontend's trial of a new grammar (first_mask_problem): its first TRIAL_TOKENS tokens, within TRIAL_SECONDS in
 # all. The engine computes a mask a step for each sequence while every running request waits (JSON schemas, tool
 # calls and regexes take 0.1-20 ms one), and some grammars that compile fail only in their first masks.
 TRIAL_TOKENS = 4
 TRIAL_SECONDS = 0.5
-# In the engine, a sequence whose mask takes longer than SLOW_MASK_SECONDS once, or longer than SLOW_STEP_SECONDS
-# SLOW_STEPS times, fails (MaskClock): grammars the trial let through (it follows one path, of a few tokens) can
-# still be slow further on, or grow slower token by token (nested brackets a logit_bias forces: 0.15 s a token,
-# every other stream at a fifteenth of its speed for half a minute)
+# In the engine, a sequence whose grammar takes longer than SLOW_MASK_SECONDS for a token once (its mask, and the
+# advance past the token before), or longer than SLOW_STEP_SECONDS SLOW_STEPS times or for SLOW_TOTAL_SECONDS in
+# all, fails (MaskClock): grammars the trial let through (it follows one path, of a few tokens) can still be slow
+# further on, or grow slower token by token (nested brackets a logit_bias forces: 0.09 s a token held every other
+# stream to a fifteenth of its speed). Times are the engine thread's CPU time, not the wall clock's: a busy machine
+# does not make a grammar slow.
 SLOW_MASK_SECONDS = 1.0
 SLOW_STEP_SECONDS = 0.05
 SLOW_STEPS = 16
-# Trials at once (one that overran goes on: llguidance cannot be stopped): past this many, a new grammar is a 503
+SLOW_TOTAL_SECONDS = 2.0
+# Trials at once (one that overran goes on to its next token: llguidance cannot be stopped within one): past this
+# many, a new grammar is a 503
 MAX_TRIALS = 2
 _trials = threading.BoundedSemaphore(MAX_TRIALS)
 
@@ -94,14 +98,20 @@ class GrammarBusy(Exception):
     """Too many grammars' trials overran and still run: a new grammar cannot be checked now (a 503)."""
 
 
+class SlowGrammar(str):
+    """first_mask_problem's answer where the grammar is too slow, not wrong: a refusal of the moment (a busy machine
+    can make a trial overrun), which the frontend does not remember."""
+
+
 def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
                        seconds: float = TRIAL_SECONDS) -> str | None:
     """Why `grammar` cannot constrain an output, found by following it for its first `tokens` tokens as the engine
     would (each step's mask, then the lowest token it allows but the end): llguidance's error (one of its limits
-    hit: a language without a finite text, a regex too big to run), no token allowed, or masks that take over
-    `seconds` in all; None where it can. The masks are computed on a thread of their own (llguidance lets go of the
-    GIL); one that overruns goes on there until llguidance ends it, waited for by nobody, and while MAX_TRIALS of
-    those run, this raises GrammarBusy rather than start another."""
+    hit: a language without a finite text, a regex too big to run), no token allowed, or (a SlowGrammar) tokens that
+    take over `seconds` in all, or every one after the first over SLOW_STEP_SECONDS of CPU time, which the engine
+    would abort; None where it can. The tokens are followed on a thread of their own (llguidance lets go of the GIL
+    while it computes a mask, not while it advances past a token); one that overruns stops at its next token, and
+    while MAX_TRIALS of those run, this raises GrammarBusy rather than start another."""
     from llguidance import LLMatcher
 
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
@@ -110,13 +120,17 @@ def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
     slots = _trials
     if not slots.acquire(blocking=False):
         raise GrammarBusy("the server is still computing other grammars' too complex masks; try again later")
-    done = threading.Event()
+    done, stop = threading.Event(), threading.Event()
     found: list[str] = []
     eos = tokenizer.eos_token
 
     def follow() -> None:
         try:
+            times = []
             for _ in range(tokens):
+                if stop.is_set():
+                    return
+                started = time.thread_time()
                 bits = None if matcher.is_error() else matcher.compute_bitmask()
                 if bits is None or matcher.is_error():
                     break
@@ -127,16 +141,22 @@ def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
                 onward = allowed[allowed != eos]
                 if onward.size == 0 or not matcher.consume_token(int(onward[0])):
                     break
+                times.append(time.thread_time() - started)
             if matcher.is_error():  # (llguidance's message, less the parser state it may add after its line)
                 found.append(matcher.get_error().splitlines()[0])
+            elif len(times) > 1 and min(times[1:]) > SLOW_STEP_SECONDS:
+                found.append(SlowGrammar(
+                    f"each of its first tokens took over {SLOW_STEP_SECONDS:g} s to compute its choices (the engine "
+                    "computes them for every token, while every other request waits): too complex a grammar to serve"))
         finally:
             done.set()
             slots.release()
 
     threading.Thread(target=follow, name="grammar-trial", daemon=True).start()
     if not done.wait(seconds):
-        return (f"its first tokens' choices took over {seconds:g} s to compute (the engine computes them for every "
-                "token, while every other request waits): too complex a grammar to serve")
+        stop.set()
+        return SlowGrammar(f"its first tokens' choices took over {seconds:g} s to compute (the engine computes them "
+                           "for every token, while every other request waits): too complex a grammar to serve")
     return found[0] if found else None
 
 
@@ -272,22 +292,24 @@ class MaskClock:
     `ok` that of the next mask and says whether the grammar may go on."""
 
     def __init__(self):
-        self.slow, self.pending = 0, 0.0
+        self.slow, self.slow_seconds, self.pending = 0, 0.0, 0.0
 
     def spent(self, seconds: float) -> None:
         self.pending += seconds
 
     def ok(self, seconds: float) -> bool:
         seconds, self.pending = seconds + self.pending, 0.0
-        self.slow += seconds > SLOW_STEP_SECONDS
-        return seconds <= SLOW_MASK_SECONDS and self.slow < SLOW_STEPS
+        if seconds > SLOW_STEP_SECONDS:
+            self.slow, self.slow_seconds = self.slow + 1, self.slow_seconds + seconds
+        return seconds <= SLOW_MASK_SECONDS and self.slow < SLOW_STEPS and self.slow_seconds < SLOW_TOTAL_SECONDS
 
 
 def grammar_error(matcher) -> str:
     """Why a sequence's grammar failed (`mask_bits` gave None): llguidance's error, or masks too slow."""
     return (matcher.get_error().splitlines() or [""])[0] or \
-        (f"its masks took over {SLOW_STEP_SECONDS:g} s {SLOW_STEPS} times, or one over {SLOW_MASK_SECONDS:g} s, "
-         "every running request waiting for each: too complex a grammar to serve")
+        (f"its choices took over {SLOW_STEP_SECONDS:g} s a token {SLOW_STEPS} times or {SLOW_TOTAL_SECONDS:g} s "
+         f"in all, or {SLOW_MASK_SECONDS:g} s once, every running request waiting for each: too complex a grammar "
+         "to serve")
 
 
 def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = (),
@@ -297,9 +319,9 @@ def mask_bits(matcher, eos: int | None = None, stops: tuple[int, ...] = (),
     running request with it: the grammar's request is aborted rather than let it hold them again). Where it allows `eos` (the grammar is complete), it allows `stops` too:
     the request's stop token ids, the model's other end tokens among them (llguidance knows one EOS; a Llama 3 file
     whose EOS is <|end_of_text|> ends its turns with <|eot_id|>), which end a sequence as EOS does."""
-    started = time.perf_counter()
+    started = time.thread_time()
     bits = None if matcher.is_error() else matcher.compute_bitmask()
-    if bits is None or matcher.is_error() or not (clock or MaskClock()).ok(time.perf_counter() - started):
+    if bits is None or matcher.is_error() or not (clock or MaskClock()).ok(time.thread_time() - started):
         return None
     if stops and eos is not None and eos >> 3 < len(bits) and bits[eos >> 3] >> (eos & 7) & 1:
         more = bytearray(bits)

@@ -102,11 +102,11 @@ class AsyncTokenizer:
         return await self._run(lambda: self._grammar(kind, value, param))
 
     def _grammar(self, kind: str, value, param: str) -> str:
-        """The grammar, checked: it compiles, and its first mask is computed here as the engine would (quickly,
+        """The grammar, checked: it compiles, and its first tokens are followed here as the engine would (quickly,
         allowing some token), so that a grammar that fails or stalls the engine only there is a 400 too.
-        Grammars checked, either way, are remembered (a client sends the same schema every turn; a refused one
-        again is refused at once)."""
-        from app.engine.structured import GrammarBusy, check_grammar, first_mask_problem, grammar_for
+        Grammars checked are remembered, good or wrong (a client sends the same schema every turn; a wrong one again
+        is refused at once); one refused as too slow is tried again."""
+        from app.engine.structured import GrammarBusy, SlowGrammar, check_grammar, first_mask_problem, grammar_for
 
         what = {"json": "JSON schema", "json_object": "JSON object"}.get(kind, kind)
         try:
@@ -117,7 +117,8 @@ class AsyncTokenizer:
             else:
                 tokenizer = self._grammar_tokenizer_built()
                 error = check_grammar(grammar, tokenizer) or first_mask_problem(grammar, tokenizer)
-                self._checked[grammar] = error
+                if not isinstance(error, SlowGrammar):  # (too slow may be a busy moment's: tried again next time)
+                    self._checked[grammar] = error
                 while len(self._checked) > self.CHECKED:
                     self._checked.popitem(last=False)
         except GrammarBusy as exc:

@@ -28,9 +28,9 @@
 //   - softmax is online in float32: per row and key tile one max, one exp per key (vector), one
 //     sum; keys past a row's causal limit get -inf, so probability exactly 0;
 //   - both inner products run on a few rows at once (kRows x kCols vectors of accumulators).
-// An item walks its keys in ranges of kRangeKeys, each with its own online softmax, and merges their
-// partial (max, sum, accumulator) at its end. With few items (decode of one or two sequences), the ranges
-// run as items of their own, in parallel, merged after them the same way (split-KV): the same bits.
+// An item walks its keys in ranges of kRangeKeys, each with its own online softmax, and folds their
+// partial (max, sum, accumulator) in order. With few items (decode of one or two sequences), the ranges
+// run as items of their own, in parallel, folded after them the same way (split-KV): the same bits.
 // The loops over one key tile (the prefetches, both products, the softmax) are in attention_tile.h.
 #include <algorithm>
 #include <cmath>
@@ -50,7 +50,7 @@ namespace {
 constexpr int64_t kQueryTile = 16;  // queries per item: more amortise the key loads, fewer balance threads
 constexpr int64_t kKeyTile = 64;    // keys per tile (at least one block): amortises the per-tile reductions
 // Keys a range: an item's keys are walked in ranges of this many from the first key, each with its own softmax
-// state, merged at the end in order (merge_rows), whether the ranges run in one item or as split-KV items on
+// state, folded in order (fold), whether the ranges run in one item or as split-KV items on
 // several threads: so a row's result is the same bits however many rows share its step (batch invariance;
 // the split had depended on the step's item count: a greedy answer changed with its neighbours).
 constexpr int64_t kRangeKeys = 256;
@@ -81,7 +81,8 @@ struct Scratch {
   std::vector<float> q, acc, p, m, l, keep;  // per item: q, acc [rows, D]; p [rows, KP] scores, then probabilities
   std::vector<bf16> q2, p2;                  // q and p rounded to bfloat16, used when kRoundedQP<C, kRound>
   std::vector<int64_t> pos, visible;         // per item [rows]: a row's position; keys of this tile it sees
-  std::vector<float> ranges;                 // the item's finished key ranges: per range and row [m, l, acc[D]]
+  std::vector<float> fm, fl, facc;           // per item [rows], [rows, D]: its finished key ranges, folded
+  bool folding = false;                      // whether the item has finished a range (fm, fl, facc hold it)
   Prefetcher prefetch;
 };
 
@@ -198,32 +199,33 @@ int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile
   return std::min(key_tile, last_key(a, it) - it.key_begin + 1);
 }
 
-// Key ranges' partial results back into rows: per row the largest max, then each range's sum and accumulator
-// weighted by exp(its max - that), in range order (a range no key of which the row sees is skipped). One range
-// gives its own sum and accumulator exactly (weight 1). part(s, r): range s's [m, l, acc[D]] of row r.
-template <typename Part>
-void merge_rows(int64_t ranges, int64_t rows, int64_t D, Part part, float* acc, float* l) {
-  std::fill(acc, acc + rows * D, 0.f), std::fill(l, l + rows, 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    float m = kNegInf;
-    for (int64_t s = 0; s < ranges; ++s) m = std::max(m, part(s, r)[0]);
-    for (int64_t s = 0; s < ranges; ++s) {
-      const float* x = part(s, r);
-      if (x[1] == 0.f) continue;
-      const float w = std::exp(x[0] - m);
-      l[r] += x[1] * w;
-      for (int64_t d = 0; d < D; ++d) acc[r * D + d] += x[2 + d] * w;
-    }
+// One key range's partial result of a row (max m, sum l, accumulator acc[D]) folded into the row's running
+// (M, L, ACC): ranges are folded in order, the same arithmetic whether they ran in one item (end_range) or as
+// split-KV items (merge). A range no key of which the row sees (l == 0) is skipped; the first is taken as it is,
+// so one range gives its own sum and accumulator exactly.
+inline void fold(float& M, float& L, float* ACC, float m, float l, const float* acc, int64_t D) {
+  if (l == 0.f) return;
+  if (L == 0.f) {
+    M = m, L = l;
+    std::copy(acc, acc + D, ACC);
+    return;
   }
+  const float top = std::max(M, m), a = std::exp(M - top), b = std::exp(m - top);
+  L = L * a + l * b;
+  for (int64_t d = 0; d < D; ++d) ACC[d] = ACC[d] * a + acc[d] * b;
+  M = top;
 }
 
-// The item's softmax state so far (a finished key range) kept in st.ranges, and a fresh one for the next range.
+// The item's softmax state so far (a finished key range) folded into its running one (st.fm, fl, facc), and a
+// fresh state for the next range.
 template <typename C>
 void end_range(int64_t rows, int64_t D, Scratch<C>& st) {
-  for (int64_t r = 0; r < rows; ++r) {
-    st.ranges.push_back(st.m[r]), st.ranges.push_back(st.l[r]);
-    st.ranges.insert(st.ranges.end(), &st.acc[r * D], &st.acc[r * D] + D);
+  if (!st.folding) {
+    st.fm.assign(rows, kNegInf), st.fl.assign(rows, 0.f), st.facc.assign(rows * D, 0.f);
+    st.folding = true;
   }
+  for (int64_t r = 0; r < rows; ++r)
+    fold(st.fm[r], st.fl[r], &st.facc[r * D], st.m[r], st.l[r], &st.acc[r * D], D);
   std::fill(st.m.begin(), st.m.begin() + rows, kNegInf), std::fill(st.l.begin(), st.l.begin() + rows, 0.f);
   std::fill(st.acc.begin(), st.acc.begin() + rows * D, 0.f);
 }
@@ -238,7 +240,7 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
     st.prefetch.template plan<C>(a, it, it.key_begin, first_tile_keys(a, it, key_tile));
     st.prefetch.rest();
   }
-  st.ranges.clear();
+  st.folding = false;
   for (int64_t k0 = it.key_begin; k0 <= last; k0 += key_tile) {
     if (k0 > it.key_begin && k0 % st.range_keys == 0) end_range(rows, D, st);
     const int64_t nk = std::min(key_tile, last - k0 + 1), np = round_up(nk, kVectorKeys<C>);
@@ -260,12 +262,9 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
                       &st.keep[base + row0], &st.visible[base + row0], st.vrow.data(), D, np, st.prefetch);
     }
   }
-  if (!st.ranges.empty()) {  // several ranges: merged as split-KV items' are (a split item is one range)
+  if (st.folding) {  // several ranges: folded as split-KV items' are (a split item is one range)
     end_range(rows, D, st);
-    const int64_t ranges = static_cast<int64_t>(st.ranges.size()) / (rows * (D + 2));
-    const float* kept = st.ranges.data();
-    merge_rows(ranges, rows, D, [&](int64_t s, int64_t r) { return kept + (s * rows + r) * (D + 2); },
-               st.acc.data(), st.l.data());
+    return write_rows<T>(a, it, rows, st.facc.data(), st.fl.data());
   }
   if (it.partial < 0) return write_rows<T>(a, it, rows, st.acc.data(), st.l.data());
   for (int64_t r = 0; r < rows; ++r) {
@@ -279,9 +278,14 @@ void run_item(const AttentionArgs& a, const Item& it, const Item* next, Scratch<
 template <typename T>
 void merge(const AttentionArgs& a, const Item& first, int64_t splits, Partials& partials) {
   const int64_t D = a.head_dim, rows = first.heads * first.tile_len * (a.q_heads / a.kv_heads);
-  std::vector<float> acc(rows * D), l(rows);
-  merge_rows(splits, rows, D, [&](int64_t s, int64_t r) { return partials.at(first.partial + s, r); },
-             acc.data(), l.data());
+  std::vector<float> acc(rows * D, 0.f), l(rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int64_t s = 0; s < splits; ++s) {
+      const float* part = partials.at(first.partial + s, r);
+      fold(m, l[r], &acc[r * D], part[0], part[1], part + 2, D);
+    }
+  }
   write_rows<T>(a, first, rows, acc.data(), l.data());
 }
 

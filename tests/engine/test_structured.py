@@ -175,6 +175,14 @@ def test_the_frontend_checks_each_grammar_once_and_still_refuses_bad_ones(hf, mo
             with pytest.raises(APIError, match="cannot constrain"):
                 asyncio.run(text.grammar("json", {"type": "nonsense"}, "response_format"))
         assert len(checks) == 2
+        # one refused as too slow (a SlowGrammar: perhaps a busy moment's) is tried again every time
+        trials = []
+        monkeypatch.setattr(structured, "first_mask_problem",
+                            lambda g, t: trials.append(g) or structured.SlowGrammar("too slow"))
+        for _ in range(2):
+            with pytest.raises(APIError, match="too slow"):
+                asyncio.run(text.grammar("regex", "[xy]+", "structured_outputs"))
+        assert len(trials) == 2
     finally:
         text.close()
 
@@ -236,7 +244,7 @@ def test_a_complete_grammar_lets_the_requests_stop_tokens_end_it_as_eos(grammars
     assert sampled((stop,)) == stop and sampled(()) == eos
 
 
-def test_the_frontends_trial_refuses_grammars_that_fail_or_stall_in_their_first_masks(text):
+def test_the_frontends_trial_refuses_grammars_that_fail_or_stall_in_their_first_masks(text, monkeypatch):
     """first_mask_problem follows a grammar's first tokens as the engine would: grammars that compile but fail in
     their first masks (a regex too big for llguidance's lexer, a schema or grammar with no finite text) or take too
     long there (every running request would wait for each such mask) are refused with llguidance's reason, or the
@@ -262,7 +270,11 @@ def test_the_frontends_trial_refuses_grammars_that_fail_or_stall_in_their_first_
     # 300 alternatives of one recursive rule: ~0.1 s a mask here, and a 50 ms budget
     slow = grammar_for("grammar", "start: e\ne: " + " | ".join(f'"(" e "op{i}" e ")"' for i in range(300)) +
                        " | /[0-9]+/")
-    assert "took over 0.05 s" in first_mask_problem(slow, tokenizer, seconds=0.05)
+    refused = first_mask_problem(slow, tokenizer, seconds=0.05)
+    assert isinstance(refused, structured.SlowGrammar) and "took over 0.05 s" in refused
+    monkeypatch.setattr(structured, "SLOW_STEP_SECONDS", 0.0)  # every token slow: refused, not remembered
+    assert isinstance(first_mask_problem(grammar_for("regex", "[ab]+"), tokenizer), structured.SlowGrammar)
+    monkeypatch.undo()
     taken = threading.BoundedSemaphore(structured.MAX_TRIALS)
     for _ in range(structured.MAX_TRIALS):
         taken.acquire()
