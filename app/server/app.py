@@ -292,7 +292,8 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     message = "no such route" if exc.status_code == 404 else exc.detail
-    return error_response(exc.status_code, f"{message}: {request.method} {request.url.path}", None,
+    path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."  # (not 100 KB back)
+    return error_response(exc.status_code, f"{message}: {request.method} {path}", None,
                           "not_found" if exc.status_code == 404 else None)
 
 

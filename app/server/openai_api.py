@@ -53,7 +53,8 @@ def parse_json(raw: bytes):
     except RecursionError:
         raise APIError(400, "the request body is not valid JSON: nested too deeply", None, "invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
-        raise APIError(400, f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+        what = "it holds an integer of over 4,300 digits" if "integer string conversion" in str(exc) else exc
+        raise APIError(400, f"the request body is not valid JSON: {what}", None, "invalid_json") from None
 
 
 def _lone_surrogate(data) -> str | None:

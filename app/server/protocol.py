@@ -30,8 +30,13 @@ def texts_or_ids(value: Any, field: str) -> Any:
     def ids(v):
         return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
-    if isinstance(value, str) or isinstance(value, list) and (
-            all(isinstance(v, str) for v in value) or ids(value) or all(ids(v) for v in value)):
+    if isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    if isinstance(value, list) and (ids(value) or all(ids(v) for v in value)):
+        for token in (t for v in value for t in (v if isinstance(v, list) else (v,))):
+            if not 0 <= token < 1 << 31:  # (pydantic's union would say "Input should be a valid string")
+                raise ValueError(f"{field} holds the token id {str(token)[:32]}: token ids are integers from 0 "
+                                 "to the vocabulary's size less one")
         return value
     raise ValueError(f"{field} must be a string, a list of strings, a list of token ids (integers) or a list of "
                      "such lists")
@@ -659,6 +664,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     stream: bool = False
     text: TextOptions | None = None
+    truncation: Literal["disabled", "auto"] | None = None  # "auto" drops nothing here: a too long input is a 400
     store: bool = True
     previous_response_id: str | None = None
     conversation: Any = None

@@ -102,7 +102,7 @@ class _Answer:
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs,
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
         }
 

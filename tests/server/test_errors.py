@@ -136,6 +136,12 @@ CASES = [
      400, "invalid_value", "Too many items"),
     ("responses-include-unknown", "POST", "/v1/responses", {"input": "x", "include": ["everything"]}, 400,
      "invalid_value", "include"),
+    ("responses-truncation", "POST", "/v1/responses", {"input": "x", "truncation": "bogus"}, 400, "invalid_value",
+     "truncation"),
+    ("negative-token-id", "POST", "/v1/completions", {"prompt": [5, -1]}, 400, "invalid_value", "token id -1"),
+    ("token-id-past-int32", "POST", "/v1/completions", {"prompt": [[5], [2147483648]]}, 400, "invalid_value",
+     "token id 2147483648"),
+    ("embeddings-negative-id", "POST", "/v1/embeddings", {"input": [-3]}, 400, "invalid_value", "token id -3"),
     ("embeddings-empty-input", "POST", "/v1/embeddings", {"input": []}, 400, "invalid_value", "input"),
     ("embeddings-empty-text", "POST", "/v1/embeddings", {"input": ""}, 400, "empty_prompt", "empty"),
     ("embeddings-dimensions", "POST", "/v1/embeddings", {"input": "x", "dimensions": 64}, 400, "invalid_value",
@@ -178,7 +184,7 @@ CASES = [
      "nested too deeply"),
     ("nested-500-deep", "POST", C, b'{"prompt": "x", "seed": ' + b"[" * 500 + b"]" * 500 + b"}", 400, "invalid_value", "seed"),
     ("int-of-10000-digits", "POST", C, b'{"prompt": "x", "seed": ' + b"9" * 10_000 + b"}", 400, "invalid_json",
-     "digits"),
+     "an integer of over 4,300 digits"),
     ("lone-surrogate-escape", "POST", C, b'{"prompt": "\\ud800"}', 400, "invalid_json", "prompt: a string holds a lone"),
     ("lone-surrogate-in-chat", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
      "invalid_json", "messages.0.content"),
@@ -210,6 +216,16 @@ def test_bad_request_gets_its_status_and_error_json(appliance, method, path, bod
     assert set(error) == {"message", "type", "param", "code"}
     assert text in error["message"] and error["code"] == code
     assert isinstance(error["type"], str) and error["type"]
+
+
+def test_messages_do_not_echo_huge_paths_or_pythons_hints(appliance):
+    """A 404 names its path, cut at 200 characters (not 60 KB echoed back); a huge integer's error does not pass on
+    Python's own advice (sys.set_int_max_str_digits), which is the server's business, not the client's."""
+    answer = httpx.get(appliance.url + "/" + "a" * 60_000, timeout=60)
+    assert answer.status_code == 404 and len(answer.json()["error"]["message"]) < 300
+    answer = httpx.post(appliance.url + "/v1/completions", content=b'{"prompt": "x", "seed": ' + b"9" * 5_000 + b"}",
+                        headers={"content-type": "application/json"}, timeout=60)
+    assert answer.status_code == 400 and "sys." not in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "param"), [({"prompt": "x", "stream": "maybe"}, "stream"),
