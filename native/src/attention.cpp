@@ -202,8 +202,9 @@ int64_t first_tile_keys(const AttentionArgs& a, const Item& it, int64_t key_tile
 // One key range's partial result of a row (max m, sum l, accumulator acc[D]) folded into the row's running
 // (M, L, ACC): ranges are folded in order, the same arithmetic whether they ran in one item (end_range) or as
 // split-KV items (merge). A range no key of which the row sees (l == 0) is skipped; the first is taken as it is,
-// so one range gives its own sum and accumulator exactly.
-inline void fold(float& M, float& L, float* ACC, float m, float l, const float* acc, int64_t D) {
+// so one range gives its own sum and accumulator exactly. Not inlined: one compiled body for both callers, so that
+// no compiler contracts or vectorises their arithmetic differently.
+[[gnu::noinline]] void fold(float& M, float& L, float* ACC, float m, float l, const float* acc, int64_t D) {
   if (l == 0.f) return;
   if (L == 0.f) {
     M = m, L = l;
