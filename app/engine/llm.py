@@ -130,8 +130,8 @@ class LLM:
                 self._next_id += 1
                 for i in range(p.n):
                     child = f"{request_id}-{i}"
-                    # (siblings wait to share the prompt's blocks; one that scores its prompt computes it whole)
-                    first = f"{request_id}-0" if i and not p.scores_prompt else None
+                    # (siblings wait to share the prompt's blocks; only the first scores it: SamplingParams.for_choice)
+                    first = f"{request_id}-0" if i else None
                     sequences[child] = self._add(child, prompt_ids, p, i, first)
                 outputs.append(RequestOutput(request_id, text, prompt_ids, []))
             self._loop(sequences)

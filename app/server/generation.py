@@ -69,8 +69,8 @@ class Generation:
         for j in range(n):
             index = len(self.sequences)
             request_id = f"{self.prefix}-{self.id}-{index}"
-            # (a choice that scores its prompt computes the prompt whole: nothing to wait for)
-            wait_for = self.sequences[index - j].request_id if j and not params.scores_prompt else None
+            # (only the first scores the prompt, computing it whole: SamplingParams.for_choice)
+            wait_for = self.sequences[index - j].request_id if j else None
             text = SequenceText.of(self.tokenizer, prompt_ids, params, self.eos_token_id)
             self.sequences.append(Sequence(index, request_id, prompt_ids, params.for_choice(j), text, engine, wait_for,
                                            first_of_prompt=j == 0))
@@ -155,9 +155,11 @@ class Generation:
         if delta.token_id is not None:
             self._timing(seq, now)
         text = seq.text
-        if delta.prompt_logprobs is not None:
-            text.prompt_logprobs = [None if p is None else TokenLogprobs(p[0], tuple(map(tuple, p[1])), p[2])
-                                    for p in delta.prompt_logprobs]
+        if delta.prompt_logprobs is not None:  # the first choice's, every choice's (SamplingParams.for_choice)
+            scored = [None if p is None else TokenLogprobs(p[0], tuple(map(tuple, p[1])), p[2])
+                      for p in delta.prompt_logprobs]
+            for choice in self._choices_of(seq):
+                choice.text.prompt_logprobs = scored
         if delta.embedding is not None:
             text.embedding = delta.embedding
         lp = TokenLogprobs(delta.logprob, tuple(delta.top or ())) if delta.logprob is not None else None
@@ -169,6 +171,15 @@ class Generation:
                                   seq.tokens)  # each prompt counted once, not once per choice
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],
                      reason)
+
+    def _choices_of(self, first: Sequence) -> list[Sequence]:
+        """The n choices of `first`'s prompt (itself the first)."""
+        choices = [first]
+        for seq in self.sequences[first.index + 1:]:
+            if seq.first_of_prompt:
+                break
+            choices.append(seq)
+        return choices
 
     def _timing(self, seq: Sequence, now: float) -> None:
         seq.tokens += 1

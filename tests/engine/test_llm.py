@@ -262,6 +262,19 @@ def test_mean_and_first_token_pooling_through_chunks_and_preemption(llm, transfo
             assert float(vector @ other) < 0.99  # not the last token's
 
 
+def test_n_choices_score_their_prompt_once_and_share_its_blocks(llm):
+    """n = 4 with prompt_logprobs: the first choice scores the prompt (computed whole), the other three share its
+    cached blocks (a prefix-cache hit each), and the prompt's logprobs are those of n = 1."""
+    kv = llm.core.kv
+    one = llm.generate(SCORED[1], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    hits = kv.hits
+    four = llm.generate(SCORED[1], SamplingParams(n=4, temperature=0.8, seed=3, max_tokens=2, prompt_logprobs=1))[0]
+    assert kv.hits - hits >= 3 * (len(four.prompt_token_ids) - kv.block_size) > 0  # (whole blocks only)
+    for a, b in zip(one.prompt_logprobs[1:], four.prompt_logprobs[1:], strict=True):
+        assert b.logprob == pytest.approx(a.logprob, abs=1e-4) and [t for t, _ in b.top] == [t for t, _ in a.top]
+    assert len(four.outputs) == 4
+
+
 def test_prompt_logprobs_through_chunks_and_preemption(llm):
     """A prompt prefilled in chunks of 16 tokens, under preemptions (here after the prompts; one halfway through a
     prompt: test_engine's runner test), gives every position's logprob once, as one pass does; a prompt-scoring

@@ -573,6 +573,13 @@ def test_echo_with_logprobs_scores_the_prompt(appliance, client):
         mine = entry[str(token)]
         assert mine["logprob"] == pytest.approx(logprob, abs=1e-3) and mine["rank"] >= 1
         assert 1 <= len(entry) <= 2 and min(e["rank"] for e in entry.values()) == 1
+    choices = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, n=3,
+                                        extra_body={"prompt_logprobs": 1}).choices  # scored once, every choice's
+    for choice in choices:
+        scored = choice.model_extra["prompt_logprobs"]
+        assert scored[0] is None and len(scored) == len(ids)
+        assert [e[str(t)]["logprob"] for t, e in zip(ids[1:], scored[1:], strict=True)] == \
+            pytest.approx([e[str(t)]["logprob"] for t, e in zip(ids[1:], vllm[1:], strict=True)], abs=1e-3)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                           extra_body={"prompt_logprobs": 0})
     scored_chat = chat.model_extra["prompt_logprobs"]
