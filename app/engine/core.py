@@ -134,8 +134,10 @@ class EngineCore:
         started = time.perf_counter()
         try:
             result = self.executor.execute(plan)
+            elapsed = time.perf_counter() - started
             if self.cost is not None and not self._scores_prompts(plan) and not self._drafted(plan):
-                self.cost.observe(plan.shape(), time.perf_counter() - started)
+                self.cost.observe(plan.shape(), elapsed)
+            self.scheduler.charge_grammars(plan, elapsed, result.grammar_seconds)
         except ExecutorFailed:  # no step can run any more: the engine ends (its supervisor restarts it)
             raise
         except Exception:  # a bug must not take every other request down: fail this step's requests only

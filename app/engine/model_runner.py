@@ -36,6 +36,9 @@ class RunnerOutput:
     # and their logprobs where the request asked
     accepted: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> the CPU seconds its grammar took in this step (its masks, and advancing past its tokens): the
+    # scheduler holds back a client request whose grammar outlasts its share of the step (Scheduler.charge_grammars)
+    grammar_seconds: dict[str, float] = field(default_factory=dict)
 
 
 # Prompt rows whose logits are taken at once for prompt logprobs: [rows, vocab] float32 twice (logits, log-softmax),
@@ -111,6 +114,9 @@ class ModelRunner:
             vectors = torch.nn.functional.normalize(pooled, dim=-1).tolist()
             for k, vector in zip(embed, vectors, strict=True):
                 collected.embeddings[output.requests[rows[k]].request_id] = vector
+        for i, state in zip(rows, states, strict=True):
+            if state.matcher is not None and (seconds := state.mask_clock.step_seconds()) > 0:
+                collected.grammar_seconds[output.requests[i].request_id] = seconds
         return collected
 
     def _verify(self, requests: list[ScheduledRequest], states: list[SamplingState], logits: torch.Tensor,

@@ -9,7 +9,9 @@ and it is recomputed later. The only output is a frozen SchedulerOutput for the 
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,12 @@ from app.engine.step_cost import MIN_CHUNK, StepCost, StepShape
 # changes where decodes are fast (on Zen 4/5, or with few streams), and a step whose decodes alone exceed the
 # budget still takes new prompts.
 PREFILL_PER_DECODE = 3.0
+# A client request's grammar (structured outputs, forced tool calls: masks and advances, on the step's path) may
+# take up to this share of the time of the steps it is in, beside other client requests; what it takes beyond that
+# it waits out, twice over, while the others run on (Scheduler.charge_grammars): each other stream then keeps at
+# least 1 / (1 + GRAMMAR_SHARE) of its speed, where a grammar just under the engine's limits (0.05 s a token) had
+# held it to a seventh. Grammars of 0.1-20 ms a token are within their share wherever a step takes longer.
+GRAMMAR_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -125,8 +133,9 @@ class StepBudget:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, cost: StepCost | None = None):
-        self.cfg, self.kv = cfg, kv
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, cost: StepCost | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.kv, self.clock = cfg, kv, clock
         self.cost = cost if cfg.chunked_prefill else None  # a time budget works by chunking prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started
@@ -136,6 +145,7 @@ class Scheduler:
         self.peak_running = 0  # the most requests running at once so far (benchmarks reset it)
         self._runner_knows: set[str] = set()  # request ids sent in a step's new_requests
         self._finished_ids: list[str] = []  # ...of those, the ones that ended since the last step
+        self.held_until: dict[str, float] = {}  # client request -> when its slow grammar's wait ends (clock's time)
 
     # --- requests in and out ---
 
@@ -175,8 +185,9 @@ class Scheduler:
         budget = StepBudget(self.cfg.max_num_batched_tokens, self.cost)
         chosen: list[tuple[Request, int]] = []  # (request, its real tokens this step)
         preempted: list[str] = []
+        held = self._held()
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if request not in self.running:  # preempted earlier in this loop
+            if request not in self.running or request in held:  # preempted earlier in this loop, or held back
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
             count = budget.fit(request.num_computed_tokens, remaining, 0.5 if self.waiting else 1.0)
@@ -195,6 +206,35 @@ class Scheduler:
         finished, self._finished_ids = tuple(self._finished_ids), []
         scheduled = tuple(self._scheduled(r, n, drafts.get(r.request_id, ())) for r, n in chosen)
         return SchedulerOutput(scheduled, tuple(preempted), new, finished)
+
+    def _held(self) -> list[Request]:
+        """The running requests whose client request waits out its grammar's time (charge_grammars), unless they are
+        all that runs: a wait is for the others' sake."""
+        now = self.clock()
+        self.held_until = {client: until for client, until in self.held_until.items() if until > now}
+        if not self.held_until:
+            return []
+        held = [r for r in self.running if client_of(r.request_id) in self.held_until]
+        return held if len(held) < len(self.running) else []
+
+    def charge_grammars(self, output: SchedulerOutput, step_seconds: float, grammar_seconds: dict[str, float]) -> None:
+        """After a step (`step_seconds` long, wall time, the grammars' time included) whose requests' grammars took
+        `grammar_seconds` (request id -> CPU seconds, RunnerOutput.grammar_seconds): a client request (its prompts
+        and n choices together) whose grammars took more than GRAMMAR_SHARE of the step's other time, in a step
+        with other client requests, is held back for twice the excess (its sequences keep their blocks and
+        state). Alone in its steps it waits for nobody; the engine's own limits (structured.py's MaskClock) still
+        end a grammar that is slow outright."""
+        clients = {client_of(r.request_id) for r in output.requests}
+        if not grammar_seconds or len(clients) < 2:
+            return
+        taken: dict[str, float] = {}
+        for request_id, seconds in grammar_seconds.items():
+            taken[client_of(request_id)] = taken.get(client_of(request_id), 0.0) + seconds
+        allowed = GRAMMAR_SHARE * max(step_seconds - sum(grammar_seconds.values()), 0.0)
+        now = self.clock()
+        for client, seconds in taken.items():
+            if seconds > allowed:
+                self.held_until[client] = now + (seconds - allowed) / GRAMMAR_SHARE
 
     def _speculating(self) -> bool:
         return self.cfg.speculative is not None and len(self.running) <= self.cfg.speculative.max_batch
@@ -363,7 +403,13 @@ def fair_order(waiting) -> list[Request]:
         if request.status == Status.PREEMPTED:
             keys.append((0, 0, position))
             continue
-        group = request.request_id.rsplit("-", 1)[0]
+        group = client_of(request.request_id)
         keys.append((1, rounds.get(group, 0), position))
         rounds[group] = rounds.get(group, 0) + 1
     return [request for _, request in sorted(zip(keys, waiting, strict=True), key=lambda pair: pair[0])]
+
+
+def client_of(request_id: str) -> str:
+    """The client request an engine request is a sequence of (one of its prompts or n choices): its id up to its
+    last "-" (the frontend's `cmpl-<id>-<index>`)."""
+    return request_id.rsplit("-", 1)[0]

@@ -289,15 +289,22 @@ class FailedMatcher:
 class MaskClock:
     """One sequence's grammar's time a token in the engine (each step waits for it, every running request with it):
     `spent` adds the time of advancing the matcher by a token (llguidance computes what it forces next there),
-    `ok` that of the next mask and says whether the grammar may go on."""
+    `ok` that of the next mask and says whether the grammar may go on; `step_seconds` the time of both since it was
+    last asked (the scheduler holds back a request whose grammar takes more than its share of a step)."""
 
     def __init__(self):
-        self.slow, self.slow_seconds, self.pending = 0, 0.0, 0.0
+        self.slow, self.slow_seconds, self.pending, self.unreported = 0, 0.0, 0.0, 0.0
 
     def spent(self, seconds: float) -> None:
         self.pending += seconds
+        self.unreported += seconds
+
+    def step_seconds(self) -> float:
+        seconds, self.unreported = self.unreported, 0.0
+        return seconds
 
     def ok(self, seconds: float) -> bool:
+        self.unreported += seconds
         seconds, self.pending = seconds + self.pending, 0.0
         if seconds > SLOW_STEP_SECONDS:
             self.slow, self.slow_seconds = self.slow + 1, self.slow_seconds + seconds

@@ -219,6 +219,50 @@ def test_structured_outputs_keep_their_grammar_through_batching_and_preemption(l
     assert core.kv.usage() == 0.0 and steps == []  # aborted before their prompts were computed
 
 
+def test_a_request_whose_grammar_outlasts_its_share_waits_while_another_runs(loaded, prompts, monkeypatch):
+    """Each step reports its grammars' time for the requests that have one (RunnerOutput.grammar_seconds), and the
+    core charges it to the scheduler: with GRAMMAR_SHARE next to nothing, the grammar's request, once charged beside
+    a plain one, does not run again until the plain one has finished, and then gives the tokens it gives alone."""
+    from app.engine import scheduler
+    from app.engine.structured import grammar_for
+    from app.model.tokenizer import tokenizer_json
+
+    source = resolve_source(ModelSpec())
+    held = SamplingParams(temperature=0, max_tokens=12, grammar=grammar_for("regex", r" ?[A-Za-z]+( [A-Za-z]+){2,5}\."))
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(requests):
+        core = local_engine(loaded.model, KVCacheConfig(256, BLOCK), SchedulerConfig(8, 512, 4096, True), "m",
+                            tokenizer_json=lambda: tokenizer_json(source))
+        real, steps = core.executor.runner.execute, []
+
+        def execute(output):
+            result = real(output)
+            steps.append(([r.request_id for r in output.requests], dict(result.grammar_seconds)))
+            return result
+
+        core.executor.runner.execute = execute
+        for request_id, ids, params in requests:
+            core.add_request(request_id, ids, params, loaded.tokenizer.eos_token_id)
+        out = {request_id: [] for request_id, _, _ in requests}
+        while core.has_work():
+            for delta in core.step():
+                if delta.token_id is not None:
+                    out[delta.request_id].append(delta.token_id)
+        return out, steps
+
+    alone, _ = run([("g-0", prompts[0], held)])
+    monkeypatch.setattr(scheduler, "GRAMMAR_SHARE", 1e-9)
+    together, steps = run([("g-0", prompts[0], held), ("p-0", prompts[1], plain)])
+    assert together["g-0"] == alone["g-0"] and len(together["p-0"]) == 8
+    assert all(set(seconds) <= {"g-0"} and all(t > 0 for t in seconds.values()) for _, seconds in steps)
+    assert all("g-0" in seconds for ids, seconds in steps if "g-0" in ids)
+    plain_steps = [ids for ids, _ in steps if "p-0" in ids]  # (g-0 may start later: its grammar is compiled first)
+    first = next(i for i, ids in enumerate(plain_steps) if "g-0" in ids)
+    assert len(plain_steps) == 8 and first < 6
+    assert all(ids == ["p-0"] for ids in plain_steps[first + 1:])  # g-0 held back from its first charge on
+
+
 def test_a_grammar_compiled_for_a_waiting_request_is_its_own_past_the_compile_cache(loaded, prompts):
     """A request that waits (one sequence a step, another running) while 40 other grammars are compiled after its
     own: the cache of 32 compiled grammars has dropped its grammar by the time it starts, and it still starts from

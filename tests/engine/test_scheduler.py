@@ -512,3 +512,39 @@ def test_a_request_whose_grammar_failed_or_is_compiling_is_not_admitted():
     futures[3].set_result(None)  # done: the runner compiles it itself
     out = h.sched.schedule()
     assert [r.request_id for r in out.requests] == ["plain", "3"] and out.new_requests[0].compiled is None
+
+
+def test_a_client_request_whose_grammar_outlasts_its_share_of_a_step_waits_while_others_run():
+    """charge_grammars: grammars that took 0.2 s of a 0.21 s step (0.01 s the model's) beside another client request
+    hold their client request (both its sequences) back for twice what they took over GRAMMAR_SHARE of 0.01 s, while
+    the other runs on; after the wait, or alone, it runs. Grammars within their share, or alone in their step, hold
+    nothing back."""
+    from app.engine.scheduler import GRAMMAR_SHARE
+
+    now = [100.0]
+    h = make()
+    h.sched.clock = lambda: now[0]
+    for rid in ("slow-0", "slow-1", "other-0"):
+        h.add(rid, [1, 2, 3], max_tokens=50)
+    both = h.step()
+    assert len(both.requests) == 3
+    h.sched.charge_grammars(both, 0.21, {"slow-0": 0.12, "slow-1": 0.08})
+    wait = (0.2 - GRAMMAR_SHARE * 0.01) / GRAMMAR_SHARE
+    assert h.sched.held_until == {"slow": pytest.approx(100.0 + wait)}
+    assert [r.request_id for r in h.step().requests] == ["other-0"]
+    now[0] += wait - 0.01
+    assert [r.request_id for r in h.step().requests] == ["other-0"]
+    now[0] += 0.02
+    out = h.step()
+    assert sorted(r.request_id for r in out.requests) == ["other-0", "slow-0", "slow-1"] and not h.sched.held_until
+    h.sched.charge_grammars(out, 0.21, {"slow-0": 0.03, "slow-1": 0.02})  # 0.05 <= 0.16 * GRAMMAR_SHARE: its share
+    assert not h.sched.held_until
+    h.sched.finish("other-0", FinishReason.ABORT)
+    alone = h.step()
+    h.sched.charge_grammars(alone, 1.0, {"slow-0": 0.9})  # nobody else in the step: nobody waited for it
+    assert not h.sched.held_until
+    h.sched.held_until["slow"] = now[0] + 10  # held, but all that runs: it runs
+    assert sorted(r.request_id for r in h.step().requests) == ["slow-0", "slow-1"]
+    for rid in ("slow-0", "slow-1"):
+        h.sched.finish(rid, FinishReason.ABORT)
+    h.assert_no_leaks()
