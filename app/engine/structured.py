@@ -78,6 +78,10 @@ def check_grammar(grammar: str, tokenizer) -> str | None:
 # calls and regexes take 0.1-20 ms one), and some grammars that compile fail only in their first masks.
 TRIAL_TOKENS = 4
 TRIAL_SECONDS = 0.5
+# ... of the trial thread's CPU time, not the wall clock's: where the frontend shares its cores with a busy engine
+# (machines under 8 CPUs) a grammar's trial could take twice its CPU time, and fail grammars the engine would run
+# well. Past TRIAL_WALL_SECONDS on the wall clock it fails whatever its CPU time.
+TRIAL_WALL_SECONDS = 2.0
 # In the engine, a sequence whose grammar takes longer than SLOW_MASK_SECONDS for a token once (its mask, and the
 # advance past the token before), or longer than SLOW_STEP_SECONDS SLOW_STEPS times or for SLOW_TOTAL_SECONDS in
 # all, fails (MaskClock): grammars the trial let through (it follows one path, of a few tokens) can still be slow
@@ -108,8 +112,8 @@ def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
     """Why `grammar` cannot constrain an output, found by following it for its first `tokens` tokens as the engine
     would (each step's mask, then the lowest token it allows but the end): llguidance's error (one of its limits
     hit: a language without a finite text, a regex too big to run), no token allowed, or (a SlowGrammar) tokens that
-    take over `seconds` in all, or every one after the first over SLOW_STEP_SECONDS of CPU time, which the engine
-    would abort; None where it can. The tokens are followed on a thread of their own (llguidance lets go of the GIL
+    take over `seconds` of CPU time in all (or TRIAL_WALL_SECONDS on the wall clock), or every one after the first
+    over SLOW_STEP_SECONDS, which the engine would abort; None where it can. The tokens are followed on a thread of their own (llguidance lets go of the GIL
     while it computes a mask, not while it advances past a token); one that overruns stops at its next token, and
     while MAX_TRIALS of those run, this raises GrammarBusy rather than start another."""
     from llguidance import LLMatcher
@@ -122,10 +126,12 @@ def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
         raise GrammarBusy("the server is still computing other grammars' too complex masks; try again later")
     done, stop = threading.Event(), threading.Event()
     found: list[str] = []
+    clock: list[int] = []  # the trial thread's CPU-time clock
     eos = tokenizer.eos_token
 
     def follow() -> None:
         try:
+            clock.append(time.pthread_getcpuclockid(threading.get_ident()))
             times = []
             for _ in range(tokens):
                 if stop.is_set():
@@ -153,11 +159,22 @@ def first_mask_problem(grammar: str, tokenizer, tokens: int = TRIAL_TOKENS,
             slots.release()
 
     threading.Thread(target=follow, name="grammar-trial", daemon=True).start()
-    if not done.wait(seconds):
-        stop.set()
-        return SlowGrammar(f"its first tokens' choices took over {seconds:g} s to compute (the engine computes them "
-                           "for every token, while every other request waits): too complex a grammar to serve")
+    give_up = time.monotonic() + max(TRIAL_WALL_SECONDS, seconds)
+    while not done.wait(min(seconds, 0.05)):
+        if _cpu_seconds(clock) > seconds or time.monotonic() > give_up:
+            stop.set()
+            return SlowGrammar(f"its first tokens' choices took over {seconds:g} s to compute (the engine computes "
+                               "them for every token, while every other request waits): too complex a grammar to serve")
     return found[0] if found else None
+
+
+def _cpu_seconds(clock: list[int]) -> float:
+    """The CPU time of the thread whose clock is clock[0] (0 before it has one; once it has ended, the kernel
+    refuses its clock: then 0 too, and done is set)."""
+    try:
+        return time.clock_gettime(clock[0]) if clock else 0.0
+    except OSError:
+        return 0.0
 
 
 class Grammars:

@@ -3,6 +3,8 @@ the default model's real tokenizer: masks, failures, the compile cache, choices 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -284,6 +286,35 @@ def test_the_frontends_trial_refuses_grammars_that_fail_or_stall_in_their_first_
             first_mask_problem(grammar_for("regex", "[ab]+"), tokenizer)
     finally:
         structured._trials = real
+
+
+def test_the_trials_budget_is_its_cpu_time_not_the_wall_clocks(text, monkeypatch):
+    """A trial whose thread waits rather than computes (as one does that shares its core with a busy engine) is not
+    refused on the wall clock's time, up to TRIAL_WALL_SECONDS: here a matcher whose masks sleep 0.15 s, against a
+    0.1 s budget, passes; past TRIAL_WALL_SECONDS (lowered) it is refused."""
+    import llguidance
+
+    from app.engine import structured
+    from app.engine.structured import first_mask_problem, tokenizer_from_json
+
+    real = llguidance.LLMatcher
+
+    class Sleepy:  # (llguidance's matcher, its masks 0.15 s later)
+        def __init__(self, *args, **kwargs):
+            self.matcher = real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+        def compute_bitmask(self):
+            time.sleep(0.15)
+            return self.matcher.compute_bitmask()
+
+    tokenizer, grammar = tokenizer_from_json(text, VOCAB, 2), grammar_for("regex", "[ab]+")
+    monkeypatch.setattr(llguidance, "LLMatcher", Sleepy)
+    assert first_mask_problem(grammar, tokenizer, tokens=2, seconds=0.1) is None
+    monkeypatch.setattr(structured, "TRIAL_WALL_SECONDS", 0.2)
+    assert isinstance(first_mask_problem(grammar, tokenizer, tokens=2, seconds=0.1), structured.SlowGrammar)
 
 
 def test_a_mask_slower_than_the_engine_allows_fails_its_row(grammars, hf, monkeypatch):
