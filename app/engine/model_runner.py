@@ -64,6 +64,7 @@ class ModelRunner:
         self._starts = torch.zeros(max_num_seqs + 1, dtype=torch.int64)
         self._prompt_rows = torch.zeros(max_num_seqs, dtype=torch.int64)
         self._last_rows = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self._hidden_rows = torch.zeros(max_num_seqs, dtype=torch.int64)
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # (seqs, tokens, width) -> the batch's
 
     @property
@@ -247,6 +248,8 @@ class ModelRunner:
         self._lens.numpy()[:seqs] = computed + counts
         self._prompt_rows.numpy()[:seqs] = np.fromiter((r.prompt_rows for r in requests), np.int64, seqs)
         np.subtract(starts[1:], 1, out=self._last_rows.numpy()[:seqs])
+        self._hidden_rows.numpy()[:seqs] = np.fromiter((len(r.token_ids) if r.hidden_rows is None else r.hidden_rows
+                                                        for r in requests), np.int64, seqs)
         # The buffers' views for this shape, made once (up to 512 shapes): seven slices and a subtraction in torch
         # were ~0.05 ms of a batch-1 decode step's ~0.25 ms here (Zen 4).
         views = self._views.get((seqs, t, width))
@@ -255,7 +258,8 @@ class ModelRunner:
                 self._views.clear()
             views = self._views[(seqs, t, width)] = (
                 self._positions[:t], self._slots[:t], self._tables[: seqs * width].view(seqs, width), self._lens[:seqs],
-                self._starts[: seqs + 1], self._last_rows[:seqs], self._prompt_rows[:seqs], self._ids[:t])
+                self._starts[: seqs + 1], self._last_rows[:seqs], self._prompt_rows[:seqs], self._hidden_rows[:seqs],
+                self._ids[:t])
         return ForwardBatch(*views[:-1]), views[-1]
 
     def _collect(self, request_ids: list[str], states: list[SamplingState], result,

@@ -56,6 +56,10 @@ class ScheduledRequest:
     sample: bool  # True when this step reaches the request's last token, so a new token is sampled
     prompt_rows: int = 0  # of token_ids, the leading ones that are prompt tokens (the rest: generated ones)
     draft_ids: tuple[int, ...] = ()  # of token_ids, the trailing ones that are drafts (app/engine/speculative.py)
+    # of token_ids, how many trailing ones need their final hidden state: the rows sampled (the token's and the
+    # drafts'), every row of a prompt whose request scores or pools it (SamplingParams.whole_prompt), none of a
+    # chunk that samples nothing; None: all (ForwardBatch.hidden_rows)
+    hidden_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -335,9 +339,13 @@ class Scheduler:
 
     def _scheduled(self, request: Request, count: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
+        sample, prompt_rows = start + count == request.num_tokens, min(count, max(0, len(request.prompt_ids) - start))
+        if prompt_rows and request.params.whole_prompt:
+            hidden = count + len(draft)
+        else:
+            hidden = 1 + len(draft) if sample else 0
         return ScheduledRequest(request.request_id, (*request.token_ids(start, start + count), *draft), start,
-                                self.kv.block_ids(request.request_id), start + count == request.num_tokens,
-                                min(count, max(0, len(request.prompt_ids) - start)), draft)
+                                self.kv.block_ids(request.request_id), sample, prompt_rows, draft, hidden)
 
     # --- after the step ---
 

@@ -384,11 +384,15 @@ class DecoderStack:
                               None if k_norm is None else _ref(k_norm, "k_norm", dims=1), **mixture)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, q_starts: torch.Tensor, prompt_rows: torch.Tensor) -> None:
+            context_lens: torch.Tensor, q_starts: torch.Tensor, prompt_rows: torch.Tensor,
+            hidden_rows: torch.Tensor | None = None) -> None:
         # in place: x [T, hidden] embeddings -> the final hidden states (after the model's last norm);
-        # prompt_rows [S]: how many of each sequence's rows (its first) are prompt tokens
+        # prompt_rows [S]: how many of each sequence's rows (its first) are prompt tokens; hidden_rows [S] (None:
+        # all): how many of each one's rows (its last) get their final hidden state (the others' are left as they
+        # are: the last layer computes only their keys and values)
         self._stack.run(_ref(x, "x", dims=2), _ref(positions, "positions", (torch.int64,), 1),
                         _ref(slot_mapping, "slot_mapping", (torch.int64,), 1),
                         _ref(block_tables, "block_tables", (torch.int32,), 2),
                         _ref(context_lens, "context_lens", (torch.int32,), 1), _ref(q_starts, "q_starts", (torch.int64,), 1),
-                        _ref(prompt_rows, "prompt_rows", (torch.int64,), 1))
+                        _ref(prompt_rows, "prompt_rows", (torch.int64,), 1),
+                        None if hidden_rows is None else _ref(hidden_rows, "hidden_rows", (torch.int64,), 1))

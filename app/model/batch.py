@@ -22,6 +22,9 @@ class ForwardBatch:
     q_starts: torch.Tensor  # [S + 1] int64: offsets of each sequence's new tokens
     logit_indices: torch.Tensor  # [S] int64: the token of each sequence whose logits are wanted (its last)
     prompt_rows: torch.Tensor  # [S] int64: how many of each sequence's new tokens (its first) are prompt tokens
+    # [S] int64, or None for all: how many of each sequence's new tokens (its last) need their final hidden state
+    # (ScheduledRequest.hidden_rows); the native layer stack leaves the others' rows of its output as they were
+    hidden_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -80,7 +80,8 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[KVCache]) -> torch.Tensor:
-        # input_ids: [T] -> final hidden states [T, H]
+        # input_ids: [T] -> final hidden states [T, H] (on the native stack, only batch.hidden_rows' rows: the other
+        # rows are left as they are, ForwardBatch.hidden_rows)
         from app import kernels
 
         if isinstance(self.embed, PackedWeight):
@@ -90,7 +91,7 @@ class LlamaForCausalLM:
         stack = self._native_stack(caches) if self.native_stack else None
         if stack is not None:
             stack.run(x, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens, batch.q_starts,
-                      batch.prompt_rows)
+                      batch.prompt_rows, batch.hidden_rows)
             return x
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):

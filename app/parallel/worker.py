@@ -27,8 +27,9 @@ IDLE_POLL = 1.0  # seconds a worker waits for a step before looking at its paren
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
-    # per request: (token ids, tokens already cached, block table, how many of the ids are prompt tokens)
-    requests: list[tuple[list[int], int, list[int], int]]
+    # per request: (token ids, tokens already cached, block table, how many of the ids are prompt tokens, how many
+    # (the last) need their final hidden state or -1 for all: every rank's last layer must run the same rows)
+    requests: list[tuple[list[int], int, list[int], int, int]]
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):
@@ -41,8 +42,8 @@ decode = msgspec.msgpack.Decoder(Step | Stop).decode
 
 def encode_step(output) -> bytes:
     """A SchedulerOutput as the workers need it: what to compute and where its K/V go (no sampling)."""
-    return encoder.encode(Step([(list(r.token_ids), r.num_computed, list(r.block_ids), r.prompt_rows)
-                                for r in output.requests]))
+    return encoder.encode(Step([(list(r.token_ids), r.num_computed, list(r.block_ids), r.prompt_rows,
+                                 -1 if r.hidden_rows is None else r.hidden_rows) for r in output.requests]))
 
 
 def start_workers(launches: list[RankLaunch], group_name: str, bind: bool) -> list[multiprocessing.Process]:
@@ -127,8 +128,9 @@ def _serve(group, runner) -> None:
         step = decode(message)
         if isinstance(step, Stop):
             return
-        output = SchedulerOutput(tuple(ScheduledRequest("", tuple(ids), computed, tuple(blocks), False, prompt)
-                                       for ids, computed, blocks, prompt in step.requests))
+        output = SchedulerOutput(tuple(
+            ScheduledRequest("", tuple(ids), computed, tuple(blocks), False, prompt, hidden_rows=None if hidden < 0
+                             else hidden) for ids, computed, blocks, prompt, hidden in step.requests))
         runner.forward(output)
 
 

@@ -64,6 +64,9 @@ struct StepBatch {  // as ForwardBatch (app/model/batch.py)
   const int32_t* context_lens;  // [S]
   const int64_t* q_starts;      // [S + 1]
   const int64_t* prompt_rows;   // [S]: how many of each sequence's rows (its first) are prompt tokens
+  // [S], or null for all: how many of each sequence's rows (its last) need their final hidden state (the rows it
+  // samples, or a prompt's every row for its logprobs); the others' keys and values are all the last layer computes
+  const int64_t* hidden_rows;
   int64_t tokens, seqs, max_blocks_per_seq;
 };
 
@@ -90,11 +93,14 @@ class DecoderStack {
   size_t num_layers() const { return layers_.size(); }
   const DecoderShape& shape() const { return shape_; }
 
-  // x: [T, hidden] contiguous, the embeddings in; the final hidden states (after the last norm) out.
+  // x: [T, hidden] contiguous, the embeddings in; the final hidden states (after the last norm) out, in the rows
+  // batch.hidden_rows asks for (the others' are left as they are).
   void run(void* x, const StepBatch& batch);
 
  private:
   void find_runs(const StepBatch& batch);
+  int64_t find_kept(const StepBatch& batch);
+  void second_half(const DecoderLayerWeights& l, void* x, uint8_t* residual, const void* attn, int64_t rows);
   const std::vector<RowRun>& slab_runs(int64_t t0, int64_t n);
   void row_parallel(const PackedMatrix& w, const void* in, void* x, const std::vector<RowRun>& runs);
   void mixture(const Experts& e, void* x, int64_t n, const std::vector<RowRun>& runs);
@@ -106,6 +112,9 @@ class DecoderStack {
   std::vector<DecoderLayerWeights> layers_;
   std::vector<std::vector<uint8_t>> scratch_;
   std::vector<RowRun> runs_, slab_;  // this step's (find_runs), a slab's (slab_runs)
+  // the rows whose final hidden state the step gives (find_kept), each sequence's first among them, and how many
+  // of each sequence's are prompt rows: the last layer's StepBatch
+  std::vector<int64_t> kept_, kept_starts_, kept_prompt_;
   std::vector<QType> qtypes_;        // the weights' types (find_runs: whether any runs prompt rows its own way)
   // mixture(): a slab's (token, choice) pairs grouped by expert
   std::vector<int64_t> choice_expert_, choice_order_, expert_count_, ranked_, row_of_, next_row_;

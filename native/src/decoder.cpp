@@ -258,6 +258,52 @@ bool DecoderStack::one_row_experts(const Experts& e, const uint8_t* routed, floa
   return true;
 }
 
+// The rows whose final hidden state the step gives (b.hidden_rows: each sequence's last ones) into kept_, with
+// each sequence's first among them (kept_starts_) and its prompt rows among them (kept_prompt_); returns how many.
+int64_t DecoderStack::find_kept(const StepBatch& b) {
+  kept_.clear(), kept_starts_.assign(1, 0), kept_prompt_.clear();
+  for (int64_t s = 0; s < b.seqs; ++s) {
+    const int64_t rows = b.q_starts[s + 1] - b.q_starts[s];
+    const int64_t keep = b.hidden_rows ? std::clamp<int64_t>(b.hidden_rows[s], 0, rows) : rows;
+    for (int64_t t = b.q_starts[s + 1] - keep; t < b.q_starts[s + 1]; ++t) kept_.push_back(t);
+    kept_starts_.push_back(static_cast<int64_t>(kept_.size()));
+    kept_prompt_.push_back(std::max<int64_t>(0, b.prompt_rows[s] - (rows - keep)));  // (prompt rows come first)
+  }
+  return static_cast<int64_t>(kept_.size());
+}
+
+// A layer's second half on `rows` rows (runs_ says their roles): o, the residual add and norm, then the MLP or
+// the experts; x: the attention's projection in, the layer's output out, in place
+void DecoderStack::second_half(const DecoderLayerWeights& l, void* x, uint8_t* residual, const void* attn,
+                               int64_t rows) {
+  const DecoderShape& s = shape_;
+  const DType dt = s.dtype;
+  const int64_t H = s.hidden, E = element_bytes(dt), q_width = s.q_heads * s.head_dim;
+  const int64_t mlp_rows = std::min(rows, kMlpRows);
+  void* gate_up = buffer(3, mlp_rows * 2 * s.inter * E);
+  void* act = buffer(4, mlp_rows * s.inter * E);
+  for (int64_t t0 = 0; t0 < rows; t0 += kMlpRows) {  // row-wise from here on: a slab of rows at a time
+    const int64_t n = std::min(kMlpRows, rows - t0);
+    uint8_t* xs = static_cast<uint8_t*>(x) + t0 * H * E;
+    const std::vector<RowRun>& runs = slab_runs(t0, n);
+    row_parallel(l.o, static_cast<const uint8_t*>(attn) + t0 * q_width * E, xs, runs);
+    kernels().add_rms_norm({dt, xs, residual + t0 * H * E, l.post_norm, n, H, H, H, s.eps});
+    if (l.experts.router) continue;  // the experts below, on more rows at a time
+    linear(l.gate_up, s.act, dt, dt, gate_up, xs, runs, 2 * s.inter);
+    kernels().silu_and_mul({dt, act, gate_up, n, s.inter, 2 * s.inter, s.inter});
+    row_parallel(l.down, act, xs, runs);
+  }
+  for (int64_t t0 = 0; l.experts.router && t0 < rows; t0 += kMoeRows) {
+    const int64_t n = std::min(kMoeRows, rows - t0);
+    mixture(l.experts, static_cast<uint8_t*>(x) + t0 * H * E, n, slab_runs(t0, n));
+  }
+}
+
+// Every layer on every row, but the last layer's second half, attention included, only on the rows whose final
+// hidden state is wanted (llama.cpp's way): a prompt's other rows need only their keys and values there. A
+// 128-token prompt of the default model saves 2.8% of its linears this way, a prompt chunk that samples nothing
+// its last layer's whole second half. Each kept row's arithmetic is what it would be among all rows (the kernels'
+// results do not depend on the rows beside them), so the bits are the same.
 void DecoderStack::run(void* x, const StepBatch& b) {
   const DecoderShape& s = shape_;
   const DType dt = s.dtype;
@@ -266,10 +312,8 @@ void DecoderStack::run(void* x, const StepBatch& b) {
   uint8_t* residual = static_cast<uint8_t*>(buffer(0, T * H * E));
   uint8_t* qkv = static_cast<uint8_t*>(buffer(1, T * qkv_width * E));
   void* attn = buffer(2, T * q_width * E);
-  const int64_t mlp_rows = std::min(T, kMlpRows);
-  void* gate_up = buffer(3, mlp_rows * 2 * s.inter * E);
-  void* act = buffer(4, mlp_rows * s.inter * E);
   find_runs(b);
+  const int64_t K = find_kept(b);
   std::memset(residual, 0, T * H * E);  // so the first layer's add_rms_norm makes residual = x (zero bits are 0.0)
   for (const DecoderLayerWeights& l : layers_) {
     kernels().add_rms_norm({dt, x, residual, l.input_norm, T, H, H, H, s.eps});
@@ -288,24 +332,31 @@ void DecoderStack::run(void* x, const StepBatch& b) {
                                 qkv_width, s.max_position});
     kernels().write_kv_cache({dt, k, v, l.key_cache, l.value_cache, b.slot_mapping, T, s.kv_heads, D, s.block_size,
                               s.num_blocks, qkv_width, qkv_width, s.cache_dtype});
-    kernels().paged_attention({dt, attn, q, l.key_cache, l.value_cache, b.block_tables, b.context_lens, b.q_starts,
-                               b.seqs, s.q_heads, s.kv_heads, D, s.block_size, b.max_blocks_per_seq, s.num_blocks,
-                               qkv_width, q_width, s.scale, s.cache_dtype});
-    for (int64_t t0 = 0; t0 < T; t0 += kMlpRows) {  // row-wise from here on: a slab of rows at a time
-      const int64_t n = std::min(kMlpRows, T - t0);
-      uint8_t* xs = static_cast<uint8_t*>(x) + t0 * H * E;
-      const std::vector<RowRun>& runs = slab_runs(t0, n);
-      row_parallel(l.o, static_cast<uint8_t*>(attn) + t0 * q_width * E, xs, runs);
-      kernels().add_rms_norm({dt, xs, residual + t0 * H * E, l.post_norm, n, H, H, H, s.eps});
-      if (l.experts.router) continue;  // the experts below, on more rows at a time
-      linear(l.gate_up, s.act, dt, dt, gate_up, xs, runs, 2 * s.inter);
-      kernels().silu_and_mul({dt, act, gate_up, n, s.inter, 2 * s.inter, s.inter});
-      row_parallel(l.down, act, xs, runs);
+    if (&l != &layers_.back() || K == T) {
+      kernels().paged_attention({dt, attn, q, l.key_cache, l.value_cache, b.block_tables, b.context_lens, b.q_starts,
+                                 b.seqs, s.q_heads, s.kv_heads, D, s.block_size, b.max_blocks_per_seq, s.num_blocks,
+                                 qkv_width, q_width, s.scale, s.cache_dtype});
+      second_half(l, x, residual, attn, T);
+      continue;
     }
-    for (int64_t t0 = 0; l.experts.router && t0 < T; t0 += kMoeRows) {
-      const int64_t n = std::min(kMoeRows, T - t0);
-      mixture(l.experts, static_cast<uint8_t*>(x) + t0 * H * E, n, slab_runs(t0, n));
+    // the last layer on the kept rows: their queries and residuals gathered, the result scattered back into x
+    uint8_t* kept_q = static_cast<uint8_t*>(buffer(12, K * q_width * E));
+    uint8_t* kept_residual = static_cast<uint8_t*>(buffer(13, K * H * E));
+    uint8_t* kept_x = static_cast<uint8_t*>(buffer(14, K * H * E));
+    for (int64_t r = 0; r < K; ++r) {
+      std::memcpy(kept_q + r * q_width * E, qkv + kept_[r] * qkv_width * E, q_width * E);
+      std::memcpy(kept_residual + r * H * E, residual + kept_[r] * H * E, H * E);
     }
+    kernels().paged_attention({dt, attn, kept_q, l.key_cache, l.value_cache, b.block_tables, b.context_lens,
+                               kept_starts_.data(), b.seqs, s.q_heads, s.kv_heads, D, s.block_size,
+                               b.max_blocks_per_seq, s.num_blocks, q_width, q_width, s.scale, s.cache_dtype});
+    find_runs({nullptr, nullptr, b.block_tables, b.context_lens, kept_starts_.data(), kept_prompt_.data(), nullptr, K,
+               b.seqs, b.max_blocks_per_seq});
+    second_half(l, kept_x, kept_residual, attn, K);
+    kernels().add_rms_norm({dt, kept_x, kept_residual, s.final_norm, K, H, H, H, s.eps});
+    for (int64_t r = 0; r < K; ++r)
+      std::memcpy(static_cast<uint8_t*>(x) + kept_[r] * H * E, kept_x + r * H * E, H * E);
+    return;
   }
   kernels().add_rms_norm({dt, x, residual, s.final_norm, T, H, H, H, s.eps});
 }

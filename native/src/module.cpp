@@ -465,7 +465,7 @@ void stack_add_layer(DecoderStack& stack, const Parts& qkv, const Parts& o, cons
 }
 
 void stack_run(DecoderStack& stack, const Ref& x_r, const Ref& pos_r, const Ref& slots_r, const Ref& bt_r,
-               const Ref& cl_r, const Ref& qs_r, const Ref& pr_r) {
+               const Ref& cl_r, const Ref& qs_r, const Ref& pr_r, const std::optional<Ref>& hr_r) {
   const DecoderShape& s = stack.shape();
   require(stack.num_layers() > 0, "DecoderStack: no layers");
   T x = tensor(x_r, "x", 2), pos = tensor(pos_r, "positions", 1), slots = tensor(slots_r, "slot_mapping", 1),
@@ -493,8 +493,19 @@ void stack_run(DecoderStack& stack, const Ref& x_r, const Ref& pos_r, const Ref&
     require(prompt[i] >= 0 && prompt[i] <= q[i + 1] - q[i],
             "prompt_rows: sequence " + std::to_string(i) + " has " + std::to_string(q[i + 1] - q[i]) + " rows, not " +
                 std::to_string(prompt[i]) + " prompt rows");
+  const int64_t* hidden = nullptr;  // (none: every row's final hidden state)
+  if (hr_r) {
+    T hr = tensor(*hr_r, "hidden_rows", 1);
+    integer(hr, I64);
+    require(hr.dim(0) == cl.dim(0), "hidden_rows: must have one entry a sequence");
+    hidden = static_cast<const int64_t*>(hr.ptr);
+    for (int64_t i = 0; i < hr.dim(0); ++i)
+      require(hidden[i] >= 0 && hidden[i] <= q[i + 1] - q[i],
+              "hidden_rows: sequence " + std::to_string(i) + " has " + std::to_string(q[i + 1] - q[i]) + " rows, not " +
+                  std::to_string(hidden[i]));
+  }
   const StepBatch batch{p, sl, static_cast<const int32_t*>(bt.ptr), static_cast<const int32_t*>(cl.ptr), q, prompt,
-                        tokens, cl.dim(0), bt.dim(1)};
+                        hidden, tokens, cl.dim(0), bt.dim(1)};
   py::gil_scoped_release release;
   stack.run(x.ptr, batch);
 }
@@ -580,7 +591,9 @@ PYBIND11_MODULE(_native, m) {
            py::arg("value_cache"), py::arg("q_norm").none(true), py::arg("k_norm").none(true),
            py::arg("router").none(true) = py::none(), py::arg("experts_gate_up") = std::vector<Parts>{},
            py::arg("experts_down") = std::vector<Parts>{}, py::arg("top_k") = 0, py::arg("renormalize") = false)
-      .def("run", &stack_run)
+      .def("run", &stack_run, py::arg("x"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("context_lens"), py::arg("q_starts"), py::arg("prompt_rows"),
+           py::arg("hidden_rows").none(true) = py::none())
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
   py::class_<ShmGroup>(m, "ShmGroup")
       .def(py::init<const std::string&, int, int, size_t, size_t, double>(), py::arg("name"), py::arg("rank"),

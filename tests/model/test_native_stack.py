@@ -274,3 +274,41 @@ def test_a_layers_experts_are_checked_as_they_are_added(tmp_path):
         add(good, (_parts(m.experts[0].gate_up), _parts(m.experts[0].down)))
     with pytest.raises(ValueError, match="either a dense MLP"):
         add(None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_last_layer_on_the_kept_rows_only_gives_those_rows_bits(dtype):
+    """ForwardBatch.hidden_rows: the native stack's last layer runs its attention, o and MLP only on each sequence's
+    last hidden_rows rows (the sampled ones, a scored prompt's every row, none of a chunk that samples nothing);
+    those rows come out with the same bits as in a step that computes every row, and the keys and values of every
+    row are still written: the next steps, which read them, match too."""
+    import dataclasses
+
+    loaded = load_model(resolve_source(ModelSpec()), dtype, tokenizer=False)
+    model = loaded.model
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (30, 7, 300, 12)]
+    every, kept = Session(model, 4, capacity=320), Session(model, 4, capacity=320)
+    # (new tokens of each sequence, hidden rows of each): a prompt's last row; none of a chunk; a prompt scored whole;
+    # then decodes, one of them with three drafts' rows
+    steps = [([p[:20] for p in prompts], [1, 0, 20, 0]), ([p[20:] for p in prompts], [1, 7, 1, 280]),
+             ([[5], [6], [7], [8, 9, 10, 11]], [1, 1, 1, 4]), ([[5, 6], [7], [8], [9]], [0, 1, 1, 1])]
+    for new, hidden in steps:
+        if not all(new):
+            continue
+        outputs = []
+        for session, rows in ((every, None), (kept, torch.tensor(hidden, dtype=torch.int64))):
+            done = [len(t) for t in session.tokens]
+            batch = make_batch(session.blocks, done, [len(n) for n in new], 16, [len(n) if len(n) > 1 else 0
+                                                                                   for n in new])
+            batch = dataclasses.replace(batch, hidden_rows=rows)
+            for t, n in zip(session.tokens, new, strict=True):
+                t.extend(n)
+            outputs.append((batch, model.forward(torch.tensor([x for n in new for x in n]), batch, session.cache)))
+        (batch, a), (_, b) = outputs
+        starts = batch.q_starts.tolist()
+        wanted = [r for s, k in enumerate(hidden) for r in range(starts[s + 1] - k, starts[s + 1])]
+        assert torch.equal(a[wanted], b[wanted])
+        others = sorted(set(range(batch.num_tokens)) - set(wanted))
+        assert not others or not torch.equal(a[others], b[others])  # (the last layer did skip them)
+    assert model._stack is not None and model._stack[1] is not None  # the native stack did run
