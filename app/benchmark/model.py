@@ -6,6 +6,7 @@ threads pinned one per allowed CPU, and prints one line per measurement plus a J
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -51,7 +52,9 @@ class Bench:
         return blocks, self.model.new_kv_cache(per_seq * seqs, self.block_size, self.kv_dtype)
 
     def _run(self, blocks, cache, done: list[int], new: list[int]) -> None:
-        batch = make_batch(blocks, done, new, self.block_size)
+        # (as a served step: the last layer on each sequence's last row only, the one whose logits are taken)
+        batch = dataclasses.replace(make_batch(blocks, done, new, self.block_size),
+                                    hidden_rows=torch.ones(len(new), dtype=torch.int64))
         ids = torch.randint(0, self.vocab, (sum(new),), generator=torch.Generator().manual_seed(0))
         hidden = self.model.forward(ids, batch, cache)
         self.model.logits(hidden[batch.logit_indices])
