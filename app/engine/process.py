@@ -271,7 +271,9 @@ class EngineServer:
         elif isinstance(message, AddRequest):
             if len(self.core.scheduler.waiting) >= self.max_waiting:
                 self._send(worker, Rejected(message.request_id, 429, f"the engine's waiting queue is full "
-                                                                      f"({self.max_waiting} requests); retry later"))
+                                                                      f"({self.max_waiting} sequences: each prompt "
+                                                                      f"and each of its n choices is one); retry "
+                                                                      f"later"))
                 return
             try:
                 self.core.add_request(message.request_id, message.prompt_ids, message.params,

@@ -358,5 +358,8 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
                                         allow_headers=["*"]))
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    # a path with a trailing slash is a 404, not Starlette's 307 to the same path without it: that redirect is built
+    # from the client's Host header (any host it names), and clients that follow it send their body again
+    app.router.redirect_slashes = False
     app.state.ctx = ctx
     return app

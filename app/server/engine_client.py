@@ -27,6 +27,7 @@ from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Outpu
 
 log = logging.getLogger("app.server.engine")
 DEAD_AFTER = 3.0
+WATCH_EVERY = 0.5  # seconds between checks of the heartbeat (and of how long the event loop was held up)
 
 
 ACCEPTED = object()  # what generate() yields first, once the engine has queued the request
@@ -56,6 +57,7 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = Heartbeat(ready=False)
         self.last_beat = 0.0
+        self._tick: float | None = None  # when _watch last ran (None: not started)
         self.was_ready = False
         self.lost: int | None = None  # the incarnation whose process is gone (its socket disconnected)
         self._tasks: list[asyncio.Task] = []
@@ -70,6 +72,7 @@ class EngineClient:
         self.beats.setsockopt(zmq.SUBSCRIBE, b"")
         self.beats.connect(heartbeat_address(self.address))
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tick = time.monotonic()
         self._tasks = [asyncio.create_task(self._read(self.socket)), asyncio.create_task(self._read(self.beats)),
                        asyncio.create_task(self._watch()), asyncio.create_task(self._disconnects())]
 
@@ -85,14 +88,21 @@ class EngineClient:
     # --- health ---
 
     def ready(self) -> bool:
-        return self.lost is None and self.stats.ready and time.monotonic() - self.last_beat < DEAD_AFTER
+        return self.lost is None and self.stats.ready and self._beating()
 
     def state(self) -> str:
         if self.ready():
             return "ready"
-        if self.lost is None and self.stats.draining and time.monotonic() - self.last_beat < DEAD_AFTER:
+        if self.lost is None and self.stats.draining and self._beating():
             return "draining"  # finishing its requests before a restart (a spec reload)
         return "unavailable" if self.was_ready else "starting"
+
+    def _beating(self) -> bool:
+        """A heartbeat read within DEAD_AFTER seconds of this process's event loop running: time the loop was held
+        up (a large body's JSON, say: the beats wait unread meanwhile) does not count against the engine."""
+        now = time.monotonic()
+        held_up = 0.0 if self._tick is None else max(0.0, now - self._tick - WATCH_EVERY)  # since _watch last ran
+        return now - self.last_beat - held_up < DEAD_AFTER
 
     # --- requests ---
 
@@ -166,7 +176,12 @@ class EngineClient:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(WATCH_EVERY)
+            now = time.monotonic()
+            held_up = now - self._tick - WATCH_EVERY
+            if held_up > 0:  # the loop was held up: that long is forgiven the engine's heartbeat (_beating)
+                self.last_beat = min(now, self.last_beat + held_up)
+            self._tick = now
             if self.was_ready and self.state() not in ("ready", "draining"):
                 self._fail_in_flight(f"engine {self.replica} stopped answering")
 

@@ -6,7 +6,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 429: "rate_limit_error",
          500: "server_error", 503: "service_unavailable"}
 
 

@@ -36,6 +36,8 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tokens: int = 0
+    accepted: bool = False  # the engine queued it
+    counted: bool = False  # in the metrics' finished requests
 
 
 @dataclass
@@ -92,7 +94,14 @@ class Generation:
             raise failure
 
     async def cancel(self) -> None:
-        """Stop every sequence (each aborts its engine request)."""
+        """Stop every sequence (each aborts its engine request); those the engine had queued and not finished count
+        as finished with reason "abort" in the metrics (vLLM's request_success_total{finished_reason="abort"})."""
+        now = time.monotonic()  # (counted first: a cancelled caller's await below may not return)
+        for seq in self.sequences:
+            if seq.accepted and not seq.counted:
+                seq.counted = True
+                self.metrics.finished("abort", now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
+                                      seq.tokens)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -136,6 +145,7 @@ class Generation:
         async with contextlib.aclosing(stream):  # leaving early aborts the engine request right away
             async for delta in stream:
                 if delta is ACCEPTED:
+                    seq.accepted = True
                     if not accepted.done():
                         accepted.set_result(True)
                     continue
@@ -166,7 +176,8 @@ class Generation:
         before_tokens, before_lp = len(text.token_ids), len(text.logprobs)
         finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)
         reason = finished.value if finished is not None else None
-        if reason is not None:
+        if reason is not None and not seq.counted:
+            seq.counted = True
             self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
                                   seq.tokens)  # each prompt counted once, not once per choice
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],

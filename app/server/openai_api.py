@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import re
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +22,7 @@ from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation
-from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, json_value
 from app.server.reasoning import ReasoningReader
 from app.server.tools import ToolPlan, parameters_schema
 from app.server.tools import plan as plan_tools
@@ -30,6 +32,10 @@ MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill
 
 async def read_body(request: Request, model):
     """The body as `model`; anything JSON or the tokenizer cannot take is a 400 that names the problem."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise APIError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the body uncompressed", None,
+                       "unsupported_media_type")
     try:
         raw = await request.body()
     except ClientDisconnect:  # hung up before the body was all there: nobody to answer, nothing to log
@@ -37,7 +43,7 @@ async def read_body(request: Request, model):
     data = parse_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
-    where = _lone_surrogate(data)
+    where = _lone_surrogate(data) if _may_hold_surrogates(raw, data) else None
     if where is not None:
         raise APIError(400, f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (such as \\ud800), "
                             f"which is not Unicode text", where or None, "invalid_json")
@@ -49,12 +55,31 @@ async def read_body(request: Request, model):
 
 def parse_json(raw: bytes):
     try:
-        return json.loads(raw)
+        return json_value(raw)
     except RecursionError:
         raise APIError(400, "the request body is not valid JSON: nested too deeply", None, "invalid_json") from None
+    except UnicodeDecodeError as exc:  # (JSON is UTF-8; Python's json would guess UTF-16 and UTF-32 too)
+        raise APIError(400, f"the request body is not UTF-8 text (byte {exc.start}: {exc.reason})", None,
+                       "invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
         what = "it holds an integer of over 4,300 digits" if "integer string conversion" in str(exc) else exc
         raise APIError(400, f"the request body is not valid JSON: {what}", None, "invalid_json") from None
+
+
+def _may_hold_surrogates(raw: bytes, data) -> bool:
+    """Whether a JSON text can hold a UTF-16 surrogate: only as a \\uD800-\\uDFFF escape (UTF-8 cannot encode one).
+    Most bodies have none, and skip _lone_surrogate's walk (a second of the event loop for 2M numbers); those with
+    emoji escaped by an ASCII-only encoder (surrogate pairs, all sound) take the walk only where one is alone."""
+    if _SURROGATE_ESCAPE.search(raw) is None:
+        return False
+    try:
+        json.dumps(data, ensure_ascii=False).encode()  # (C's speed: only a lone surrogate fails to encode)
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 def _lone_surrogate(data) -> str | None:
@@ -441,6 +466,31 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
 # --- logprobs in OpenAI's two shapes ---
 
 
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """A token's own bytes (OpenAI's logprobs `bytes`): its text's UTF-8, but where it holds only part of a
+    character (its text a U+FFFD), the bytes the token stands for, from its byte-level BPE piece (GPT-2's alphabet
+    of 256 characters) or its byte-fallback piece (<0xE9>), so that a client can join the tokens' bytes into the
+    answer's text."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return [int(piece[3:5], 16)]
+        decoder = _byte_level_alphabet()
+        if piece and all(c in decoder for c in piece):
+            return [decoder[c] for c in piece]
+    return list(text.encode())
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
 def _shown_logprobs(gen: Generation, seq, echo: bool) -> tuple[list[int], list]:
     """A non-streamed completion choice's tokens and their logprobs: with echo, the prompt's first (the first
     token's None), then the generated ones (none with max_tokens 0)."""
@@ -510,7 +560,7 @@ def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": token_bytes(tokenizer, token_id, text)}
 
     return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, p) for i, p in lp.top]}
                         for t, lp in zip(token_ids, logprobs, strict=False)]}

@@ -37,7 +37,8 @@ def openapi_document(version: str) -> dict:
         operation = {"summary": summary, "responses": {
             "200": {"description": "OK", "content": {"application/json": {"schema": _ref(response)}}},
             "400": _error("Bad request"), "401": _error("Missing or wrong API key"), "404": _error("Unknown model"),
-            "413": _error("Body too large"), "429": _error("Waiting queue full"), "503": _error("Not ready")}}
+            "413": _error("Body too large"), "415": _error("Compressed body"), "429": _error("Waiting queue full"),
+            "503": _error("Not ready")}}
         if "{" in path:
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for name in re.findall(r"{(\w+)}", path)]

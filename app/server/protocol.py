@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator,
                       model_validator)
 
+from app.server.errors import APIError
+
 Stop = str | list[str] | None
 
 
@@ -21,6 +23,23 @@ class _Body(BaseModel):
 
 # A token id: a JSON integer (not true/false, 1.0 or "1", which pydantic's lax mode would take as one)
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
+# A list whose validation stops at its first bad item: pydantic would otherwise make an error of every one (a
+# /detokenize body of 800,000 strings: 2.5 s of the event loop for a 400), all but the first never shown
+FIRST_ERROR = Field(fail_fast=True)
+TokenIds = Annotated[list[TokenId], FIRST_ERROR]
+
+
+def json_value(text: str | bytes) -> Any:
+    """JSON text as Python values, as JSON defines it: bytes must be UTF-8 (no other encoding, no byte-order mark),
+    and NaN and Infinity, which Python's json takes and no other JSON reader does, are not numbers (ValueError, or
+    RecursionError where nested too deeply)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    return json.loads(text, parse_constant=no_constant)
+
+
+def no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def texts_or_ids(value: Any, field: str) -> Any:
@@ -44,7 +63,7 @@ def texts_or_ids(value: Any, field: str) -> Any:
 
 def _texts_or_ids(field: str):
     """A prompt-shaped field (`texts_or_ids`'s shapes), named `field` in its error."""
-    return Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
+    return Annotated[str | Annotated[list[str], FIRST_ERROR] | TokenIds | Annotated[list[TokenIds], FIRST_ERROR],
                      BeforeValidator(lambda value: texts_or_ids(value, field))]
 
 
@@ -242,6 +261,32 @@ class TextPart(BaseModel):
     text: str
 
 
+# Content parts of other kinds than text, as OpenAI's APIs name them: this server's models read text only
+_MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "input_video", "file",
+                "input_file", "image", "audio", "video")
+
+
+def text_parts(texts: tuple[str, ...]):
+    """A BeforeValidator of a message's content: where it is a list, each part must be an object of one of the text
+    `texts` types with a string `text`; else an error that says which part and why (an image or audio one: that the
+    model reads text only), where pydantic's union would say only "Input should be a valid string"."""
+    def check(value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise ValueError(f"part {i} is of type {kind!r}: this model reads text only (parts of type "
+                                 f"{' or '.join(map(repr, texts))})")
+            if not isinstance(part, dict) or kind not in texts:
+                raise ValueError(f"part {i} must be an object of type {' or '.join(map(repr, texts))}, not "
+                                 f"{str(kind if isinstance(part, dict) else type(part).__name__)[:40]!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} (of type {kind!r}) must have its text as a string in `text`")
+        return value
+    return BeforeValidator(check)
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # JSON text, as OpenAI gives it
@@ -257,7 +302,7 @@ class ToolCall(BaseModel):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, text_parts(("text",))] = None
     name: str | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool result's: the call it answers
@@ -360,7 +405,7 @@ class ToolFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     logprobs: bool = False
@@ -379,7 +424,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
 class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], FIRST_ERROR] | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -391,7 +436,7 @@ class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: TokenIds
 
 
 # --- responses (documented in /openapi.json; built as plain dicts on the hot path) ---------------
@@ -551,7 +596,7 @@ class InputText(BaseModel):
 class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputText]
+    content: Annotated[str | list[InputText], text_parts(("input_text", "output_text", "text", "reasoning_text"))]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -571,7 +616,7 @@ class FunctionCallItem(BaseModel):
     @classmethod
     def _json_arguments(cls, value: str) -> str:
         try:
-            json.loads(value)
+            json_value(value)
         except (ValueError, RecursionError) as exc:
             raise ValueError(f"arguments must be JSON text: {exc}") from None
         return value
@@ -654,7 +699,7 @@ class ResponsesRequest(_Body):
     as vLLM does without its store; `previous_response_id` is a 400)."""
 
     model: str | None = None
-    input: Annotated[list[InputItem], Field(min_length=1)]  # a string is one user message
+    input: Annotated[list[InputItem], Field(min_length=1, fail_fast=True)]  # a string is one user message
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -738,6 +783,9 @@ class ResponsesRequest(_Body):
             elif isinstance(item, FunctionCallOutput):
                 output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        if not messages:  # (only reasoning items: chat's "at least 1 item, not 0" would puzzle the client)
+            raise APIError(400, "input: holds no message, function call or output (reasoning items alone leave "
+                                "the model nothing to answer)", "input", "invalid_value")
         fields: dict = {"model": self.model, "messages": messages, "stream": self.stream,
                         "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                         "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}

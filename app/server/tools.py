@@ -63,7 +63,7 @@ from app.engine.structured import JSON_OPTIONS
 # (this server's own shapes, for templates that know no tools, stay compact)
 SPACED = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 from app.server.errors import APIError
-from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool
+from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool, json_value, no_constant
 from app.server.reasoning import tag_start
 
 
@@ -513,7 +513,7 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
 def _arguments(text: str, i: int, j: int) -> Any:
     param = f"messages.{i}.tool_calls.{j}.function.arguments"
     try:
-        return json.loads(text) if text.strip() else {}
+        return json_value(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
         raise APIError(400, f"{param}: not JSON ({exc.msg} at character {exc.pos})", param, "invalid_value") from None
     except RecursionError:
@@ -974,16 +974,12 @@ def xml_value(text: str, schema: Any) -> Any:
             if kind == "boolean" and bare.lower() in ("true", "false"):
                 return bare.lower() == "true"
             if kind in ("object", "array"):
-                value = json.loads(bare, parse_constant=_no_constant)
+                value = json.loads(bare, parse_constant=no_constant)
                 if isinstance(value, dict if kind == "object" else list):
                     return value
         except (ValueError, RecursionError):  # not of this kind (or past Python's digit limit): the next one
             continue
     return text
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is no JSON")
 
 
 def _start(calls: list[_Call], index: int) -> dict:

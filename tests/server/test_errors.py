@@ -100,7 +100,17 @@ CASES = [
     ("bad-role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", "role"),
     ("image-content", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url",
                                                                                   "image_url": {"url": "x"}}]}]},
-     400, "invalid_value", "messages"),
+     400, "invalid_value", "messages.0.content: part 0 is of type 'image_url': this model reads text only"),
+    ("unknown-content-part", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                       {"type": "sparkle"}]}]},
+     400, "invalid_value", "part 1 must be an object of type 'text', not 'sparkle'"),
+    ("text-part-without-text", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "invalid_value", "part 0 (of type 'text') must have its text"),
+    ("responses-audio-part", "POST", "/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, 400, "invalid_value",
+     "of type 'input_audio': this model reads text only"),
+    ("responses-reasoning-only", "POST", "/v1/responses", {"input": [{"type": "reasoning", "summary": []}]}, 400,
+     "invalid_value", "holds no message"),
     ("too-many-stops", "POST", C, {"prompt": "x", "stop": [str(i) for i in range(20)]}, 400, "invalid_value", "stop"),
     ("empty-stop", "POST", C, {"prompt": "x", "stop": [""]}, 400, "invalid_value", "stop"),
     ("token-outside-vocab", "POST", C, {"prompt": [1, 2, 999999]}, 400, "invalid_value", "outside the vocabulary"),
@@ -202,6 +212,21 @@ CASES = [
      "invalid_value", "logit_bias"),
     ("stream-options-without-stream", "POST", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "invalid_value", "stream_options is only allowed with stream: true"),
+    # found by the third attack: NaN and Infinity (Python's json takes them) had forced a schema's output to "null";
+    # a body in UTF-16; a trailing slash redirected to the Host header's site
+    ("nan-in-body", "POST", C, b'{"prompt": "x", "temperature": NaN}', 400, "invalid_json", "NaN is not a JSON"),
+    ("infinity-in-schema", "POST", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "response_format": '
+     b'{"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": -Infinity}}}}', 400, "invalid_json",
+     "-Infinity is not a JSON"),
+    ("nan-in-tool-arguments", "POST", CHAT, {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": '{"a": NaN}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "1"}]}, 400, "invalid_value", "NaN is not a JSON"),
+    ("utf16-body", "POST", C, '{"prompt": "x"}'.encode("utf-16"), 400, "invalid_json", "not UTF-8"),
+    ("trailing-slash", "POST", C + "/", {"prompt": "x"}, 404, "not_found", "no such route"),
+    ("detokenize-many-bad-tokens", "POST", "/detokenize", {"tokens": ["a"] * 100_000}, 400, "invalid_value",
+     "tokens.0"),
 ]
 
 
@@ -216,6 +241,16 @@ def test_bad_request_gets_its_status_and_error_json(appliance, method, path, bod
     assert set(error) == {"message", "type", "param", "code"}
     assert text in error["message"] and error["code"] == code
     assert isinstance(error["type"], str) and error["type"]
+
+
+def test_a_compressed_body_is_refused_with_what_to_do(appliance):
+    import gzip
+
+    response = httpx.post(appliance.url + C, content=gzip.compress(b'{"prompt": "x"}'),
+                          headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert response.status_code == 415
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type" and "send the body uncompressed" in error["message"]
 
 
 def test_messages_do_not_echo_huge_paths_or_pythons_hints(appliance):

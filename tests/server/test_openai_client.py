@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -94,7 +95,7 @@ def test_n_choices_and_prompt_lists(client):
     assert ids.usage.prompt_tokens == 3
 
 
-def test_logprobs_in_both_shapes(client):
+def test_logprobs_in_both_shapes(appliance, client):
     comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
                                      logprobs=2)
     lp = comp.choices[0].logprobs
@@ -111,6 +112,12 @@ def test_logprobs_in_both_shapes(client):
     content = chat.choices[0].logprobs.content
     assert len(content) >= 1 and len(content[0].top_logprobs) == 3
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)
+    # a token that is part of a character: its own byte (a client joins the bytes into the text), not U+FFFD's
+    ids = httpx.post(appliance.url + "/tokenize", json={"prompt": "馬"}).json()["tokens"]
+    assert len(ids) == 3  # one byte each in SmolLM2's byte-level BPE
+    forced = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, logprobs=True, top_logprobs=1,
+                                            logit_bias={str(ids[0]): 100}, messages=[{"role": "user", "content": "Hi"}])
+    assert [e.bytes for e in forced.choices[0].logprobs.content] == [["馬".encode()[0]]] * 2
 
 
 def _token_id(appliance, text: str) -> int:
@@ -732,6 +739,21 @@ def test_metrics_use_vllm_names(appliance, client):
                  "vllm:request_success_total"):
         assert name in text, name
     assert appliance.metric("vllm:generation_tokens_total") >= 2
+    # a client that goes away mid-answer: its request counts as finished with reason "abort", as vLLM counts it
+    aborted = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', re.M)
+
+    def aborts() -> float:
+        found = aborted.search(httpx.get(appliance.url + "/metrics").text)
+        return float(found.group(1)) if found else 0.0
+
+    before = aborts()
+    with httpx.stream("POST", appliance.url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Once", "max_tokens": 500, "ignore_eos": True, "stream": True}) as stream:
+        next(stream.iter_lines())
+    deadline = time.monotonic() + 10
+    while aborts() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborts() == before + 1
 
 
 def test_streamed_logprobs_cover_every_token_even_when_text_is_held_back(client):

@@ -120,3 +120,45 @@ def test_a_failed_stream_ends_with_the_error_a_json_answer_would_carry(failure, 
     assert events[-1] == "[DONE]" and json.loads(events[0]) == {"choices": [{"text": "a"}]}
     error = json.loads(events[1])["error"]
     assert (error["type"], error["code"]) == (status_type, code) and error["message"]
+
+
+def test_an_event_loop_held_up_longer_than_dead_after_does_not_make_a_beating_engine_unavailable(tmp_path):
+    """A large request body's JSON can hold a frontend worker's event loop for seconds, during which the engine's
+    beats wait unread: that time is not the engine's silence. The loop blocked for DEAD_AFTER + 1 s while the
+    engine beats on: the client is ready right after, and its _watch fails nothing in flight; with the engine
+    then silent for DEAD_AFTER of running loop, it is unavailable."""
+    address = f"ipc://{tmp_path}/engine"
+
+    async def scenario():
+        context = zmq.asyncio.Context.instance()
+        engine = context.socket(zmq.ROUTER)
+        engine.bind(address)
+        beats = context.socket(zmq.PUB)
+        beats.bind(heartbeat_address(address))
+        client = EngineClient(address, replica=1)
+        await client.start()
+        try:
+            async def beat_until_ready() -> None:
+                while not client.ready():
+                    await beats.send(encoder.encode(Heartbeat(ready=True, incarnation=5)))
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(beat_until_ready(), 5)
+            stream = client.generate("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
+            pending = asyncio.ensure_future(stream.__anext__())
+            await engine.recv_multipart()
+            time.sleep(DEAD_AFTER + 1.0)  # the loop held up (the engine is fine: its next beat comes after)
+            assert client.ready() and client.state() == "ready"
+            await beats.send(encoder.encode(Heartbeat(ready=True, incarnation=5)))
+            await asyncio.sleep(0.6)  # _watch runs: nothing failed
+            assert client.ready() and not pending.done()
+            await asyncio.sleep(DEAD_AFTER + 0.6)  # then silence, the loop running: the engine is gone
+            assert client.state() == "unavailable"
+            with pytest.raises(EngineUnavailable):
+                await asyncio.wait_for(pending, 1)
+        finally:
+            await client.close()
+            beats.close(0)
+            engine.close(0)
+
+    asyncio.run(scenario())
