@@ -28,6 +28,7 @@ from app.engine.ipc import (Abort, Accepted, AddRequest, Delta, Heartbeat, Outpu
 log = logging.getLogger("app.server.engine")
 DEAD_AFTER = 3.0
 WATCH_EVERY = 0.5  # seconds between checks of the heartbeat (and of how long the event loop was held up)
+HELD_UP = 0.25  # a check this much later than due: the event loop was held up (less: a timer's usual lateness)
 
 
 ACCEPTED = object()  # what generate() yields first, once the engine has queued the request
@@ -101,8 +102,8 @@ class EngineClient:
         """A heartbeat read within DEAD_AFTER seconds of this process's event loop running: time the loop was held
         up (a large body's JSON, say: the beats wait unread meanwhile) does not count against the engine."""
         now = time.monotonic()
-        held_up = 0.0 if self._tick is None else max(0.0, now - self._tick - WATCH_EVERY)  # since _watch last ran
-        return now - self.last_beat - held_up < DEAD_AFTER
+        held_up = 0.0 if self._tick is None else now - self._tick - WATCH_EVERY  # since _watch last ran
+        return now - self.last_beat - (held_up if held_up > HELD_UP else 0.0) < DEAD_AFTER
 
     # --- requests ---
 
@@ -179,7 +180,7 @@ class EngineClient:
             await asyncio.sleep(WATCH_EVERY)
             now = time.monotonic()
             held_up = now - self._tick - WATCH_EVERY
-            if held_up > 0:  # the loop was held up: that long is forgiven the engine's heartbeat (_beating)
+            if held_up > HELD_UP:  # the loop was held up: that long is forgiven the engine's heartbeat (_beating)
                 self.last_beat = min(now, self.last_beat + held_up)
             self._tick = now
             if self.was_ready and self.state() not in ("ready", "draining"):
