@@ -335,4 +335,4 @@ def calibration_step(count: int, num_computed: int, block_size: int, decodes: bo
                                                       sample=False) for i in range(count)))
     blocks = tuple(range(-(-(num_computed + count) // block_size)))
     return SchedulerOutput((ScheduledRequest("calibration", (0,) * count, num_computed, blocks, sample=False,
-                                             prompt_rows=count),))
+                                             prompt_rows=count, hidden_rows=1),))  # (a served prompt's last chunk)

@@ -308,6 +308,9 @@ class Scheduler:
             if request.wait_for in self.requests and self._prompt_pending(self.requests[request.wait_for]):
                 skipped.append(request)  # n > 1: let the first sibling cache the prompt first
                 continue
+            if self.running and client_of(request.request_id) in self.held_until:
+                skipped.append(request)  # its client request waits out its grammar's time (charge_grammars)
+                continue
             if request.grammar_state() != "ready":
                 # its grammar is still being compiled (the others go on meanwhile), or failed: the engine aborts it
                 # before the next step, without computing its prompt (EngineCore._failed_grammars)

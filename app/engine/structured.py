@@ -81,7 +81,7 @@ TRIAL_SECONDS = 0.5
 # ... of the trial thread's CPU time, not the wall clock's: where the frontend shares its cores with a busy engine
 # (machines under 8 CPUs) a grammar's trial could take twice its CPU time, and fail grammars the engine would run
 # well. Past TRIAL_WALL_SECONDS on the wall clock it fails whatever its CPU time.
-TRIAL_WALL_SECONDS = 2.0
+TRIAL_WALL_SECONDS = 1.0
 # In the engine, a sequence whose grammar takes longer than SLOW_MASK_SECONDS for a token once (its mask, and the
 # advance past the token before), or longer than SLOW_STEP_SECONDS SLOW_STEPS times or for SLOW_TOTAL_SECONDS in
 # all, fails (MaskClock): grammars the trial let through (it follows one path, of a few tokens) can still be slow

@@ -103,7 +103,8 @@ class EngineClient:
         up (a large body's JSON, say: the beats wait unread meanwhile) does not count against the engine."""
         now = time.monotonic()
         held_up = 0.0 if self._tick is None else now - self._tick - WATCH_EVERY  # since _watch last ran
-        return now - self.last_beat - (held_up if held_up > HELD_UP else 0.0) < DEAD_AFTER
+        forgiven = min(held_up, 10 * DEAD_AFTER) if held_up > HELD_UP else 0.0  # (bounded: were _watch to die)
+        return now - self.last_beat - forgiven < DEAD_AFTER
 
     # --- requests ---
 

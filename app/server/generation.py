@@ -90,6 +90,8 @@ class Generation:
         outcomes = await asyncio.gather(*accepted, return_exceptions=True)
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
+            for seq in self.sequences:  # (the client sees the request refused: no abort of it in the metrics)
+                seq.counted = True
             await self.cancel()
             raise failure
 
@@ -131,6 +133,8 @@ class Generation:
                     failed.add(exc.replica)
                     try:
                         seq.engine, seq.wait_for = self.engine.pick(seq.prompt_ids, frozenset(failed)), None
+                        # on its own now (its first choice may run elsewhere): it scores its prompt itself
+                        seq.params = dataclasses.replace(seq.params, prompt_logprobs=self.params.prompt_logprobs)
                         continue
                     except EngineUnavailable:
                         pass

@@ -32,8 +32,8 @@ MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill
 
 async def read_body(request: Request, model):
     """The body as `model`; anything JSON or the tokenizer cannot take is a 400 that names the problem."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
         raise APIError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the body uncompressed", None,
                        "unsupported_media_type")
     try:
@@ -43,7 +43,9 @@ async def read_body(request: Request, model):
     data = parse_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
-    where = _lone_surrogate(data) if _may_hold_surrogates(raw, data) else None
+    where = None
+    if _may_hold_surrogates(raw, data):  # (its JSON path only where the walk is short: 1.6 s for 2M numbers)
+        where = _lone_surrogate(data) if len(raw) <= SURROGATE_WALK_BYTES else ""
     if where is not None:
         raise APIError(400, f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (such as \\ud800), "
                             f"which is not Unicode text", where or None, "invalid_json")
@@ -79,6 +81,7 @@ def _may_hold_surrogates(raw: bytes, data) -> bool:
     return False
 
 
+SURROGATE_WALK_BYTES = 1 << 20
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 

@@ -63,7 +63,7 @@ from app.engine.structured import JSON_OPTIONS
 # (this server's own shapes, for templates that know no tools, stay compact)
 SPACED = {**JSON_OPTIONS, "item_separator": ", ", "key_separator": ": "}
 from app.server.errors import APIError
-from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool, json_value, no_constant
+from app.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest, Tool, json_value
 from app.server.reasoning import tag_start
 
 
@@ -974,7 +974,7 @@ def xml_value(text: str, schema: Any) -> Any:
             if kind == "boolean" and bare.lower() in ("true", "false"):
                 return bare.lower() == "true"
             if kind in ("object", "array"):
-                value = json.loads(bare, parse_constant=no_constant)
+                value = json_value(bare)
                 if isinstance(value, dict if kind == "object" else list):
                     return value
         except (ValueError, RecursionError):  # not of this kind (or past Python's digit limit): the next one

@@ -532,6 +532,7 @@ def test_a_client_request_whose_grammar_outlasts_its_share_of_a_step_waits_while
     wait = (0.2 - GRAMMAR_SHARE * 0.01) / GRAMMAR_SHARE
     assert h.sched.held_until == {"slow": pytest.approx(100.0 + wait)}
     assert [r.request_id for r in h.step().requests] == ["other-0"]
+    h.sched._preempt(h.sched.requests["slow-1"])  # preempted while held: not admitted again until the wait ends
     now[0] += wait - 0.01
     assert [r.request_id for r in h.step().requests] == ["other-0"]
     now[0] += 0.02

@@ -223,6 +223,9 @@ CASES = [
         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                               "function": {"name": "f", "arguments": '{"a": NaN}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "1"}]}, 400, "invalid_value", "NaN is not a JSON"),
+    ("overflowing-number-in-schema", "POST", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], '
+     b'"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": 1e999}}}}', 400,
+     "invalid_json", "1e999 is past a double's range"),
     ("utf16-body", "POST", C, '{"prompt": "x"}'.encode("utf-16"), 400, "invalid_json", "not UTF-8"),
     ("trailing-slash", "POST", C + "/", {"prompt": "x"}, 404, "not_found", "no such route"),
     ("detokenize-many-bad-tokens", "POST", "/detokenize", {"tokens": ["a"] * 100_000}, 400, "invalid_value",
