@@ -22,17 +22,23 @@ async def _until(condition, seconds: float = 2.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _stand_in(address: str):
+    """The stand-in engine's request and heartbeat sockets, and a started client of it."""
+    context = zmq.asyncio.Context.instance()
+    engine = context.socket(zmq.ROUTER)
+    engine.bind(address)
+    beats = context.socket(zmq.PUB)
+    beats.bind(heartbeat_address(address))
+    client = EngineClient(address, replica=1)
+    await client.start()
+    return engine, beats, client
+
+
 def test_an_engine_restarted_faster_than_dead_after_fails_its_requests_and_shows(tmp_path):
     address = f"ipc://{tmp_path}/engine"
 
     async def scenario():
-        context = zmq.asyncio.Context.instance()
-        engine = context.socket(zmq.ROUTER)
-        engine.bind(address)
-        beats = context.socket(zmq.PUB)
-        beats.bind(heartbeat_address(address))
-        client = EngineClient(address, replica=1)
-        await client.start()
+        engine, beats, client = await _stand_in(address)
         try:
             async def beat(incarnation: int) -> None:  # until the client has taken one (a SUB joins late)
                 seen = client.stats.incarnation == incarnation and client.ready()
@@ -130,13 +136,7 @@ def test_an_event_loop_held_up_longer_than_dead_after_does_not_make_a_beating_en
     address = f"ipc://{tmp_path}/engine"
 
     async def scenario():
-        context = zmq.asyncio.Context.instance()
-        engine = context.socket(zmq.ROUTER)
-        engine.bind(address)
-        beats = context.socket(zmq.PUB)
-        beats.bind(heartbeat_address(address))
-        client = EngineClient(address, replica=1)
-        await client.start()
+        engine, beats, client = await _stand_in(address)
         try:
             async def beat_until_ready() -> None:
                 while not client.ready():
