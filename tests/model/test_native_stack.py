@@ -289,9 +289,10 @@ def test_the_last_layer_on_the_kept_rows_only_gives_those_rows_bits(dtype):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (30, 7, 300, 12)]
     every, kept = Session(model, 4, capacity=320), Session(model, 4, capacity=320)
-    # (new tokens of each sequence, hidden rows of each): a prompt's last row; none of a chunk; a prompt scored whole;
-    # then decodes, one of them with three drafts' rows
-    steps = [([p[:20] for p in prompts], [1, 0, 20, 0]), ([p[20:] for p in prompts], [1, 7, 1, 280]),
+    # (new tokens of each sequence, hidden rows of each): chunks that sample nothing (the last layer on no row at
+    # all); a prompt's last row; none of a chunk; a prompt scored whole; then decodes, one with three drafts' rows
+    steps = [([p[:10] for p in prompts], [0, 0, 0, 0]), ([p[10:20] for p in prompts], [1, 0, 10, 0]),
+             ([p[20:] for p in prompts], [1, 7, 1, 280]),
              ([[5], [6], [7], [8, 9, 10, 11]], [1, 1, 1, 4]), ([[5, 6], [7], [8], [9]], [0, 1, 1, 1])]
     for new, hidden in steps:
         if not all(new):
