@@ -7,6 +7,7 @@ without loading any weights.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from app.model.gguf_header import IN_BLOCKS_OF_32, KEPT_QUANT_TYPES, PACKED_QUAN
 from app.model.source import ModelSource
 from app.parallel.heads import split_features, split_heads
 from app.spec.errors import Described, Problem, SpecError
+
+log = logging.getLogger("app.model")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # llama.cpp's `{arch}.pooling_type` values for the poolings of embeddings (model.pooling; 0, none, and 4, rank, are
@@ -234,7 +237,23 @@ def _sentence_transformers_pooling(path: Path) -> str:
         return "last"
     modes = [mode for mode, key in (("mean", "pooling_mode_mean_tokens"), ("cls", "pooling_mode_cls_token"),
                                     ("last", "pooling_mode_lasttoken")) if config.get(key) is True]
+    others = sorted(k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_")
+                    and v is True and k not in ("pooling_mode_mean_tokens", "pooling_mode_cls_token",
+                                                "pooling_mode_lasttoken"))
+    dense = [m["path"] for m in modules if str(m.get("type", "")).endswith(".Dense")]
+    said = (str(path), *others, *modes, *dense)
+    if (others or len(modes) != 1 or dense) and said not in _warned:  # (once: a directory is read more than once)
+        _warned.add(said)
+        log.warning("%s: its sentence-transformers pipeline %s; embeddings pool %s and will differ from "
+                    "sentence-transformers' (set model.pooling to choose)", path,
+                    "; ".join(filter(None, [f"pools by {' + '.join(others + modes)}" if others or len(modes) > 1
+                                            else "", f"has Dense layers ({', '.join(dense)}) not applied here"
+                                            if dense else ""])) or "names no pooling mode",
+                    modes[0] if len(modes) == 1 else "by the last token")
     return modes[0] if len(modes) == 1 else "last"
+
+
+_warned: set[tuple[str, ...]] = set()  # the pipelines warned about
 
 
 HF_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))  # (HF names) stacked into

@@ -105,7 +105,7 @@ def test_a_file_cut_inside_its_vocabulary_is_a_format_error(tmp_path, smollm2_pa
             read_gguf_header(cut)
 
 
-def test_hugging_face_directory_footprint(tmp_path):
+def test_hugging_face_directory_footprint(tmp_path, caplog):
     from safetensors.numpy import save_file
 
     (tmp_path / "config.json").write_text(json.dumps({
@@ -129,7 +129,18 @@ def test_hugging_face_directory_footprint(tmp_path):
         config = {f"pooling_mode_{mode}": mode in modes for mode in
                   ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
         (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 256, **config}))
+        caplog.clear()
         assert read_footprint(source).pooling == pooling, modes
+        said = " + ".join(m.removesuffix("_tokens").removesuffix("_token") for m in modes)
+        assert (f"pools by {said}" in caplog.text) == (modes in (("max_tokens",), ("mean_tokens", "cls_token"))), modes
+    # a Dense layer after the pooling (not applied here): said, not silently left out
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    caplog.clear()
+    read_footprint(source)
+    assert "has Dense layers (2_Dense) not applied here" in caplog.text
 
 
 @pytest.mark.parametrize(("value", "pooling"), [(None, "last"), (0, "last"), (1, "mean"), (2, "cls"), (3, "last"),
