@@ -130,6 +130,9 @@ class Gate:
 
     def _refuse(self, scope) -> Response | None:
         headers = dict(scope["headers"])
+        if b"transfer-encoding" in headers and b"content-length" in headers:  # (RFC 9112 6.3: a request smuggler's)
+            return error_response(400, "a request may not have both Transfer-Encoding and Content-Length", None,
+                                  "invalid_request")
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.cfg.max_body_size:
             return error_response(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,

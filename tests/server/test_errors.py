@@ -246,6 +246,20 @@ def test_bad_request_gets_its_status_and_error_json(appliance, method, path, bod
     assert isinstance(error["type"], str) and error["type"]
 
 
+def test_a_request_with_both_transfer_encoding_and_content_length_is_refused(appliance):
+    """The two framings at once (a request-smuggling shape) are a 400, not the chunked body read and answered."""
+    host, port = appliance.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\nContent-Length: 4\r\nConnection: close\r\n\r\n" + chunked)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"both Transfer-Encoding and Content-Length" in answer, answer[:300]
+
+
 def test_a_compressed_body_is_refused_with_what_to_do(appliance):
     import gzip
 
