@@ -35,6 +35,7 @@ PREFILL_PER_DECODE = 3.0
 # least 1 / (1 + GRAMMAR_SHARE) of its speed, where a grammar just under the engine's limits (0.05 s a token) had
 # held it to a seventh. Grammars of 0.1-20 ms a token are within their share wherever a step takes longer.
 GRAMMAR_SHARE = 0.5
+GRAMMAR_CREDIT = 1.0  # seconds: the most a client's waits can be shortened by time it sat out past their ends
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,8 @@ class Scheduler:
         self._runner_knows: set[str] = set()  # request ids sent in a step's new_requests
         self._finished_ids: list[str] = []  # ...of those, the ones that ended since the last step
         self.held_until: dict[str, float] = {}  # client request -> when its slow grammar's wait ends (clock's time)
+        self._due: dict[str, float] = {}  # ... -> when its last wait ended, until it runs again
+        self.grammar_credit: dict[str, float] = {}  # ... -> seconds it sat out past its waits' ends (charge_grammars)
 
     # --- requests in and out ---
 
@@ -215,7 +218,8 @@ class Scheduler:
         """The running requests whose client request waits out its grammar's time (charge_grammars), unless they are
         all that runs: a wait is for the others' sake."""
         now = self.clock()
-        self.held_until = {client: until for client, until in self.held_until.items() if until > now}
+        for client in [c for c, until in self.held_until.items() if until <= now]:
+            self._due[client] = self.held_until.pop(client)  # (when its wait ended: charge_grammars credits the rest)
         if not self.held_until:
             return []
         held = [r for r in self.running if client_of(r.request_id) in self.held_until]
@@ -227,18 +231,33 @@ class Scheduler:
         and n choices together) whose grammars took more than GRAMMAR_SHARE of the step's other time, in a step
         with other client requests, is held back for twice the excess (its sequences keep their blocks and
         state). Alone in its steps it waits for nobody; the engine's own limits (structured.py's MaskClock) still
-        end a grammar that is slow outright."""
+        end a grammar that is slow outright.
+
+        A wait lasts whole steps (a client sits out the steps that start before its wait ends): what it sat out past
+        its wait's end is credit (at most GRAMMAR_CREDIT seconds), taken off its next waits, so a grammar a little
+        over its share runs most steps rather than every other one."""
+        now = self.clock()
         clients = {client_of(r.request_id) for r in output.requests}
+        for client in clients & self._due.keys():
+            late = now - step_seconds - self._due.pop(client)  # its first step after the wait started this late
+            self.grammar_credit[client] = min(self.grammar_credit.get(client, 0.0) + max(late, 0.0), GRAMMAR_CREDIT)
         if not grammar_seconds or len(clients) < 2:
             return
         taken: dict[str, float] = {}
         for request_id, seconds in grammar_seconds.items():
             taken[client_of(request_id)] = taken.get(client_of(request_id), 0.0) + seconds
         allowed = GRAMMAR_SHARE * max(step_seconds - sum(grammar_seconds.values()), 0.0)
-        now = self.clock()
         for client, seconds in taken.items():
             if seconds > allowed:
-                self.held_until[client] = now + (seconds - allowed) / GRAMMAR_SHARE
+                wait = (seconds - allowed) / GRAMMAR_SHARE
+                credit = min(wait, self.grammar_credit.get(client, 0.0))
+                self.grammar_credit[client] = self.grammar_credit.get(client, 0.0) - credit
+                if wait > credit:
+                    self.held_until[client] = now + wait - credit
+        if len(self.grammar_credit) + len(self._due) > 2 * self.cfg.max_num_seqs:  # (clients gone: forgotten)
+            live = {client_of(request_id) for request_id in self.requests}
+            self.grammar_credit = {c: t for c, t in self.grammar_credit.items() if c in live}
+            self._due = {c: t for c, t in self._due.items() if c in live}
 
     def _speculating(self) -> bool:
         return self.cfg.speculative is not None and len(self.running) <= self.cfg.speculative.max_batch

@@ -549,3 +549,36 @@ def test_a_client_request_whose_grammar_outlasts_its_share_of_a_step_waits_while
     for rid in ("slow-0", "slow-1"):
         h.sched.finish(rid, FinishReason.ABORT)
     h.assert_no_leaks()
+
+
+def test_a_grammar_a_little_over_its_share_is_credited_the_step_it_sat_out_past_its_wait():
+    """Waits last whole steps: a client 0.01 s over its share of a 0.76 s step waits 0.02 s, which sits it out a
+    whole 0.5 s step of the others; the 0.48 s past its wait's end is credit, so its next excess does not hold it
+    back again (it runs every step but about one in 24, not every other one)."""
+    from app.engine.scheduler import GRAMMAR_CREDIT
+
+    now = [10.0]
+    h = make()
+    h.sched.clock = lambda: now[0]
+    for rid in ("slow-0", "other-0"):
+        h.add(rid, [1, 2, 3], max_tokens=50)
+    both = h.step()
+    h.sched.charge_grammars(both, 0.76, {"slow-0": 0.26})  # 0.25 allowed (half of 0.5): 0.01 over, a 0.02 s wait
+    assert h.sched.held_until == {"slow": pytest.approx(10.02)}
+    assert [r.request_id for r in h.step().requests] == ["other-0"]
+    now[0] += 0.5  # the others' step
+    both = h.step()
+    assert sorted(r.request_id for r in both.requests) == ["other-0", "slow-0"]
+    now[0] += 0.76
+    h.sched.charge_grammars(both, 0.76, {"slow-0": 0.26})
+    assert not h.sched.held_until and h.sched.grammar_credit["slow"] == pytest.approx(0.48 - 0.02)
+    assert sorted(r.request_id for r in h.step().requests) == ["other-0", "slow-0"]
+    h.sched.held_until["slow"] = now[0] + 0.001  # a wait whose end a long step overshoots by far: credit capped
+    h.step()
+    now[0] += 5.0
+    out = h.step()
+    h.sched.charge_grammars(out, 0.76, {})
+    assert h.sched.grammar_credit["slow"] == GRAMMAR_CREDIT
+    for rid in ("slow-0", "other-0"):
+        h.sched.finish(rid, FinishReason.ABORT)
+    h.assert_no_leaks()
