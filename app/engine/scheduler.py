@@ -249,9 +249,9 @@ class Scheduler:
         allowed = GRAMMAR_SHARE * max(step_seconds - sum(grammar_seconds.values()), 0.0)
         for client, seconds in taken.items():
             if seconds > allowed:
-                wait = (seconds - allowed) / GRAMMAR_SHARE
-                credit = min(wait, self.grammar_credit.get(client, 0.0))
-                self.grammar_credit[client] = self.grammar_credit.get(client, 0.0) - credit
+                wait, have = (seconds - allowed) / GRAMMAR_SHARE, self.grammar_credit.get(client, 0.0)
+                credit = min(wait, have)
+                self.grammar_credit[client] = have - credit
                 if wait > credit:
                     self.held_until[client] = now + wait - credit
         if len(self.grammar_credit) + len(self._due) > 2 * self.cfg.max_num_seqs:  # (clients gone: forgotten)

@@ -102,9 +102,14 @@ class EngineClient:
         """A heartbeat read within DEAD_AFTER seconds of this process's event loop running: time the loop was held
         up (a large body's JSON, say: the beats wait unread meanwhile) does not count against the engine."""
         now = time.monotonic()
-        held_up = 0.0 if self._tick is None else now - self._tick - WATCH_EVERY  # since _watch last ran
-        forgiven = min(held_up, 10 * DEAD_AFTER) if held_up > HELD_UP else 0.0  # (bounded: were _watch to die)
+        forgiven = min(self._held_up(now), 10 * DEAD_AFTER)  # (bounded: were _watch to die)
         return now - self.last_beat - forgiven < DEAD_AFTER
+
+    def _held_up(self, now: float) -> float:
+        """How long past its due time _watch is: the event loop held up that long (0 within a timer's usual
+        lateness, or before start)."""
+        late = 0.0 if self._tick is None else now - self._tick - WATCH_EVERY
+        return late if late > HELD_UP else 0.0
 
     # --- requests ---
 
@@ -179,10 +184,8 @@ class EngineClient:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_EVERY)
-            now = time.monotonic()
-            held_up = now - self._tick - WATCH_EVERY
-            if held_up > HELD_UP:  # the loop was held up: that long is forgiven the engine's heartbeat (_beating)
-                self.last_beat = min(now, self.last_beat + held_up)
+            now = time.monotonic()  # a loop held up: that long is forgiven the engine's heartbeat (_beating)
+            self.last_beat = min(now, self.last_beat + self._held_up(now))
             self._tick = now
             if self.was_ready and self.state() not in ("ready", "draining"):
                 self._fail_in_flight(f"engine {self.replica} stopped answering")

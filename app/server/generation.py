@@ -100,10 +100,8 @@ class Generation:
         as finished with reason "abort" in the metrics (vLLM's request_success_total{finished_reason="abort"})."""
         now = time.monotonic()  # (counted first: a cancelled caller's await below may not return)
         for seq in self.sequences:
-            if seq.accepted and not seq.counted:
-                seq.counted = True
-                self.metrics.finished("abort", now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
-                                      seq.tokens)
+            if seq.accepted:
+                self._count(seq, "abort", now)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -180,12 +178,17 @@ class Generation:
         before_tokens, before_lp = len(text.token_ids), len(text.logprobs)
         finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)
         reason = finished.value if finished is not None else None
-        if reason is not None and not seq.counted:
-            seq.counted = True
-            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
-                                  seq.tokens)  # each prompt counted once, not once per choice
+        if reason is not None:
+            self._count(seq, reason, now)
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],
                      reason)
+
+    def _count(self, seq: Sequence, reason: str, now: float) -> None:
+        """`seq` in the metrics' finished requests, once (its prompt counted with its first choice only)."""
+        if not seq.counted:
+            seq.counted = True
+            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
+                                  seq.tokens)
 
     def _choices_of(self, first: Sequence) -> list[Sequence]:
         """The n choices of `first`'s prompt (itself the first)."""

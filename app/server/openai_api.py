@@ -63,7 +63,7 @@ def parse_json(raw: bytes):
     except UnicodeDecodeError as exc:  # (JSON is UTF-8; Python's json would guess UTF-16 and UTF-32 too)
         raise APIError(400, f"the request body is not UTF-8 text (byte {exc.start}: {exc.reason})", None,
                        "invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of thousands of digits
+    except ValueError as exc:  # JSONDecodeError, NaN or an overflowing number, an integer of thousands of digits
         what = "it holds an integer of over 4,300 digits" if "integer string conversion" in str(exc) else exc
         raise APIError(400, f"the request body is not valid JSON: {what}", None, "invalid_json") from None
 
@@ -76,9 +76,9 @@ def _may_hold_surrogates(raw: bytes, data) -> bool:
         return False
     try:
         json.dumps(data, ensure_ascii=False).encode()  # (C's speed: only a lone surrogate fails to encode)
+        return False
     except UnicodeEncodeError:
         return True
-    return False
 
 
 SURROGATE_WALK_BYTES = 1 << 20

@@ -15,7 +15,10 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 
 from app.server.errors import APIError
 
-Stop = str | Annotated[list[str], Field(fail_fast=True)] | None
+# A list whose validation stops at its first bad item: pydantic would otherwise make an error of every one (a
+# /detokenize body of 800,000 strings: 2.5 s of the event loop for a 400), all but the first never shown
+FIRST_ERROR = Field(fail_fast=True)
+Stop = str | Annotated[list[str], FIRST_ERROR] | None
 
 
 class _Body(BaseModel):
@@ -24,9 +27,6 @@ class _Body(BaseModel):
 
 # A token id: a JSON integer (not true/false, 1.0 or "1", which pydantic's lax mode would take as one)
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
-# A list whose validation stops at its first bad item: pydantic would otherwise make an error of every one (a
-# /detokenize body of 800,000 strings: 2.5 s of the event loop for a 400), all but the first never shown
-FIRST_ERROR = Field(fail_fast=True)
 TokenIds = Annotated[list[TokenId], FIRST_ERROR]
 
 
@@ -46,14 +46,14 @@ def json_value(text: str | bytes) -> Any:
     RecursionError where nested too deeply)."""
     if isinstance(text, bytes):
         text = text.decode("utf-8")
-    return json.loads(text, parse_constant=no_constant, parse_float=finite_float)
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
 
 
-def no_constant(name: str):
+def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def finite_float(text: str) -> float:
+def _finite_float(text: str) -> float:
     """A JSON number with a fraction or exponent, which must fit a double: Python makes 1e999 an infinity, which
     serializes back as null (a schema's {"const": 1e999} would force null)."""
     value = float(text)
