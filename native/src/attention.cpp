@@ -13,7 +13,7 @@
 //     rounded to bfloat16 first (the cache already is); elsewhere the arithmetic is float32 throughout.
 //
 // One work item is (sequence, KV heads, tile of up to kQueryTile new queries, range of keys): every KV
-// head of the sequence, or one where that leaves too few items (decode of a sequence or two). For each
+// head of the sequence, or one where that and the split below leave too few items (decode of short contexts). For each
 // of its KV heads, its rows are the query heads that share it (GQA), for each query of the tile: row
 // r' of a head is query r' / group, head kv_head * group + r' % group. The item walks its keys in key
 // tiles of whole cache blocks (about kKeyTile keys), each tile's KV heads in turn, so that it reads a
@@ -296,9 +296,17 @@ void attention_impl(const AttentionArgs& a) {
   const int64_t range_keys = round_up(kRangeKeys, key_tile);
   // An item covers every KV head of its sequence: a cache block holds them side by side, so its key tiles
   // read one contiguous run a block instead of a head's 1/kv_heads of it. With few such items (decode
-  // of a sequence or two) they are split per KV head first, then by keys below.
+  // of a sequence or two) they are split by keys below, and per KV head first only where the key ranges
+  // alone would still leave threads idle (short contexts). Keeping the heads together in the split: decode
+  // over the default model's bfloat16 cache, 30 layers, alternated on Zen 4: one sequence x 8,000 keys
+  // 8.5-8.8 -> 7.4-7.5 ms, two x 4,000 8.4-8.8 -> 7.5-7.8.
   const int64_t threads = omp_get_max_threads();
   std::vector<Item> whole;
+  auto ranges = [&] {  // the items the split below would make of `whole`
+    int64_t n = 0;
+    for (const Item& it : whole) n += std::max<int64_t>(1, (it.key_end + range_keys - 1) / range_keys);
+    return n;
+  };
   for (const int64_t heads : {a.kv_heads, int64_t{1}}) {
     whole.clear();
     for (int64_t s = 0; s < a.seqs; ++s) {
@@ -308,7 +316,7 @@ void attention_impl(const AttentionArgs& a) {
         for (int64_t start = (q_len - 1) / kQueryTile * kQueryTile; start >= 0; start -= kQueryTile)
           whole.push_back({s, h, heads, start, std::min(kQueryTile, q_len - start), 0, a.context_lens[s], -1});
     }
-    if (static_cast<int64_t>(whole.size()) >= 2 * threads) break;
+    if (static_cast<int64_t>(whole.size()) >= 2 * threads || ranges() >= 2 * threads) break;
   }
   // Few items (decode of a sequence or two): split each one's keys so that every thread has work.
   const int64_t count = static_cast<int64_t>(whole.size());

@@ -277,7 +277,8 @@ def test_decode_attention(isa, dtype, q_heads, kv_heads, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_kv_decode_attention(isa, dtype):
     # One or two sequences make too few items for the threads (fewer than two a thread, with 4 threads: 3 KV
-    # heads a sequence): each item's keys are split in ranges whose partial results are merged (split-KV). The
+    # heads a sequence): each item's keys are split in ranges whose partial results are merged (split-KV), its
+    # KV heads kept together where the ranges alone are enough items (2,000 keys: 8 ranges), else one a head. The
     # slots for them are kept between calls, so calls of more, fewer and more ranges again each must match the
     # reference; so must a 16-token extend whose last range (key 256) only its last query sees, the other rows'
     # partials there empty, after calls that left other values in those slots.
@@ -303,7 +304,8 @@ def test_a_rows_attention_is_the_same_bits_in_any_batch_and_chunk(isa, dtype, bl
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        context_lens, q_lens = [700, 33, 1000, 300, 90, 520, 1, 257], [1, 1, 16, 1, 40, 1, 1, 5]
+        # alone, 2,100 keys split into ranges with their 3 KV heads together, 1,000 into ranges of one head each
+        context_lens, q_lens = [700, 33, 1000, 300, 90, 520, 1, 257, 2100], [1, 1, 16, 1, 40, 1, 1, 5, 1]
         q, kc, vc, tables, lens, starts = attention_case(dtype, 9, 3, 64, context_lens, q_lens, block_size, seed=3)
         together = kernels.paged_attention(q, kc, vc, tables, lens, starts, 0.125)
         assert_close(together, attention_ref(q, kc, vc, tables, lens, q_lens, 0.125), dtype)
