@@ -80,6 +80,7 @@ class SequenceText:
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | None = None
     min_tokens: int = 0  # stop strings count only where they end in the text of a later token (as vLLM's)
+    include_stop: bool = False  # the matched stop string stays in the text (SamplingParams.include_stop_str_in_output)
     text: str = ""
     checked: int = 0  # no stop string may end in text[:checked], that of the first min_tokens tokens
     sent: int = 0
@@ -93,7 +94,7 @@ class SequenceText:
     def of(cls, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> SequenceText:
         """The text of one sequence of a request with these params: the one place stop strings come from."""
         return cls(Detokenizer(tokenizer, prompt_ids, params.skip_special_tokens, params.keep_special_ids), params.stop,
-                   params.stop_token_ids, eos_token_id, params.min_tokens)
+                   params.stop_token_ids, eos_token_id, params.min_tokens, params.include_stop_str_in_output)
 
     def take(self, token_id: int | None, logprobs: TokenLogprobs | None,
              engine_reason: FinishReason | None) -> FinishReason | None:
@@ -124,17 +125,18 @@ class SequenceText:
 
     def _cut_at_stop(self, start: int) -> bool:
         # each stop string where it ends past `start`: one ending before was looked for with an earlier token
-        hits = [i for i in (self.text.find(s, max(start - len(s) + 1, 0)) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, max(start - len(s) + 1, 0))) >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        at, minus_length = min(hits)  # the first to start, the longest of those
+        self.text = self.text[:at - minus_length if self.include_stop else at]
         self.finish_reason = FinishReason.STOP
         return True
 
     def take_new_text(self) -> str:
         """Text not handed out yet, minus a tail that could still begin a stop string."""
         end = len(self.text)
-        if self.finish_reason is None and self.stop:
+        if self.finish_reason is None and self.stop and not self.include_stop:  # shown anyway: no need to hold back
             end -= max(len(s) for s in self.stop) - 1
         if end <= self.sent:
             return ""

@@ -36,7 +36,10 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past EOS."""
     stop: tuple[str, ...] = ()
-    """Stop when the output text contains one of these; the stop string itself is not returned."""
+    """Stop when the output text contains one of these; the stop string itself is not returned unless
+    include_stop_str_in_output."""
+    include_stop_str_in_output: bool = False
+    """The stop string that ended the text is its last part (vLLM's); nothing is held back while streaming."""
     stop_token_ids: tuple[int, ...] = ()
     """Stop after sampling one of these token ids (the token is not returned in the text)."""
     logprobs: int | None = None

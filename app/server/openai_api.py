@@ -109,7 +109,7 @@ async def completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: CompletionRequest = await read_body(request, CompletionRequest)
     ctx.check_model(body.model)
-    prompts = await ctx.prompt_ids(body.prompt)
+    prompts = [body.truncated(ids, ctx.max_model_len) for ids in await ctx.prompt_ids(body.prompt)]
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
                        "invalid_value")
@@ -175,7 +175,7 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
     structured = body.constraint() is not None
     tools = plan_tools(body, ctx.text.tool_format, structured, ctx.text.special_tags)
     prompt = await ctx.chat_prompt(body.messages, body, tools)
-    ids = prompt.ids
+    ids = body.truncated(prompt.ids, ctx.max_model_len)
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
     constraint = forced.constraint if forced else None
@@ -282,6 +282,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
+        include_stop_str_in_output=body.include_stop_str_in_output,
         stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens, keep_special_ids=keep, logit_bias=bias, grammar=grammar,

@@ -167,6 +167,24 @@ class StructuredOutputs(BaseModel):
         return name, self.value(name)
 
 
+# vLLM's request fields that would change an answer and that this server does not follow, each with the values that
+# mean "off": set otherwise, a 400 says so (ignored, as unknown fields are, they would give a different answer than
+# the client asked for without a word)
+VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False, None), "length_penalty": (1, None), "bad_words": ([], None),
+    "allowed_token_ids": (None,), "return_tokens_as_token_ids": (False, None), "logits_processors": ([], None),
+    "prompt_embeds": (None,), "spaces_between_special_tokens": (True, None),
+}
+
+
+def refuse_unsupported(extra: dict[str, Any] | None, fields: dict[str, tuple[Any, ...]]) -> None:
+    """ValueError naming the first of `fields` (name -> values that mean "off") set in `extra` to another value."""
+    for name, off in fields.items():
+        if name in (extra or {}):
+            if extra[name] not in off:
+                raise ValueError(f"{name} is not supported by this server")
+
+
 class SamplingFields(_Body):
     """Fields shared by both generation endpoints."""
 
@@ -199,6 +217,9 @@ class SamplingFields(_Body):
     # structured outputs: OpenAI's response_format (both endpoints, as vLLM) or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
+    # only the prompt's last k tokens are read (vLLM's; -1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -223,12 +244,20 @@ class SamplingFields(_Body):
                 raise ValueError(f"logit_bias keys must be token ids (decimal digits), not {key[:40]!r}")
         return value
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length)")
+        return value
+
     @model_validator(mode="after")
     def _unsupported(self):
         old = sorted(k for k in self.model_extra or {} if k.startswith("guided_"))
         if old:  # vLLM's earlier names: ignoring them would answer unconstrained
             raise ValueError(f"{old[0]} is not supported; use structured_outputs (vLLM's current name) or "
                              "response_format")
+        refuse_unsupported(self.model_extra, VLLM_UNSUPPORTED)
         if self.structured_outputs is not None and self.response_format is not None and \
                 self.response_format.type != "text":
             raise ValueError("give response_format or structured_outputs, not both")
@@ -238,6 +267,11 @@ class SamplingFields(_Body):
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as truncate_prompt_tokens keeps them: its last k (vLLM's truncation side, the left)."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
     def constraint(self) -> tuple[str, Any, str] | None:
         """The structured output asked for, as (kind, value, the field that asked): see app/engine/structured.py."""
@@ -436,6 +470,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
     def _chat_checks(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        refuse_unsupported(self.model_extra, {"echo": (False, None)})  # vLLM's: the last message's text first
         return self
 
     def output_limit(self) -> int | None:

@@ -55,6 +55,22 @@ def test_stop_string_ends_the_text_before_it(tokenizer):
     assert seq.text == "go on " and seq.take_new_text() == "go on "
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(tokenizer):
+    """vLLM's include_stop_str_in_output: the text runs through the stop string that ended it (the first to start,
+    the longest of those), nothing after it; streamed, nothing is held back, and the pieces make the same text."""
+    ids = tokenizer("go on STOP and more", add_special_tokens=False).input_ids
+    for stops, text in [(("STOP",), "go on STOP"), (("OP", "STOP", "and"), "go on STOP"), (("on", "STOP"), "go on")]:
+        seq = SequenceText(Detokenizer(tokenizer, []), stops, include_stop=True)
+        pieces = []
+        for t in ids:
+            ended = seq.add(t, None)
+            pieces.append(seq.take_new_text())
+            if ended:
+                break
+        assert seq.finish_reason == FinishReason.STOP and seq.text == text and "".join(pieces) == text, stops
+        assert pieces[0] == tokenizer.decode(ids[:1])  # not held back (without it: "", it could begin "STOP")
+
+
 def test_stop_string_split_across_tokens_never_leaks_while_streaming(tokenizer):
     stop = ("</answer>",)
     ids = tokenizer("The result is 42</answer> trailing", add_special_tokens=False).input_ids

@@ -542,6 +542,39 @@ def test_stop_sequences_and_echo(client):
     assert echoed.choices[0].text.startswith("Monday, Tuesday,")
 
 
+def test_vllm_stop_and_truncation_fields(appliance, client):
+    """include_stop_str_in_output keeps the stop string; truncate_prompt_tokens reads the prompt's last k tokens only
+    (the same answer as those k token ids sent as the prompt); vLLM's fields this server does not follow are 400s,
+    not ignored."""
+    free = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0).choices[0].text
+    stop = free.split(",")[1].strip()
+    kept = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == free[:free.index(stop) + len(stop)], (free, kept.text)
+    streamed = client.completions.create(model=MODEL, prompt="Monday, Tuesday,", max_tokens=12, temperature=0,
+                                         stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == kept.text
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = httpx.post(appliance.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 5})
+    tail = client.completions.create(model=MODEL, prompt=ids[-5:], max_tokens=6, temperature=0)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == tail.choices[0].text
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    for field, value in [("use_beam_search", True), ("bad_words", ["Paris"]), ("allowed_token_ids", [253]),
+                         ("return_tokens_as_token_ids", True), ("truncate_prompt_tokens", 0)]:
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={field: value})
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"echo": True})
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"use_beam_search": False, "bad_words": [], "echo": False})
+    assert plain.choices[0].text  # their defaults are fine
+
+
 def test_echo_with_logprobs_scores_the_prompt(appliance, client):
     """OpenAI's legacy way to score a text, as lm-evaluation-harness asks it (echo, logprobs, max_tokens 1 or 0):
     the prompt's tokens come first, the first with no logprob, each later one with its log-probability given those
