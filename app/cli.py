@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from app.bootstrap.isa import check_isa
-from app.bootstrap.startup import Deployment, prepare
+from app.bootstrap.startup import Deployment, api_key, check_listen, prepare
 from app.model.source import resolve_source
 from app.spec.errors import SpecError
 from app.spec.load import dump_spec, read_spec
@@ -152,13 +152,22 @@ def _deployment(args: argparse.Namespace) -> Deployment:
 
 def _validate(args: argparse.Namespace) -> int:
     ctx = _deployment(args)
+    try:
+        check_listen(ctx.spec.server.host, 0)  # an address of this machine (whether the port is free: at `serve`)
+    except SpecError as error:
+        raise ctx.doc.locate(error) from None
+    warnings = list(ctx.plan.warnings)
+    try:  # its file or variable as `serve` reads them: a spec may be checked where its secret is not (a pod's)
+        api_key(ctx.spec.server.api_key)
+    except SpecError as error:
+        warnings += [f"{line}; `serve` stops here without it" for line in str(ctx.doc.locate(error)).splitlines()]
     plan = ctx.plan
     if args.print:
         print(dump_spec(ctx.doc.spec), end="")
     replicas = len({r.replica for r in plan.ranks})
     print(f"{ctx.doc.source}: OK: {ctx.source.served_name}, {replicas} replica(s) x "
           f"{len(plan.ranks) // replicas} TP rank(s), {plan.dtype}", file=sys.stderr)
-    for warning in plan.warnings:
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
 

@@ -19,12 +19,13 @@ log = logging.getLogger("app.bootstrap")
 
 def serve(config: str | None, overrides: list[str]) -> int:
     """The whole start sequence; returns the exit code. A SpecError stops it before any process starts."""
-    from app.bootstrap.startup import prepare
+    from app.bootstrap.startup import api_key, check_listen, prepare
     from app.spec.errors import SpecError
 
     deployment = prepare(config, overrides, openmp=_preflight)
     try:
-        api_key = _api_key(deployment.spec.server.api_key)
+        key = api_key(deployment.spec.server.api_key)
+        check_listen(deployment.spec.server.host, deployment.spec.server.port)  # before the model loads, not after
     except SpecError as error:
         raise deployment.doc.locate(error) from None
     plan = deployment.plan
@@ -37,12 +38,12 @@ def serve(config: str | None, overrides: list[str]) -> int:
         # the same file and --set overrides; "auto" OpenMP stays what the preflight found (runtime edits need a restart)
         again = prepare(config, overrides, openmp=lambda spec, topo: plan.openmp_runtime)
         try:
-            key = _api_key(again.spec.server.api_key)
+            key = api_key(again.spec.server.api_key)
         except SpecError as error:
             raise again.doc.locate(error) from None
         return _layout(again, key, runtime.path)
 
-    return Supervisor(_layout(deployment, api_key, runtime.path), runtime, reload).run()
+    return Supervisor(_layout(deployment, key, runtime.path), runtime, reload).run()
 
 
 def _log_plan(deployment) -> None:
@@ -91,24 +92,3 @@ def _layout(deployment, api_key: str | None, path: Path) -> Layout:
         started_marker=str(path / "started"),
         metrics_dir=str(path / "metrics"))
     return Layout(replicas, frontend, plan.frontend_cpus, s.host, s.port, s.workers, s.shutdown_grace, spec.runtime)
-
-
-def _api_key(spec) -> str | None:
-    """The key itself, from the spec, a file or the environment (the bootstrap reads those)."""
-    from app.spec.errors import Described, Problem, SpecError
-
-    if spec is None:
-        return None
-    if spec.value is not None:
-        return spec.value
-    if spec.file is not None:
-        try:
-            return Path(spec.file).read_text().strip()
-        except OSError as exc:
-            raise SpecError([Problem("server.api_key.file", "a readable file holding the key",
-                                     Described(f"{spec.file} ({exc.strerror})"))]) from None
-    value = os.environ.get(spec.env)
-    if not value:
-        raise SpecError([Problem("server.api_key.env", "the name of a set, non-empty environment variable",
-                                 Described(f"{spec.env}, which is not set"))])
-    return value

@@ -6,6 +6,9 @@ means on this machine. Every SpecError on the way is located in the YAML (file, 
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +89,7 @@ def prepare(config: str | Path | None, overrides: list[str], *, root: str | Path
 
     doc = read_spec(config, overrides)
     try:
+        check_chat_template(doc.spec.model.chat_template)
         topo = read_topology(root)
         runtime = (openmp or installed_openmp)(doc.spec, topo)
         source = resolve_source(doc.spec.model)
@@ -101,3 +105,92 @@ def installed_openmp(spec: Spec, topo: Topology) -> str:
     from app.bootstrap.preflight import check, default_search_dirs
 
     return check(spec.runtime, topo.arch, {}, default_search_dirs(), "").openmp_runtime
+
+
+def check_chat_template(override: str | None) -> None:
+    """SpecError on model.chat_template where it names no file and holds no Jinja (a mistyped path would otherwise be
+    every chat prompt's text), or where the template does not compile (every chat request would be refused)."""
+    from app.spec.errors import Described, Problem, SpecError
+
+    if override is None:
+        return
+    path = Path(override)
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecError([Problem("model.chat_template", "a readable Jinja file, or the template's text",
+                                     Described(f"{override} ({exc})"))]) from None
+    elif not any(mark in override for mark in ("{{", "{%", "{#")):
+        raise SpecError([Problem("model.chat_template",
+                                 "a path to an existing Jinja file, or the template's text (with {{ }} or {% %})",
+                                 Described(f"{override!r}, which is no file and no template"))])
+    else:
+        text = override
+    try:
+        _compile_template(text)
+    except Exception as exc:  # jinja2's TemplateSyntaxError (or what else its parser raises)
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise SpecError([Problem("model.chat_template", "a Jinja template that compiles",
+                                 Described(f"a template with an error: {exc}{where}"))]) from None
+
+
+def _compile_template(text: str) -> None:
+    """Compile as transformers' apply_chat_template does (its sandbox and extensions), else with jinja2's sandbox."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a private helper of transformers: where it is gone, jinja2's parser checks the syntax
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols]).parse(text)
+        return
+    _compile_jinja_template(text)
+
+
+def api_key(spec) -> str | None:
+    """The key itself, from the spec (server.api_key), a file or the environment (the bootstrap reads those)."""
+    from app.spec.errors import Described, Problem, SpecError
+
+    if spec is None:
+        return None
+    if spec.value is not None:
+        return spec.value
+    if spec.file is not None:
+        try:
+            return Path(spec.file).read_text().strip()
+        except OSError as exc:
+            raise SpecError([Problem("server.api_key.file", "a readable file holding the key",
+                                     Described(f"{spec.file} ({exc.strerror})"))]) from None
+    value = os.environ.get(spec.env)
+    if not value:
+        raise SpecError([Problem("server.api_key.env", "the name of a set, non-empty environment variable",
+                                 Described(f"{spec.env}, which is not set"))])
+    return value
+
+
+def check_listen(host: str, port: int) -> None:
+    """SpecError on server.host or server.port where the HTTP frontend could not listen there: checked before the
+    model loads (gunicorn would find out after, and retry for seconds). Port 0: the host alone (`validate`)."""
+    from app.spec.errors import Described, Problem, SpecError
+
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise SpecError([Problem("server.host", "an address or host name of this machine",
+                                 Described(f"{host!r}, which does not resolve ({exc})"))]) from None
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise SpecError([Problem("server.port", "a port no other process listens on",
+                                         Described(f"{port}, already in use on {host}"))]) from None
+            if exc.errno == errno.EACCES:
+                raise SpecError([Problem("server.port", "a port this process may listen on (from 1024 unless root)",
+                                         Described(f"{port} ({exc.strerror})"))]) from None
+            raise SpecError([Problem("server.host", "an address of this machine to listen on",
+                                     Described(f"{host!r} ({exc.strerror})"))]) from None

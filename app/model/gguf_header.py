@@ -9,6 +9,7 @@ this scan steps over them. Dequantizing the types without a kernel is still `ggu
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Container
@@ -162,4 +163,21 @@ class _Scanner:
         if not isinstance(alignment, int) or alignment <= 0:
             raise GGUFFormatError(f"general.alignment is {alignment!r}, not a positive integer")
         data_start = (self.pos + alignment - 1) // alignment * alignment
-        return GGUFHeader(version, metadata, shapes, types, {name: data_start + o for name, o in offsets.items()})
+        header = GGUFHeader(version, metadata, shapes, types, {name: data_start + o for name, o in offsets.items()})
+        _check_sizes(header, len(self.buf))
+        return header
+
+
+def _check_sizes(header: GGUFHeader, file_bytes: int) -> None:
+    """GGUFFormatError where a tensor (of a type gguf knows) ends past the file's end: a truncated file is refused
+    when its header is read (`validate`), not seconds into loading the weights."""
+    from gguf import GGML_QUANT_SIZES
+
+    for name, dims in header.tensor_shapes.items():
+        if header.tensor_types[name] not in GGML_QUANT_SIZES:
+            continue  # the loader names the type it does not know
+        block, size = GGML_QUANT_SIZES[header.tensor_types[name]]
+        end = header.tensor_offsets[name] + math.prod(dims) // block * size
+        if end > file_bytes:
+            raise GGUFFormatError(f"tensor {name!r} ends at byte {end:,}, past the end of the file ({file_bytes:,} "
+                                  "bytes): a truncated file?")

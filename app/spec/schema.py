@@ -57,7 +57,8 @@ class ModelSpec(Section):
     max_model_len: int | None = Field(default=None, ge=16, le=1 << 20)
     """Longest sequence (prompt + output) in tokens; default: the model's own context length."""
     chat_template: str | None = Field(default=None, min_length=1)
-    """Chat template override: a path to a Jinja file or the template text; default: the model's."""
+    """Chat template override: a path to a Jinja file or the template text (with `{{ }}` or `{% %}`); default: the
+    model's. It must compile (checked at start and by `validate`)."""
     reasoning: Literal["auto", "none"] = "auto"
     """A thinking model's `<think>` block (Qwen3, QwQ, DeepSeek-R1's distillations): "auto" returns it apart from the
     answer on /v1/chat/completions, as `reasoning_content` and `reasoning`, where the chat template knows the tags;
@@ -220,9 +221,9 @@ class ServerSpec(Section):
     """The OpenAI-compatible HTTP frontend."""
 
     host: str = Field(default="0.0.0.0", min_length=1)
-    """Address to listen on."""
+    """Address to listen on (an address of this machine: `validate` resolves it)."""
     port: int = Field(default=8000, ge=1, le=65535)
-    """TCP port to listen on."""
+    """TCP port to listen on; `serve` stops at once if another process listens there."""
     api_key: ApiKeySpec | None = None
     """Require this bearer key on every route but /health (and /metrics, see `metrics_auth`); default: no key."""
     workers: int = Field(default=1, ge=1, le=64)

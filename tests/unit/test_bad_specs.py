@@ -131,10 +131,30 @@ BAD += [
      ["--set parallel: found tp x dp = 8 x 8 = 64 ranks"]),
 ]
 
+# Specs that `validate` once passed and `serve` then failed on, late or silently (the fourth outside attack)
+BAD += [
+    ("chat-template-no-such-file", "model:\n  chat_template: /nonexistent/chat.jinja\n", [], THIS,
+     ["spec.yaml:2: model.chat_template: found '/nonexistent/chat.jinja', which is no file and no template",
+      "allowed: a path to an existing Jinja file, or the template's text"]),
+    ("chat-template-bad-jinja", "model:\n  chat_template: '{% for m in %}{{ m }}'\n", [], THIS,
+     ["spec.yaml:2: model.chat_template: found a template with an error: Expected an expression",
+      "allowed: a Jinja template that compiles"]),
+    ("gguf-cut-in-its-tensors", "model:\n  path: {dir}/short.gguf\n", [], THIS,
+     ["spec.yaml:2: model.path: found", "ends at byte", "past the end of the file (5,000,000 bytes): a truncated file?"]),
+    ("host-unresolvable", "server:\n  host: not a host\n", [], THIS,
+     ["spec.yaml:2: server.host: found 'not a host', which does not resolve",
+      "allowed: an address or host name of this machine"]),
+]
+
 
 @pytest.fixture
 def model_files(tmp_path):
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+
     (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    with open(resolve_source(ModelSpec()).path, "rb") as real:  # its whole header, a sixth of its tensors' bytes
+        (tmp_path / "short.gguf").write_bytes(real.read(5_000_000))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     return tmp_path
@@ -193,3 +213,32 @@ def test_a_real_child_process_exits_2_without_a_traceback(tmp_spec, command):
     assert child.returncode == 2
     assert "Traceback" not in child.stderr
     assert "cores.use_smtt: found an unknown key 'use_smtt'" in child.stderr
+
+
+def test_serve_on_a_busy_port_stops_before_the_model_loads(tmp_spec):
+    """gunicorn would find out only after the model had loaded, retry five times and say nothing of the spec."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        child = run_app("serve", "-c", tmp_spec(f"server:\n  host: 127.0.0.1\n  port: {port}\n"), timeout=60)
+    assert child.returncode == 2 and "Traceback" not in child.stderr, child.stderr
+    assert f"spec.yaml:3: server.port: found {port}, already in use on 127.0.0.1" in child.stderr, child.stderr
+    assert "allowed: a port no other process listens on" in child.stderr
+    assert "engine" not in child.stderr.lower()  # nothing was started
+
+
+@pytest.mark.parametrize(("key", "said"), [("env: APPLIANCE_TEST_NEVER_SET", "found APPLIANCE_TEST_NEVER_SET, which is not set"),
+                                           ("file: /nonexistent/key", "found /nonexistent/key (No such file or directory)")])
+def test_an_api_key_validate_cannot_read_is_a_warning_and_serve_stops(tmp_spec, key, said):
+    """A spec may be checked where its secret is not (a pod's environment): `validate` warns; `serve` stops with
+    exit 2 before anything starts."""
+    path = tmp_spec(f"server:\n  api_key:\n    {key}\n")
+    checked = run_cli("validate", "-c", path, "--root", THIS)
+    field = key.split(":")[0]
+    assert checked.code == 0 and f"warning: {path}:3: server.api_key.{field}: {said}" in checked.err, checked
+    assert "`serve` stops here without it" in checked.err
+    served = run_app("serve", "-c", path, "--port", "1", timeout=60)
+    assert served.returncode == 2 and f"server.api_key.{field}: {said}" in served.stderr, served.stderr
