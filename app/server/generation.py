@@ -183,12 +183,20 @@ class Generation:
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],
                      reason)
 
+    @property
+    def _generates(self) -> bool:
+        """Whether its tokens are output a client sees: not an embedding's one token, nor an echoed prompt's alone
+        (both computed and never shown): those count no generation tokens and no token latencies."""
+        return not (self.params.embed or self.prompt_only)
+
     def _count(self, seq: Sequence, reason: str, now: float) -> None:
-        """`seq` in the metrics' finished requests, once (its prompt counted with its first choice only)."""
+        """`seq` in the metrics' finished requests, once (its prompt counted with its first choice only); an
+        embedding as "stop" (as vLLM's pooling requests), whatever ended its hidden token."""
         if not seq.counted:
             seq.counted = True
-            self.metrics.finished(reason, now - self.started, len(seq.prompt_ids) if seq.first_of_prompt else 0,
-                                  seq.tokens)
+            self.metrics.finished(reason if not self.params.embed else "stop", now - self.started,
+                                  len(seq.prompt_ids) if seq.first_of_prompt else 0,
+                                  seq.tokens if self._generates else 0)
 
     def _choices_of(self, first: Sequence) -> list[Sequence]:
         """The n choices of `first`'s prompt (itself the first)."""
@@ -201,6 +209,8 @@ class Generation:
 
     def _timing(self, seq: Sequence, now: float) -> None:
         seq.tokens += 1
+        if not self._generates:
+            return
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.metrics.first_token(now - self.started)

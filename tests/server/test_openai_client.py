@@ -788,6 +788,24 @@ def test_metrics_use_vllm_names(appliance, client):
         time.sleep(0.1)
     assert aborts() == before + 1
 
+    # an embedding's one token and an echoed prompt's alone are never shown: no generation tokens, no first-token
+    # time; an embedding counts as finished with "stop" (as vLLM's pooling requests)
+    def counts() -> tuple[float, float]:
+        return (appliance.metric("vllm:generation_tokens_total"),
+                appliance.metric("vllm:time_to_first_token_seconds_count"))
+
+    stops = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="stop"[^}]*\} (\S+)$', re.M)
+    tokens, firsts = counts()
+    stopped = float(stops.search(httpx.get(appliance.url + "/metrics").text).group(1))
+    client.embeddings.create(model=MODEL, input=["a text", "another one"])
+    client.completions.create(model=MODEL, prompt="Scored alone", max_tokens=0, echo=True)
+    client.completions.create(model=MODEL, prompt="Then", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while counts()[0] < tokens + 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counts() == (tokens + 3, firsts + 1)
+    assert float(stops.search(httpx.get(appliance.url + "/metrics").text).group(1)) == stopped + 2
+
 
 def test_streamed_logprobs_cover_every_token_even_when_text_is_held_back(client):
     # the stop string holds text back; its tokens' logprobs must still all arrive
