@@ -89,6 +89,7 @@ def _layout(deployment, api_key: str | None, path: Path) -> Layout:
         api_key=api_key, max_body_size=s.max_body_size, cors_origins=list(s.cors_origins),
         metrics_auth=s.metrics_auth, header_timeout=s.header_timeout, body_timeout=s.body_timeout,
         max_connections=s.max_connections, tokenizer_dir=str(path / "tokenizer"), draining_marker=str(path / "draining"),
+        shutdown_grace=s.shutdown_grace,
         started_marker=str(path / "started"),
         metrics_dir=str(path / "metrics"))
     return Layout(replicas, frontend, plan.frontend_cpus, s.host, s.port, s.workers, s.shutdown_grace, spec.runtime)

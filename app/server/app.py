@@ -26,6 +26,7 @@ from app.server import embeddings, openai_api, responses
 from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
+from app.server.generation import LIVE, ShuttingDown
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
 from app.server.reasoning import opens_thinking
@@ -325,6 +326,22 @@ async def _warm_grammars(ctx: Context, settle: float = 1.0) -> None:
     ctx.text.warm_grammars()
 
 
+async def _end_at_grace(cfg: FrontendConfig) -> None:
+    """Once the bootstrap drains (its marker appears), the answers still running when server.shutdown_grace runs
+    out end with a 503 "shutting_down" error (a stream's last event, then [DONE]), not with a connection cut when
+    gunicorn kills the worker a second later."""
+    while True:
+        try:
+            began = os.stat(cfg.draining_marker).st_mtime
+            break
+        except FileNotFoundError:
+            await asyncio.sleep(0.25)
+    await asyncio.sleep(max(0.0, began + cfg.shutdown_grace - time.time()))
+    for gen in list(LIVE):
+        gen.interrupt(ShuttingDown(f"the server is shutting down and server.shutdown_grace "
+                                   f"({cfg.shutdown_grace:g} s) ran out before this request finished"))
+
+
 def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     if tokenizer is None:
         tokenizer = _tokenizer(cfg)
@@ -334,9 +351,12 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
     async def lifespan(app):
         await ctx.engine.start()
         warming = asyncio.create_task(_warm_grammars(ctx))
+        grace = asyncio.create_task(_end_at_grace(cfg)) if cfg.draining_marker else None
         gc.freeze()  # the modules and the tokenizer live as long as the process: the collector stops walking them
         yield
         warming.cancel()
+        if grace is not None:
+            grace.cancel()
         await ctx.engine.close()
         ctx.text.close()
 

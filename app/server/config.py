@@ -28,6 +28,7 @@ class FrontendConfig:
     max_connections: int = 1000
     tokenizer_dir: str | None = None  # the bootstrap's torch-free export; None: read it from the model
     draining_marker: str | None = None  # the bootstrap creates this file when SIGTERM arrives
+    shutdown_grace: float = 30.0  # server.shutdown_grace: from that file's creation, in-flight requests' time left
     started_marker: str | None = None  # ... and this one once every replica has been ready together
     metrics_dir: str | None = None
 

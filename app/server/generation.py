@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,9 @@ from app.engine.request import FinishReason
 from app.server.engine_client import ACCEPTED, EngineClient, EngineUnavailable
 from app.server.metrics import Metrics
 from app.server.router import EngineRouter
+
+# The generations whose answers are under way (started, events not all read): server.shutdown_grace ends them
+LIVE: weakref.WeakSet[Generation] = weakref.WeakSet()
 
 
 @dataclass
@@ -51,7 +55,11 @@ class Event:
     finish_reason: str | None = None
 
 
-@dataclass
+class ShuttingDown(EngineUnavailable):
+    """server.shutdown_grace ran out while the request was still running."""
+
+
+@dataclass(eq=False)  # (compared and hashed as itself: LIVE holds it)
 class Generation:
     engine: EngineRouter
     metrics: Metrics
@@ -85,6 +93,7 @@ class Generation:
         """Submit every sequence; returns once the engine queued them all (raises if one was refused)."""
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
+        LIVE.add(self)
         accepted = [loop.create_future() for _ in self.sequences]
         self._tasks = [asyncio.create_task(self._run(seq, fut)) for seq, fut in zip(self.sequences, accepted)]
         outcomes = await asyncio.gather(*accepted, return_exceptions=True)
@@ -117,7 +126,13 @@ class Generation:
                 yield item
                 finished += item.finish_reason is not None
         finally:
+            LIVE.discard(self)
             await self.cancel()
+
+    def interrupt(self, exc: Exception) -> None:
+        """End the answer with `exc` (a stream's error event, a JSON answer's error) where events() is at; its
+        sequences are then aborted as a client's that went away."""
+        self._queue.put_nowait(exc)
 
     async def _run(self, seq: Sequence, accepted: asyncio.Future) -> None:
         failed: set[int] = set()

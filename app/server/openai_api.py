@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server.errors import APIError, error_body, from_validation_error
-from app.server.generation import Event, Generation
+from app.server.generation import Event, Generation, ShuttingDown
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, json_value
 from app.server.reasoning import ReasoningReader
 from app.server.tools import ToolPlan, parameters_schema
@@ -332,6 +332,8 @@ async def _disconnected(request: Request) -> None:
 
 def _api_error(exc: EngineRejected | EngineUnavailable) -> APIError:
     """The HTTP error for an engine that refused a request or is not there."""
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), None, "shutting_down")
     if isinstance(exc, EngineUnavailable):
         return APIError(503, str(exc), None, "engine_unavailable")
     headers = {"Retry-After": "1"} if exc.status == 429 else None

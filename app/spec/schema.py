@@ -233,7 +233,8 @@ class ServerSpec(Section):
     cors_origins: list[str] = Field(default_factory=list)
     """Origins allowed by CORS ("*" for any); default: none."""
     shutdown_grace: float = Field(default=30.0, ge=0, le=3600)
-    """Seconds that in-flight requests may take to finish after SIGTERM before they are cut off."""
+    """Seconds that in-flight requests may take to finish after SIGTERM; those still running then end with a 503
+    "shutting_down" error (a stream's last event)."""
     metrics_auth: bool = True
     """With an API key set, /metrics needs it too; false lets a Prometheus scraper in without it."""
     header_timeout: float = Field(default=10.0, gt=0, le=3600)

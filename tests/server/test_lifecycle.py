@@ -70,6 +70,34 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(tmp_path):
     assert "draining" in app.logs() and "stopped" in app.logs()
 
 
+def test_answers_still_running_when_the_grace_runs_out_end_with_an_error(tmp_path):
+    """SIGTERM with server.shutdown_grace 2: a stream that would run far longer gets a "shutting_down" error event and
+    [DONE] (not a connection cut when gunicorn kills its worker), a JSON request a 503 of that code; exit 0."""
+    app = Appliance(tmp_path, sets=("server.shutdown_grace=2",)).wait_ready()
+    out, answer = {}, {}
+    streaming = threading.Thread(target=_stream, args=(app, out, 6000))
+
+    def whole() -> None:
+        body = {"prompt": "Count:", "max_tokens": 6000, "ignore_eos": True}
+        response = httpx.post(app.url + "/v1/completions", json=body, timeout=120)
+        answer.update(status=response.status_code, body=response.json())
+
+    waiting = threading.Thread(target=whole)
+    streaming.start(), waiting.start()
+    while "first" not in out and streaming.is_alive():
+        time.sleep(0.05)
+    time.sleep(0.3)
+    signalled = time.monotonic()
+    app.process.send_signal(signal.SIGTERM)
+    streaming.join(60), waiting.join(60)
+    code = app.stop()
+    assert code == 0 and time.monotonic() - signalled < 15, app.logs()[-3000:]
+    assert out["status"] == 200 and "error" not in out and out["lines"][-1] == "data: [DONE]", out.get("error")
+    last = json.loads(out["lines"][-2][6:])
+    assert last["error"]["code"] == "shutting_down" and "server.shutdown_grace (2 s)" in last["error"]["message"]
+    assert answer["status"] == 503 and answer["body"]["error"]["code"] == "shutting_down", answer
+
+
 def test_killing_the_engine_fails_health_and_requests_and_exits_non_zero(tmp_path):
     app = Appliance(tmp_path).wait_ready()
     out: dict = {}
