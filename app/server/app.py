@@ -205,7 +205,7 @@ async def model(request: Request) -> Response:
 
 
 def _model_card(ctx: Context) -> dict:
-    if not ctx.engine.ready():
+    if not ctx.engine.serving():
         raise APIError(503, f"the engine is {ctx.engine.state()}; the model is listed once it can serve", None,
                        "engine_unavailable")
     return {"id": ctx.served_name, "object": "model", "created": ctx.created, "owned_by": "appliance",
@@ -263,7 +263,7 @@ async def health(request: Request) -> Response:
     engine = ctx.engine
     if ctx.cfg.draining_marker and os.path.exists(ctx.cfg.draining_marker):
         return error_response(503, "the server is shutting down", None, "draining")
-    if engine.ready():
+    if engine.serving():  # (with several replicas, one draining while the others restart serves too: "degraded")
         state = engine.state()
         if state == "degraded" and ctx.cfg.started_marker and not os.path.exists(ctx.cfg.started_marker):
             # at start-up, ready means every replica: a replica still loading is not a degraded one

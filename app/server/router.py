@@ -39,6 +39,15 @@ class EngineRouter:
     def ready(self) -> bool:
         return any(r.ready() for r in self.replicas)
 
+    def serving(self, exclude: frozenset[int] = frozenset()) -> list[EngineClient]:
+        """The replicas requests go to (but those in `exclude`): the ready ones, or where none is (the others died
+        during a spec reload) with several replicas, the one still draining, which takes requests until its
+        restart."""
+        ready = [r for r in self.replicas if r.ready() and r.replica not in exclude]
+        if not ready and len(self.replicas) > 1:
+            ready = [r for r in self.replicas if r.state() == "draining" and r.replica not in exclude]
+        return ready
+
     def state(self) -> str:
         states = {r.state() for r in self.replicas}
         if states == {"ready"}:
@@ -57,9 +66,7 @@ class EngineRouter:
 
     def pick(self, prompt_ids: list[int], exclude: frozenset[int] = frozenset()) -> EngineClient:
         """The replica for this prompt; EngineUnavailable when none is ready."""
-        ready = [r for r in self.replicas if r.ready() and r.replica not in exclude]
-        if not ready and len(self.replicas) > 1:  # the others died during a reload: the draining one still serves
-            ready = [r for r in self.replicas if r.state() == "draining" and r.replica not in exclude]
+        ready = self.serving(exclude)
         if not ready:
             raise EngineUnavailable(f"the engine is {self.state()}")
         if len(self.replicas) == 1:

@@ -35,3 +35,16 @@ def test_a_long_shared_prefix_keeps_its_replica():
     router = _router(2)
     prompt = list(range(AFFINITY_TOKENS + 10))
     assert len({router.pick(prompt + [i]).replica for i in range(6)}) == 1
+
+
+def test_a_draining_replica_serves_when_the_others_are_gone():
+    """During a spec reload, the replica still draining takes requests when the others died meanwhile: it is what
+    `pick` routes to, and so what /health and /v1/models count as serving ("degraded", not a 503 "draining")."""
+    router = _router(2)
+    router.replicas[0].stats = Heartbeat(ready=False, draining=True)
+    router.replicas[1].was_ready, router.replicas[1].last_beat = True, time.monotonic() - 3600  # its engine died
+    assert [r.state() for r in router.replicas] == ["draining", "unavailable"] and not router.ready()
+    assert router.serving() == [router.replicas[0]] and router.pick([5]).replica == 0
+    assert router.serving(frozenset({0})) == []
+    router.replicas[1].last_beat = time.monotonic()  # back, ready: it alone serves again
+    assert router.serving() == [router.replicas[1]]
