@@ -7,6 +7,7 @@ a file are reported together.
 from __future__ import annotations
 
 import difflib
+import typing
 from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
@@ -201,6 +202,11 @@ def _unknown_key(model: type[BaseModel] | None, key: str) -> str:
     return f"{hint}known keys here: {', '.join(known)}"
 
 
+# What a pattern of the schema allows, in words
+PATTERN_WORDS = {r"^\S{1,128}$": "1 to 128 characters, none of them a space",
+                 r"^[A-Za-z_][\w.]*/.+$": 'an installed package\'s name, "/", and a path inside it'}
+
+
 def _allowed(error: dict, field: Any) -> str:
     kind, ctx = error["type"], error.get("ctx") or {}
     if kind == "value_error":
@@ -210,7 +216,7 @@ def _allowed(error: dict, field: Any) -> str:
     if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than", "multiple_of"):
         return _number_range(field, kind, ctx)
     if kind == "string_pattern_mismatch" and field is not None:
-        return field.description or f"a string matching {ctx['pattern']}"
+        return PATTERN_WORDS.get(ctx["pattern"]) or field.description or f"a string matching {ctx['pattern']}"
     simple = {
         "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
         "bool_type": "true or false", "bool_parsing": "true or false",
@@ -235,7 +241,8 @@ def _number_range(field: Any, kind: str, ctx: dict) -> str:
     for meta in field.metadata if field else ():
         bounds.update({k: getattr(meta, k) for k in ("ge", "le", "multiple_of") if getattr(meta, k, None) is not None})
     if "ge" in bounds and "le" in bounds:
-        text = f"an integer from {bounds['ge']} to {bounds['le']}"
+        whole = field is None or float not in (field.annotation, *typing.get_args(field.annotation))
+        text = f"{'an integer' if whole else 'a number'} from {bounds['ge']} to {bounds['le']}"
     else:
         symbol, key = _BOUND_WORDS[kind]
         text = f"a number {symbol} {ctx.get(key)}"
