@@ -100,7 +100,8 @@ class EngineCore:
             raise RequestRejected("the prompt is empty")
         vocab = self.executor.vocab_size
         biased = (t for t, _ in params.logit_bias)
-        outside = [t for t in (*prompt_ids, *params.stop_token_ids, *biased) if not 0 <= t < vocab]
+        outside = [t for t in (*prompt_ids, *params.stop_token_ids, *biased, *params.allowed_token_ids)
+                   if not 0 <= t < vocab]
         if outside:
             raise RequestRejected(f"token id {outside[0]} is outside the vocabulary (0-{vocab - 1})")
         sched = self.scheduler.cfg

@@ -57,6 +57,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, each bias from -100 to 100 added to that token's logit before penalties and sampling
     (OpenAI's logit_bias; -100 all but bans a token, 100 all but forces it). A dict {token id: bias} is taken too."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """Only these tokens may be sampled (vLLM's allowed_token_ids; EOS too only if listed): every other token's logit
+    is -inf before logit_bias, penalties and the grammar; log-probabilities stay the model's own. Empty: all."""
     grammar: str | None = None
     """An llguidance grammar the output must follow (app/engine/structured.py `grammar_for` makes one from a JSON
     schema, a regular expression, a list of choices or a Lark grammar); it ends where the grammar is complete."""
@@ -91,6 +94,7 @@ class SamplingParams:
             (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "logit_bias must map token ids (>= 0) to biases from -100 to 100"),
             (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
+            (all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be token ids (>= 0)"),
             (self.pooling in POOLINGS, f"pooling must be one of {', '.join(POOLINGS)}"),
         ]
         for ok, message in checks:
@@ -101,6 +105,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "keep_special_ids", tuple(self.keep_special_ids))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
 
     @property
     def greedy(self) -> bool:

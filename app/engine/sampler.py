@@ -1,6 +1,7 @@
 """Turns one step's logits into one token per running sequence, with vLLM's and OpenAI's semantics.
 
-Order of operations, per row: logit_bias added to the raw logits, then penalties (as vLLM), EOS/stop ids masked
+Order of operations, per row: tokens outside allowed_token_ids masked, logit_bias added to the raw logits, then
+penalties (as vLLM), EOS/stop ids masked
 until min_tokens,
 then either argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> a random draw (the vocabulary
 sorted only for rows that set top-p).
@@ -46,6 +47,7 @@ class SamplingState:
     counted: int = 0
     prompt_tokens: torch.Tensor | None = None  # [n] int64: the prompt's distinct tokens, once asked for
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as ([n] int64 ids, [n] float32 biases)
+    allowed: torch.Tensor | None = None  # params.allowed_token_ids as [n] int64, distinct
     matcher: Any = None  # the grammar's llguidance matcher (params.grammar), advanced by each token sampled
     mask_clock: MaskClock = field(default_factory=MaskClock)  # how slow its masks have been (structured.py)
     # params.prompt_logprobs: the prompt's so far (None for its first token, then a TokenLogprobs for each next one),
@@ -73,7 +75,10 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
     if params.logit_bias:
         ids, values = zip(*params.logit_bias)
         bias = (torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32))
-    return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias, matcher=matcher,
+    allowed = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.int64) \
+        if params.allowed_token_ids else None
+    return SamplingState(params, prompt_ids, [], eos_token_id, generator, early_stops, bias=bias, allowed=allowed,
+                         matcher=matcher,
                          prompt_logprobs=[None] if params.scores_prompt else None)
 
 
@@ -103,7 +108,8 @@ class Sampler:
         raw = logits.float()
         if all(_plain_greedy(state, grammar=True) for state in states):
             return _greedy_output(raw, states)
-        shaped = mask_stop_tokens(apply_penalties(apply_logit_bias(raw, states), states), states)
+        shaped = mask_stop_tokens(apply_penalties(apply_logit_bias(apply_allowed(raw, states), states), states),
+                                  states)
         if shaped is raw and any(state.matcher is not None for state in states):
             shaped = raw.clone()  # the grammars mask in place; the raw logits give the log-probabilities
         failed = apply_grammars(shaped, states, raw)
@@ -178,11 +184,11 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_greedy(state: SamplingState, grammar: bool = False) -> bool:
-    """Greedy, without logit_bias, penalties, logprobs or a stop token still masked: the argmax of the raw logits
-    (`grammar`: or of those the row's grammar allows)."""
+    """Greedy, without allowed_token_ids, logit_bias, penalties, logprobs or a stop token still masked: the argmax of
+    the raw logits (`grammar`: or of those the row's grammar allows)."""
     params = state.params
     held = len(state.output_ids) < params.min_tokens and state.early_stops is not None
-    return params.greedy and params.logprobs is None and not params.logit_bias and \
+    return params.greedy and params.logprobs is None and not params.logit_bias and not params.allowed_token_ids and \
         (grammar or state.matcher is None) and not _has_penalty(params) and not held
 
 
@@ -281,6 +287,22 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
     if not whole:
         shaped[rows] = masked
     return [rows[i] for i in failed_at]
+
+
+def apply_allowed(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """-inf on every token outside a row's allowed_token_ids (vLLM's; first, so nothing after it brings one back).
+
+    logits: [S, V] float32 -> [S, V] float32; the input itself when no row has such a list, else a new tensor (the raw
+    logits stay as they are: log-probabilities come from them)."""
+    rows = [s for s, state in enumerate(states) if state.allowed is not None]
+    if not rows:
+        return logits
+    out = logits.clone(memory_format=torch.contiguous_format)
+    for s in rows:
+        kept = out[s, states[s].allowed]
+        out[s] = float("-inf")
+        out[s, states[s].allowed] = kept
+    return out
 
 
 def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -262,6 +262,7 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
     bias = body.bias()
     ctx.check_token_ids(body.stop_token_ids, "stop_token_ids")
     ctx.check_token_ids([token for token, _ in bias], "logit_bias")
+    ctx.check_token_ids(body.allowed_token_ids, "allowed_token_ids")
     constraint = constraint or body.constraint()
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
@@ -283,6 +284,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         include_stop_str_in_output=body.include_stop_str_in_output,
+        allowed_token_ids=tuple(body.allowed_token_ids or ()),
         stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens, keep_special_ids=keep, logit_bias=bias, grammar=grammar,

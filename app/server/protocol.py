@@ -172,7 +172,7 @@ class StructuredOutputs(BaseModel):
 # the client asked for without a word)
 VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False, None), "length_penalty": (1, None), "bad_words": ([], None),
-    "allowed_token_ids": (None,), "return_tokens_as_token_ids": (False, None), "logits_processors": ([], None),
+    "return_tokens_as_token_ids": (False, None), "logits_processors": ([], None),
     "prompt_embeds": (None,), "spaces_between_special_tokens": (True, None),
 }
 
@@ -218,6 +218,9 @@ class SamplingFields(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
+    # vLLM's: only these tokens may be sampled (bounded by the vocabulary's size: 2^18 covers the largest in use)
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18), FIRST_ERROR,
+                                 at_most(1 << 18)] | None = None
     # only the prompt's last k tokens are read (vLLM's; -1: the last max_model_len)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30)] | None = None
 

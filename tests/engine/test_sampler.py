@@ -506,6 +506,28 @@ def test_logit_bias_moves_greedy_and_sampled_choices_but_not_the_logprobs():
     assert tvd(counts, p.numpy()) < TVD_LIMIT
 
 
+def test_allowed_token_ids_are_the_only_tokens_sampled_and_the_logprobs_stay_the_models():
+    """vLLM's allowed_token_ids: greedy takes the best allowed token, sampling draws among the allowed ones with
+    their renormalized odds, a row without a list is untouched in the same batch; logprobs are the raw logits'."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]])
+    greedy = new_state(SamplingParams(temperature=0, logprobs=1, allowed_token_ids=[3, 0, 4]), [], None)
+    plain = new_state(SamplingParams(temperature=0), [], None)
+    out = Sampler(5)(logits.expand(2, 5), [greedy, plain])
+    assert out.tokens.tolist() == [3, 1]  # row 0: the best of 0, 3, 4; row 1: the argmax of all
+    assert torch.allclose(out.logprobs[0], torch.log_softmax(logits, dim=-1)[0, 3])
+    assert out.top_ids[0, 0] == 1  # the model's own most likely token
+    allowed = (0, 2, 4)
+    rows = [new_state(SamplingParams(allowed_token_ids=allowed, logit_bias={4: math.log(3.0)}), [], None)
+            for _ in range(DRAWS)]
+    counts = np.bincount(Sampler(5, seed=6)(logits.expand(DRAWS, 5), rows).tokens.numpy(), minlength=5) / DRAWS
+    expected = torch.full((5,), float("-inf"))
+    expected[list(allowed)] = logits[0, list(allowed)]
+    expected[4] += math.log(3.0)  # logit_bias after the mask, on an allowed token
+    assert counts[[1, 3]].sum() == 0 and tvd(counts, torch.softmax(expected, dim=-1).numpy()) < TVD_LIMIT
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[-1])
+
+
 def test_logit_bias_is_checked_and_takes_a_dict_or_pairs():
     assert SamplingParams(logit_bias={5: 1, 9: -100}).logit_bias == ((5, 1.0), (9, -100.0))
     assert SamplingParams(logit_bias=[(5, 1)]) == SamplingParams(logit_bias={5: 1.0})

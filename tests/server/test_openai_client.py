@@ -564,15 +564,29 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                           extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
-    for field, value in [("use_beam_search", True), ("bad_words", ["Paris"]), ("allowed_token_ids", [253]),
-                         ("return_tokens_as_token_ids", True), ("truncate_prompt_tokens", 0)]:
-        with pytest.raises(openai.BadRequestError, match=field):
+    for field, value, said in [("use_beam_search", True, None), ("bad_words", ["Paris"], None),
+                               ("return_tokens_as_token_ids", True, None), ("truncate_prompt_tokens", 0, None),
+                               ("allowed_token_ids", [], None),
+                               ("allowed_token_ids", [1 << 20], "token id 1048576 is outside the vocabulary")]:
+        with pytest.raises(openai.BadRequestError, match=said or field) as refused:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={field: value})
+        assert field in json.dumps(refused.value.body), refused.value.body
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"echo": True})
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
                                       extra_body={"use_beam_search": False, "bad_words": [], "echo": False})
     assert plain.choices[0].text  # their defaults are fine
+    # allowed_token_ids: only " yes" and " no" (no EOS either), sampled or greedy, chat too
+    words = [httpx.post(appliance.url + "/tokenize", json={"prompt": w}).json()["tokens"] for w in (" yes", " no")]
+    assert all(len(w) == 1 for w in words)
+    allowed = [w[0] for w in words]
+    for temperature in (0, 1):
+        said = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=temperature,
+                                         extra_body={"allowed_token_ids": allowed}).choices[0]
+        assert re.fullmatch(r"( yes| no){6}", said.text) and said.finish_reason == "length", said
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                          extra_body={"allowed_token_ids": allowed})
+    assert re.fullmatch(r"( yes| no){3}", chat.choices[0].message.content), chat
 
 
 def test_echo_with_logprobs_scores_the_prompt(appliance, client):
