@@ -152,15 +152,13 @@ def _deployment(args: argparse.Namespace) -> Deployment:
 
 def _validate(args: argparse.Namespace) -> int:
     ctx = _deployment(args)
-    try:
-        check_listen(ctx.spec.server.host, 0)  # an address of this machine (whether the port is free: at `serve`)
-    except SpecError as error:
-        raise ctx.doc.locate(error) from None
     warnings = list(ctx.plan.warnings)
-    try:  # its file or variable as `serve` reads them: a spec may be checked where its secret is not (a pod's)
-        api_key(ctx.spec.server.api_key)
-    except SpecError as error:
-        warnings += [f"{line}; `serve` stops here without it" for line in str(ctx.doc.locate(error)).splitlines()]
+    # what `serve` checks on the machine it runs on, which need not be this one (a pod's secret and address): warned
+    for check in (lambda: api_key(ctx.spec.server.api_key), lambda: check_listen(ctx.spec.server.host, 0)):
+        try:
+            check()
+        except SpecError as error:
+            warnings += [f"{line}; `serve` stops there" for line in str(ctx.doc.locate(error)).splitlines()]
     plan = ctx.plan
     if args.print:
         print(dump_spec(ctx.doc.spec), end="")

@@ -40,7 +40,7 @@ class Deployment:
     def chat_template(self) -> str | None:
         """The spec's chat template override (a file's contents, or the template itself); None: the model's."""
         override = self.spec.model.chat_template
-        if override and Path(override).is_file():
+        if override and template_file(override):
             return Path(override).read_text()
         return override
 
@@ -115,7 +115,7 @@ def check_chat_template(override: str | None) -> None:
     if override is None:
         return
     path = Path(override)
-    if path.is_file():
+    if template_file(override):
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
@@ -134,6 +134,15 @@ def check_chat_template(override: str | None) -> None:
         where = f" (line {line})" if line else ""
         raise SpecError([Problem("model.chat_template", "a Jinja template that compiles",
                                  Described(f"a template with an error: {exc}{where}"))]) from None
+
+
+def template_file(override: str) -> bool:
+    """Whether model.chat_template names a file: a template's text can be no path at all (Path.is_file raises on a
+    name over 255 bytes, or a NUL), so whatever the OS cannot look up is text."""
+    try:
+        return os.path.isfile(override)
+    except (OSError, ValueError):
+        return False
 
 
 def _compile_template(text: str) -> None:
@@ -172,25 +181,39 @@ def api_key(spec) -> str | None:
 
 def check_listen(host: str, port: int) -> None:
     """SpecError on server.host or server.port where the HTTP frontend could not listen there: checked before the
-    model loads (gunicorn would find out after, and retry for seconds). Port 0: the host alone (`validate`)."""
+    model loads (gunicorn would find out after, and retry for seconds). Bound as gunicorn binds: an IPv6 literal
+    as IPv6, anything else (a name too) as IPv4. Port 0: the host alone (`validate`)."""
     from app.spec.errors import Described, Problem, SpecError
 
+    def problem(key: str, allowed: str, found: str) -> SpecError:
+        return SpecError([Problem(f"server.{key}", allowed, Described(found))])
+
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        with socket.socket(socket.AF_INET6 if is_ipv6(host) else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
+            probe.bind((host, port))
     except (socket.gaierror, UnicodeError) as exc:
-        raise SpecError([Problem("server.host", "an address or host name of this machine",
-                                 Described(f"{host!r}, which does not resolve ({exc})"))]) from None
-    family, kind, proto, _, address = addresses[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise SpecError([Problem("server.port", "a port no other process listens on",
-                                         Described(f"{port}, already in use on {host}"))]) from None
-            if exc.errno == errno.EACCES:
-                raise SpecError([Problem("server.port", "a port this process may listen on (from 1024 unless root)",
-                                         Described(f"{port} ({exc.strerror})"))]) from None
-            raise SpecError([Problem("server.host", "an address of this machine to listen on",
-                                     Described(f"{host!r} ({exc.strerror})"))]) from None
+        raise problem("host", "an address or host name of this machine", f"{host!r}, which does not resolve "
+                      f"({exc})") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise problem("port", "a port no other process listens on", f"{port}, already in use on {host}") \
+                from None
+        if exc.errno == errno.EACCES:
+            raise problem("port", "a port this process may listen on (from 1024 unless root)",
+                          f"{port} ({exc.strerror})") from None
+        raise problem("host", "an address of this machine to listen on", f"{host!r} ({exc.strerror})") from None
+
+
+def is_ipv6(host: str) -> bool:
+    """Whether `host` is an IPv6 address (gunicorn binds those as IPv6, and wants them in brackets)."""
+    try:
+        socket.inet_pton(socket.AF_INET6, host)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def bind_address(host: str, port: int) -> str:
+    """gunicorn's --bind for this host and port: an IPv6 address in brackets ("[::]:8000")."""
+    return f"[{host}]:{port}" if is_ipv6(host) else f"{host}:{port}"

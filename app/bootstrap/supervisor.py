@@ -11,6 +11,7 @@ replicas one at a time; an invalid edit is logged and changes nothing.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from app.bootstrap.runtime import RUNTIME_VARIABLE, RuntimeDir
+from app.bootstrap.startup import bind_address
 from app.engine.launch import RankLaunch
 from app.engine.process import run_engine
 from app.model.source import ModelSource
@@ -185,8 +187,9 @@ class Supervisor:
         env = {**os.environ, CONFIG_VARIABLE: self.frontend_cfg.dumps(), RUNTIME_VARIABLE: str(self.runtime.path),
                "PROMETHEUS_MULTIPROC_DIR": self.frontend_cfg.metrics_dir}
         command = [sys.executable, "-m", "gunicorn", "-c", "python:app.server.gunicorn_conf",
-                   "--bind", f"{self.host}:{self.port}", "--workers", str(self.workers),
-                   "--graceful-timeout", str(int(self.grace) + 1), "app.server.main:create_app_from_env()"]
+                   "--bind", bind_address(self.host, self.port), "--workers", str(self.workers),
+                   # a second past the grace at least: the workers end what still runs at the grace (503s) first
+                   "--graceful-timeout", str(math.ceil(self.grace) + 2), "app.server.main:create_app_from_env()"]
         cpus = self.frontend_cpus
         self.frontend = subprocess.Popen(command, env=env, start_new_session=True,
                                          preexec_fn=lambda: _frontend_child(cpus))
@@ -228,7 +231,8 @@ class Supervisor:
 
     def _health(self) -> dict | None:
         """/health's body when it answers 200, else None."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host == "::" else \
+            f"[{self.host}]" if ":" in self.host else self.host
         try:
             with urllib.request.urlopen(f"http://{host}:{self.port}/health", timeout=1) as response:
                 return json.loads(response.read()) if response.status == 200 else None

@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
@@ -337,9 +338,13 @@ async def _end_at_grace(cfg: FrontendConfig) -> None:
         except FileNotFoundError:
             await asyncio.sleep(0.25)
     await asyncio.sleep(max(0.0, began + cfg.shutdown_grace - time.time()))
-    for gen in list(LIVE):
-        gen.interrupt(ShuttingDown(f"the server is shutting down and server.shutdown_grace "
-                                   f"({cfg.shutdown_grace:g} s) ran out before this request finished"))
+    ended: weakref.WeakSet = weakref.WeakSet()
+    while True:  # until gunicorn stops the worker: answers that start late (a grammar compiling, a next wave) too
+        for gen in set(LIVE) - set(ended):
+            ended.add(gen)
+            gen.interrupt(ShuttingDown(f"the server is shutting down and server.shutdown_grace "
+                                       f"({cfg.shutdown_grace:g} s) ran out before this request finished"))
+        await asyncio.sleep(0.1)
 
 
 def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:

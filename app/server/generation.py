@@ -206,10 +206,10 @@ class Generation:
 
     def _count(self, seq: Sequence, reason: str, now: float) -> None:
         """`seq` in the metrics' finished requests, once (its prompt counted with its first choice only); an
-        embedding as "stop" (as vLLM's pooling requests), whatever ended its hidden token."""
+        embedding that was not aborted as "stop" (as vLLM's pooling requests), whatever ended its hidden token."""
         if not seq.counted:
             seq.counted = True
-            self.metrics.finished(reason if not self.params.embed else "stop", now - self.started,
+            self.metrics.finished("stop" if self.params.embed and reason != "abort" else reason, now - self.started,
                                   len(seq.prompt_ids) if seq.first_of_prompt else 0,
                                   seq.tokens if self._generates else 0)
 

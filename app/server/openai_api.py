@@ -264,6 +264,9 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
     ctx.check_token_ids([token for token, _ in bias], "logit_bias")
     ctx.check_token_ids(body.allowed_token_ids, "allowed_token_ids")
     constraint = constraint or body.constraint()
+    if constraint is not None and body.allowed_token_ids:  # (a grammar allowing none of them would leave no token)
+        raise APIError(400, f"allowed_token_ids cannot be combined with {constraint[2]}", "allowed_token_ids",
+                       "invalid_value")
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
         params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs)

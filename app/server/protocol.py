@@ -177,6 +177,20 @@ VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+def truncation(value: int | None) -> int | None:
+    """truncate_prompt_tokens checked: at least 1, or -1 (the model's context length)."""
+    if value == 0:
+        raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length)")
+    return value
+
+
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """A prompt's ids as vLLM's truncate_prompt_tokens keeps them: its last `keep` (-1: max_model_len), cut on the
+    left; all of them where `keep` is None."""
+    keep = max_model_len if keep == -1 else keep
+    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+
+
 def refuse_unsupported(extra: dict[str, Any] | None, fields: dict[str, tuple[Any, ...]]) -> None:
     """ValueError naming the first of `fields` (name -> values that mean "off") set in `extra` to another value."""
     for name, off in fields.items():
@@ -250,9 +264,7 @@ class SamplingFields(_Body):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncation(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length)")
-        return value
+        return truncation(value)
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -272,9 +284,7 @@ class SamplingFields(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's ids as truncate_prompt_tokens keeps them: its last k (vLLM's truncation side, the left)."""
-        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
-        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+        return truncated(ids, self.truncate_prompt_tokens, max_model_len)
 
     def constraint(self) -> tuple[str, Any, str] | None:
         """The structured output asked for, as (kind, value, the field that asked): see app/engine/structured.py."""
@@ -599,6 +609,16 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None  # only the model's own size (no Matryoshka model here)
     user: str | None = None
+    # vLLM's: only each input's last k tokens are embedded (-1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30)] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        return truncation(value)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        return truncated(ids, self.truncate_prompt_tokens, max_model_len)
 
     @field_validator("input")
     @classmethod
@@ -783,6 +803,14 @@ class ResponsesRequest(_Body):
     @classmethod
     def _text_input(cls, value):
         return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _vllm_fields(self):
+        # the chat completions fields of vLLM's that change an answer: the Responses API follows none of them
+        refuse_unsupported(self.model_extra, {**VLLM_UNSUPPORTED, "allowed_token_ids": (None,),
+                                              "include_stop_str_in_output": (False, None),
+                                              "truncate_prompt_tokens": (None,)})
+        return self
 
     @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod

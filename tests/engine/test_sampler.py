@@ -526,6 +526,9 @@ def test_allowed_token_ids_are_the_only_tokens_sampled_and_the_logprobs_stay_the
     assert counts[[1, 3]].sum() == 0 and tvd(counts, torch.softmax(expected, dim=-1).numpy()) < TVD_LIMIT
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[-1])
+    # min_tokens yields where the only allowed tokens are stop tokens (masking them would leave none at all)
+    held = new_state(SamplingParams(temperature=0, allowed_token_ids=[3], stop_token_ids=[3], min_tokens=2), [], None)
+    assert Sampler(5)(logits, [held]).tokens.tolist() == [3]
 
 
 def test_logit_bias_is_checked_and_takes_a_dict_or_pairs():

@@ -587,6 +587,17 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
                                           extra_body={"allowed_token_ids": allowed})
     assert re.fullmatch(r"( yes| no){3}", chat.choices[0].message.content), chat
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids cannot be combined with response_format"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                  extra_body={"allowed_token_ids": allowed, "response_format": {"type": "json_object"}})
+    # the Responses API follows none of these: refused there too, not ignored
+    for field, value in [("use_beam_search", True), ("allowed_token_ids", allowed), ("truncate_prompt_tokens", 3)]:
+        refused = httpx.post(appliance.url + "/v1/responses", json={"model": MODEL, "input": "Hi", field: value})
+        assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
+    # embeddings: truncate_prompt_tokens embeds the input's last k tokens, as those ids sent alone
+    cut = client.embeddings.create(model=MODEL, input=prompt, extra_body={"truncate_prompt_tokens": 5})
+    alone = client.embeddings.create(model=MODEL, input=[ids[-5:]])
+    assert cut.usage.prompt_tokens == 5 and cut.data[0].embedding == alone.data[0].embedding
 
 
 def test_echo_with_logprobs_scores_the_prompt(appliance, client):
