@@ -302,9 +302,9 @@ void attention_impl(const AttentionArgs& a) {
   // 8.5-8.8 -> 7.4-7.5 ms, two x 4,000 8.4-8.8 -> 7.5-7.8.
   const int64_t threads = omp_get_max_threads();
   std::vector<Item> whole;
-  auto ranges = [&] {  // the items the split below would make of `whole`
-    int64_t n = 0;
-    for (const Item& it : whole) n += std::max<int64_t>(1, (it.key_end + range_keys - 1) / range_keys);
+  auto ranges = [&] {  // the items with keys to see that the split below would make of `whole` (a prompt's early
+    int64_t n = 0;     // query tiles see none of the later ranges: those items do no work)
+    for (const Item& it : whole) n += std::max<int64_t>(1, (last_key(a, it) + range_keys) / range_keys);
     return n;
   };
   for (const int64_t heads : {a.kv_heads, int64_t{1}}) {
