@@ -64,25 +64,31 @@ class Context:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.served_name}`.",
                            "model", "model_not_found")
 
-    async def prompt_ids(self, prompt, param: str = "prompt") -> list[list[int]]:
+    async def prompt_ids(self, prompt, param: str = "prompt", add_special_tokens: bool = True,
+                         bounded: bool = True) -> list[list[int]]:
+        """Each prompt's token ids; `bounded`: texts too long for the context refused first (AsyncTokenizer.encode)."""
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         for p in prompts:  # refuse a hopeless text before tokenizing any of them
-            if isinstance(p, str):
+            if isinstance(p, str) and bounded:
                 self.text.check_length(len(p), param)
         out = []
         for p in prompts:
-            ids = await self.text.encode(p, param) if isinstance(p, str) else list(p)
+            ids = await self.text.encode(p, param, add_special_tokens, bounded) if isinstance(p, str) else list(p)
             self._check_ids(ids, param)
             out.append(ids)
         return out
 
     async def chat_prompt(self, messages: list[ChatMessage], rendering: ChatTemplateFields,
-                          tools: ToolPlan | None = None) -> ChatPrompt:
+                          tools: ToolPlan | None = None, add_special_tokens: bool = False,
+                          bounded: bool = True) -> ChatPrompt:
+        """The rendered conversation's ids: the template writes the special tokens (vLLM's add_special_tokens adds
+        the tokenizer's too, such as a BOS); `bounded` as prompt_ids'."""
         knows_tools = self.text.template_knows_tools
         conversation = tool_conversation(messages, tools, knows_tools, self.text.tool_format)
         template_tools = tools.template_tools() if tools is not None and knows_tools else None
-        text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools)
-        ids = await self.text.encode(text, "messages", add_special_tokens=False)
+        text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools,
+                                           bounded)
+        ids = await self.text.encode(text, "messages", add_special_tokens, bounded)
         self._check_ids(ids, "messages")
         prefill = messages[-1].text() if rendering.continue_final_message and messages else None
         return ChatPrompt(ids, self.text.thinks and opens_thinking(text, prefill))

@@ -38,7 +38,8 @@ async def embeddings(request: Request) -> Response:
     if body.dimensions is not None:  # vLLM's answer too, for a model that was not trained to be cut (Matryoshka)
         raise APIError(400, "dimensions: this model's embeddings cannot be shortened (it is no Matryoshka "
                             "embedding model); leave dimensions out", "dimensions", "invalid_value")
-    prompts = [body.truncated(ids, ctx.max_model_len) for ids in await ctx.prompt_ids(body.input, "input")]
+    texts = await ctx.prompt_ids(body.input, "input", bounded=body.truncate_prompt_tokens is None)
+    prompts = [body.truncated(ids, ctx.max_model_len) for ids in texts]
     for ids in prompts:
         ctx.output_limit(ids, None, "input", "input")  # a 400 where an input fills the context, before any runs
     vectors: list[list[float]] = []

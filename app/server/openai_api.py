@@ -109,7 +109,9 @@ async def completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: CompletionRequest = await read_body(request, CompletionRequest)
     ctx.check_model(body.model)
-    prompts = [body.truncated(ids, ctx.max_model_len) for ids in await ctx.prompt_ids(body.prompt)]
+    texts = await ctx.prompt_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False,
+                                 bounded=body.truncate_prompt_tokens is None)
+    prompts = [body.truncated(ids, ctx.max_model_len) for ids in texts]
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
                        "invalid_value")
@@ -174,7 +176,8 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
     readers that split each choice's text into its fields (the chat endpoint's, and the Responses API's)."""
     structured = body.constraint() is not None
     tools = plan_tools(body, ctx.text.tool_format, structured, ctx.text.special_tags)
-    prompt = await ctx.chat_prompt(body.messages, body, tools)
+    prompt = await ctx.chat_prompt(body.messages, body, tools, add_special_tokens=bool(body.add_special_tokens),
+                                   bounded=body.truncate_prompt_tokens is None)
     ids = body.truncated(prompt.ids, ctx.max_model_len)
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None

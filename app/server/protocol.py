@@ -237,6 +237,9 @@ class SamplingFields(_Body):
                                  at_most(1 << 18)] | None = None
     # only the prompt's last k tokens are read (vLLM's; -1: the last max_model_len)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30)] | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt; default: yes for a completion's prompt, no
+    # for a chat's rendered template (which writes its own)
+    add_special_tokens: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -809,7 +812,7 @@ class ResponsesRequest(_Body):
         # the chat completions fields of vLLM's that change an answer: the Responses API follows none of them
         refuse_unsupported(self.model_extra, {**VLLM_UNSUPPORTED, "allowed_token_ids": (None,),
                                               "include_stop_str_in_output": (False, None),
-                                              "truncate_prompt_tokens": (None,)})
+                                              "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False)})
         return self
 
     @field_validator("previous_response_id", "conversation", "prompt")

@@ -77,16 +77,20 @@ class AsyncTokenizer:
                                                           self.eos_token_id)
         return self._grammar_tokenizer
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        self.check_length(len(text), param)
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
+        """`bounded`: a text too long to fit the context in any tokenization is refused before it is tokenized (not
+        where the request keeps only its last tokens, truncate_prompt_tokens: the body's size bounds it then)."""
+        if bounded:
+            self.check_length(len(text), param)
         return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     async def render_chat(self, conversation: list[dict], options: dict, param: str,
-                          tools: list[dict] | None = None) -> str:
+                          tools: list[dict] | None = None, bounded: bool = True) -> str:
         """The conversation rendered by the chat template (the prompt's text: `encode` it with add_special_tokens
         false); `options`: apply_chat_template's keyword arguments (add_generation_prompt, continue_final_message,
-        the request's chat_template_kwargs)."""
-        self.check_length(sum(len(m["content"]) for m in conversation), param)
+        the request's chat_template_kwargs); `bounded` as `encode`'s."""
+        if bounded:
+            self.check_length(sum(len(m["content"]) for m in conversation), param)
         return await self._run(lambda: self._render(conversation, options, tools))
 
     async def decode(self, ids: list[int]) -> str:

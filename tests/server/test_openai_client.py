@@ -564,6 +564,18 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                           extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
+    # a text longer than any context is refused before it is tokenized, unless only its last tokens are kept
+    long = "word " * 140_000  # (700,000 characters: SmolLM2's longest token is 81, x 8,192)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt=long, max_tokens=1)
+    kept = client.completions.create(model=MODEL, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": 8})
+    assert kept.usage.prompt_tokens == 8
+    # add_special_tokens reaches the tokenizer as /tokenize's does
+    for special in (True, False):
+        counted = httpx.post(appliance.url + "/tokenize", json={"prompt": prompt, "add_special_tokens": special})
+        used = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                         extra_body={"add_special_tokens": special})
+        assert used.usage.prompt_tokens == counted.json()["count"]
     for field, value, said in [("use_beam_search", True, None), ("bad_words", ["Paris"], None),
                                ("return_tokens_as_token_ids", True, None), ("truncate_prompt_tokens", 0, None),
                                ("allowed_token_ids", [], None),
@@ -591,7 +603,8 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                   extra_body={"allowed_token_ids": allowed, "response_format": {"type": "json_object"}})
     # the Responses API follows none of these: refused there too, not ignored
-    for field, value in [("use_beam_search", True), ("allowed_token_ids", allowed), ("truncate_prompt_tokens", 3)]:
+    for field, value in [("use_beam_search", True), ("allowed_token_ids", allowed), ("truncate_prompt_tokens", 3),
+                         ("add_special_tokens", True)]:
         refused = httpx.post(appliance.url + "/v1/responses", json={"model": MODEL, "input": "Hi", field: value})
         assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
     # embeddings: truncate_prompt_tokens embeds the input's last k tokens, as those ids sent alone
