@@ -39,10 +39,7 @@ class Deployment:
 
     def chat_template(self) -> str | None:
         """The spec's chat template override (a file's contents, or the template itself); None: the model's."""
-        override = self.spec.model.chat_template
-        if override and template_file(override):
-            return Path(override).read_text()
-        return override
+        return chat_template_text(self.spec.model.chat_template)
 
     def pooling(self) -> str:
         """How embeddings pool the final hidden states: the spec's model.pooling, or where "auto" the model's."""
@@ -89,7 +86,7 @@ def prepare(config: str | Path | None, overrides: list[str], *, root: str | Path
 
     doc = read_spec(config, overrides)
     try:
-        check_chat_template(doc.spec.model.chat_template)
+        chat_template_text(doc.spec.model.chat_template)  # (checked before anything else is read)
         topo = read_topology(root)
         runtime = (openmp or installed_openmp)(doc.spec, topo)
         source = resolve_source(doc.spec.model)
@@ -107,17 +104,17 @@ def installed_openmp(spec: Spec, topo: Topology) -> str:
     return check(spec.runtime, topo.arch, {}, default_search_dirs(), "").openmp_runtime
 
 
-def check_chat_template(override: str | None) -> None:
-    """SpecError on model.chat_template where it names no file and holds no Jinja (a mistyped path would otherwise be
-    every chat prompt's text), or where the template does not compile (every chat request would be refused)."""
+def chat_template_text(override: str | None) -> str | None:
+    """model.chat_template's template: a file's text, or the value itself (None: the model's own). SpecError where it
+    names no file and holds no Jinja (a mistyped path would otherwise be every chat prompt's text), or where the
+    template does not compile (every chat request would be refused); compiled as transformers does, which caches it."""
     from app.spec.errors import Described, Problem, SpecError
 
     if override is None:
-        return
-    path = Path(override)
+        return None
     if template_file(override):
         try:
-            text = path.read_text()
+            text = Path(override).read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise SpecError([Problem("model.chat_template", "a readable Jinja file, or the template's text",
                                      Described(f"{override} ({exc})"))]) from None
@@ -134,6 +131,7 @@ def check_chat_template(override: str | None) -> None:
         where = f" (line {line})" if line else ""
         raise SpecError([Problem("model.chat_template", "a Jinja template that compiles",
                                  Described(f"a template with an error: {exc}{where}"))]) from None
+    return text
 
 
 def template_file(override: str) -> bool:

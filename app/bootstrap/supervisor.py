@@ -231,10 +231,9 @@ class Supervisor:
 
     def _health(self) -> dict | None:
         """/health's body when it answers 200, else None."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host == "::" else \
-            f"[{self.host}]" if ":" in self.host else self.host
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)  # (a wildcard: here)
         try:
-            with urllib.request.urlopen(f"http://{host}:{self.port}/health", timeout=1) as response:
+            with urllib.request.urlopen(f"http://{bind_address(host, self.port)}/health", timeout=1) as response:
                 return json.loads(response.read()) if response.status == 200 else None
         except Exception:
             return None

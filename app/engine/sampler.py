@@ -68,10 +68,11 @@ def new_state(params: SamplingParams, prompt_ids: list[int], eos_token_id: int |
         # A torch seed is a uint64; folding any int into that range keeps every API seed valid.
         generator = torch.Generator().manual_seed(params.seed % 2**64)
     early_stops = None
-    stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
-    # (min_tokens yields where allowed_token_ids allows only stop tokens: masking them would leave no token at all)
-    if params.min_tokens > 0 and not (params.allowed_token_ids and set(params.allowed_token_ids) <= stops):
-        early_stops = torch.tensor(sorted(stops), dtype=torch.int64)
+    if params.min_tokens > 0:
+        stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+        # (min_tokens yields where allowed_token_ids allows only stop tokens: masking them would leave no token)
+        if not (params.allowed_token_ids and set(params.allowed_token_ids) <= stops):
+            early_stops = torch.tensor(sorted(stops), dtype=torch.int64)
     bias = None
     if params.logit_bias:
         ids, values = zip(*params.logit_bias)

@@ -10,8 +10,8 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag,
+                      field_validator, model_validator)
 
 from app.server.errors import APIError
 
@@ -177,18 +177,21 @@ VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def truncation(value: int | None) -> int | None:
-    """truncate_prompt_tokens checked: at least 1, or -1 (the model's context length)."""
+def _not_zero(value: int) -> int:
     if value == 0:
         raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length)")
     return value
 
 
-def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """A prompt's ids as vLLM's truncate_prompt_tokens keeps them: its last `keep` (-1: max_model_len), cut on the
-    left; all of them where `keep` is None."""
-    keep = max_model_len if keep == -1 else keep
-    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+class PromptTruncation(BaseModel):
+    """vLLM's truncate_prompt_tokens (completions, chat, embeddings): only a prompt's last k tokens are read."""
+
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30), AfterValidator(_not_zero)] | None = None
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as kept: its last k (-1: the last max_model_len), cut on the left (vLLM's side)."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
 def refuse_unsupported(extra: dict[str, Any] | None, fields: dict[str, tuple[Any, ...]]) -> None:
@@ -199,7 +202,7 @@ def refuse_unsupported(extra: dict[str, Any] | None, fields: dict[str, tuple[Any
                 raise ValueError(f"{name} is not supported by this server")
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Body, PromptTruncation):
     """Fields shared by both generation endpoints."""
 
     model: str | None = None
@@ -235,8 +238,6 @@ class SamplingFields(_Body):
     # vLLM's: only these tokens may be sampled (bounded by the vocabulary's size: 2^18 covers the largest in use)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18), FIRST_ERROR,
                                  at_most(1 << 18)] | None = None
-    # only the prompt's last k tokens are read (vLLM's; -1: the last max_model_len)
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30)] | None = None
     # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt; default: yes for a completion's prompt, no
     # for a chat's rendered template (which writes its own)
     add_special_tokens: bool | None = None
@@ -264,11 +265,6 @@ class SamplingFields(_Body):
                 raise ValueError(f"logit_bias keys must be token ids (decimal digits), not {key[:40]!r}")
         return value
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, value: int | None) -> int | None:
-        return truncation(value)
-
     @model_validator(mode="after")
     def _unsupported(self):
         old = sorted(k for k in self.model_extra or {} if k.startswith("guided_"))
@@ -285,9 +281,6 @@ class SamplingFields(_Body):
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-
-    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        return truncated(ids, self.truncate_prompt_tokens, max_model_len)
 
     def constraint(self) -> tuple[str, Any, str] | None:
         """The structured output asked for, as (kind, value, the field that asked): see app/engine/structured.py."""
@@ -604,7 +597,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(_Body, PromptTruncation):
     """OpenAI's /v1/embeddings: each input's embedding (app/server/embeddings.py)."""
 
     input: _texts_or_ids("input")
@@ -612,16 +605,6 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None  # only the model's own size (no Matryoshka model here)
     user: str | None = None
-    # vLLM's: only each input's last k tokens are embedded (-1: the last max_model_len)
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30)] | None = None
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, value: int | None) -> int | None:
-        return truncation(value)
-
-    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        return truncated(ids, self.truncate_prompt_tokens, max_model_len)
 
     @field_validator("input")
     @classmethod
