@@ -229,7 +229,7 @@ class ServerSpec(Section):
     workers: int = Field(default=1, ge=1, le=64)
     """HTTP worker processes (gunicorn with uvicorn workers)."""
     max_body_size: ByteSize = Field(default="4MiB")
-    """Largest request body accepted (larger gets HTTP 413)."""
+    """Largest request body accepted (larger gets HTTP 413); at least 1KiB, which the shortest requests need."""
     cors_origins: list[str] = Field(default_factory=list)
     """Origins allowed by CORS ("*" for any); default: none."""
     shutdown_grace: float = Field(default=30.0, ge=0, le=3600)
@@ -245,6 +245,14 @@ class ServerSpec(Section):
     max_connections: int = Field(default=1000, ge=1, le=100_000)
     """Open connections per HTTP worker; past it, the oldest connection still sending headers is closed to make
     room, or else the new one."""
+
+    @field_validator("max_body_size")
+    @classmethod
+    def _body_floor(cls, value: int) -> int:
+        if value < 1024:
+            raise FieldError("", "a size of at least 1KiB (a short chat request alone is a few hundred bytes)",
+                             Described(f"{value} bytes"))
+        return value
 
     @field_validator("cors_origins")
     @classmethod

@@ -36,6 +36,8 @@ BAD = [
      ["spec.yaml:2: server.port: found 70000", "allowed: an integer from 1 to 65535"]),
     ("body-size-bad-unit", "server:\n  max_body_size: lots\n", [], THIS,
      ["server.max_body_size: found 'lots'", "allowed: a size with a unit"]),
+    ("body-size-too-small", "server:\n  max_body_size: 1B\n", [], THIS,
+     ["spec.yaml:2: server.max_body_size: found 1 bytes", "allowed: a size of at least 1KiB"]),
     ("cpulist-bad-number", 'parallel: {tp: 2}\ncores:\n  ranks: "0|1-x"\n', [], THIS,
      ["spec.yaml:3: cores.ranks[1]: found '1-x'", 'allowed: a CPU list such as "0-3,8,10-11"', "'x' is not a CPU number"]),
     ("cpulist-backwards", "cores:\n  ranks: ['3-1']\n", [], THIS,
