@@ -71,6 +71,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is not shown (nor counted)
+    _interrupted: Exception | None = field(default=None, init=False, repr=False)
 
     def add_prompt(self, prompt_ids: list[int], n: int, max_tokens: int | None) -> None:
         """n sequences for this prompt, generating at most `max_tokens` each (ValueError if params clash)."""
@@ -120,7 +121,7 @@ class Generation:
         try:
             finished = 0
             while finished < len(self.sequences):
-                item = await self._queue.get()
+                item = self._interrupted or await self._queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -131,8 +132,10 @@ class Generation:
 
     def interrupt(self, exc: Exception) -> None:
         """End the answer with `exc` (a stream's error event, a JSON answer's error) where events() is at; its
-        sequences are then aborted as a client's that went away."""
-        self._queue.put_nowait(exc)
+        sequences are then aborted as a client's that went away. It comes next, ahead of events a slow reader has not
+        taken yet."""
+        self._interrupted = exc
+        self._queue.put_nowait(exc)  # (wakes events() if it waits)
 
     async def _run(self, seq: Sequence, accepted: asyncio.Future) -> None:
         failed: set[int] = set()

@@ -162,3 +162,24 @@ def test_an_event_loop_held_up_longer_than_dead_after_does_not_make_a_beating_en
             engine.close(0)
 
     asyncio.run(scenario())
+
+
+def test_an_interruption_comes_ahead_of_events_a_slow_reader_has_not_taken():
+    """server.shutdown_grace's 503 ends a stream at once, not after the tokens queued for a client that reads slowly."""
+    from types import SimpleNamespace
+
+    from app.server.generation import Event, Generation, ShuttingDown
+
+    async def main():
+        gen = Generation(engine=None, metrics=None, tokenizer=None, params=SamplingParams(), eos_token_id=None)
+        gen.sequences = [SimpleNamespace(accepted=False)]
+        gen._queue, gen._tasks = asyncio.Queue(), []
+        for token in range(5):
+            gen._queue.put_nowait(Event(0, "x", [token], []))
+        taken = gen.events()
+        assert (await taken.__anext__()).token_ids == [0]
+        gen.interrupt(ShuttingDown("the grace ran out"))
+        with pytest.raises(ShuttingDown, match="grace ran out"):
+            await taken.__anext__()
+
+    asyncio.run(main())
