@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import functools
 import json
@@ -425,7 +426,7 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
     """`run`: the tokenizer thread's runner (AsyncTokenizer.run), for the logprobs of an echoed prompt."""
     created = int(time.time())
     echoed: set[int] = set()
-    offsets: dict[int, int] = {}  # text_offset continues across a choice's chunks
+    offsets: dict[int, TextOffsets] = {}  # text_offset continues across a choice's chunks
     async for event in gen.events():
         text, token_ids, token_logprobs = ("", [], []) if gen.prompt_only else \
             (event.text, event.token_ids, event.logprobs)
@@ -443,9 +444,8 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
         logprobs, big = None, with_logprobs and len(token_logprobs) > 64  # a prompt's: MBs of JSON
         if with_logprobs:
             build = functools.partial(_completion_logprobs_of, gen.tokenizer, token_ids, token_logprobs,
-                                      body.logprobs, offsets.get(event.index, 0))
+                                      body.logprobs, offsets.setdefault(event.index, TextOffsets()))
             logprobs = await run(build) if big else build()  # (a big one off the event loop)
-            offsets[event.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         chunk = _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                           "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
                                        "finish_reason": reason}]}, gen, body)
@@ -533,21 +533,36 @@ def _token_texts(tokenizer) -> Callable[[int], str]:
     return text
 
 
-def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, k: int, start: int = 0) -> dict:
+class TextOffsets:
+    """A choice's `text_offset`s: the character of the text in which each token's first byte falls. A token that
+    holds part of a character (its own text a U+FFFD) adds to the count only once the character is whole, so the
+    offsets stay on the text the choice returns, as its `text` has each character once."""
+
+    def __init__(self) -> None:
+        self._chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, data: bytes) -> int:
+        """The offset of a token of these bytes, the next in the text."""
+        at = self._chars
+        self._chars += len(self._utf8.decode(data))
+        return at
+
+
+def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, k: int,
+                            offsets: TextOffsets | None = None) -> dict:
     """OpenAI's legacy shape, `k` most likely tokens at each position besides the token; a None entry (an echoed
-    prompt's first token) has a token and an offset only."""
+    prompt's first token) has a token and an offset only. `offsets`: where the choice's earlier chunks left off."""
     decode = _token_texts(tokenizer)
     tokens = [decode(t) for t in token_ids[: len(logprobs)]]
-    offsets, at = [], start
-    for token in tokens:
-        offsets.append(at)
-        at += len(token)
+    where = offsets if offsets is not None else TextOffsets()
+    text_offset = [where.take(bytes(token_bytes(tokenizer, t, token))) for t, token in zip(token_ids, tokens)]
     # as OpenAI's and vLLM's: the sampled token is always among its position's top logprobs (up to logprobs + 1)
     return {"tokens": tokens, "token_logprobs": [None if lp is None else _clamped(lp.logprob) for lp in logprobs],
             "top_logprobs": [None if lp is None else {**{decode(t): _clamped(p) for t, p in lp.top[:k]},
                                                       token: _clamped(lp.logprob)}
                              for token, lp in zip(tokens, logprobs)],
-            "text_offset": offsets}
+            "text_offset": text_offset}
 
 
 def _clamped(logprob: float) -> float:

@@ -845,6 +845,23 @@ def test_metrics_use_vllm_names(appliance, client):
     assert float(stops.search(httpx.get(appliance.url + "/metrics").text).group(1)) == stopped + 2
 
 
+def test_text_offsets_stay_on_the_text_where_tokens_split_characters(client):
+    """A token holding part of a character (its text a U+FFFD) moves text_offset only once the character is whole:
+    every whole token is found at its offset in the choice's text, streamed or not (they had counted each part as a
+    character, and every later offset was off)."""
+    prompt = "我爱你 and the capital of France is"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=6, echo=True, logprobs=1, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0]
+    text, lp = whole.text, whole.logprobs
+    assert "\ufffd" in "".join(lp.tokens[:8]), "the prompt's characters no longer split: pick another"
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    for token, at in zip(lp.tokens, lp.text_offset, strict=True):
+        assert "\ufffd" in token or text[at:at + len(token)] == token, (token, at, text)
+    assert lp.text_offset[lp.tokens.index(" and")] == 3
+    streamed = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+
+
 def test_streamed_logprobs_cover_every_token_even_when_text_is_held_back(client):
     # the stop string holds text back; its tokens' logprobs must still all arrive
     chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
