@@ -84,7 +84,8 @@ class Context:
         """The rendered conversation's ids: the template writes the special tokens (vLLM's add_special_tokens adds
         the tokenizer's too, such as a BOS); `bounded` as prompt_ids'."""
         knows_tools = self.text.template_knows_tools
-        conversation = tool_conversation(messages, tools, knows_tools, self.text.tool_format)
+        conversation = tool_conversation(messages, tools, knows_tools, self.text.tool_format,
+                                         self.text.template_knows_developer)
         template_tools = tools.template_tools() if tools is not None and knows_tools else None
         text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools,
                                            bounded)

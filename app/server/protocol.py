@@ -374,8 +374,9 @@ class ChatMessage(_Body):
     reasoning: str | None = None
 
     def text(self) -> str:
+        """The content's text; parts joined by line breaks (as vLLM joins them)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -664,7 +665,7 @@ class InputMessage(BaseModel):
     content: Annotated[str | list[InputText], text_parts(("input_text", "output_text", "text", "reasoning_text"))]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class FunctionCallItem(BaseModel):

@@ -38,6 +38,10 @@ class AsyncTokenizer:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         self.template_variables = template_variables(template)
         self.tool_format = tool_format(template, self.template_knows_tools)
+        # whether the template has a "developer" role of its own; if not, those messages become system ones (vLLM's
+        # way: OpenAI's newer clients send the developer role where older ones sent system)
+        texts = template.values() if isinstance(template, dict) else [template or ""]
+        self.template_knows_developer = any('"developer"' in t or "'developer'" in t for t in texts)
         # whether answers' <think> blocks come back apart (app/server/reasoning.py)
         self.thinks = reasoning == "auto" and template_thinks(template)
         # those of the answer readers' tags that this tokenizer marks special: a decode that skips special tokens

@@ -475,11 +475,12 @@ def _rebase(node, prefix: str, names: bool = False):
 
 
 def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools: bool,
-                 tool_format: str | None = None) -> list[dict]:
+                 tool_format: str | None = None, knows_developer: bool = False) -> list[dict]:
     """The messages as the chat template takes them. Earlier tool calls: as Hugging Face's `tool_calls` (arguments
     as objects) where the template knows tools, else written into the assistant's text in the "required" shape.
     Mistral's templates (those that render ids) refuse any call id but one of 9 characters: there, ids are cut to
-    their last 9 (vLLM's way; this server's own Mistral ids are 9 long)."""
+    their last 9 (vLLM's way; this server's own Mistral ids are 9 long). Where the template has no developer role,
+    developer messages are system ones, and several system messages become one, first (as vLLM renders them)."""
     def cut(id_: str | None) -> str | None:
         return id_[-9:] if tool_format in ("mistral", "mistral_args") and id_ is not None else id_
 
@@ -501,6 +502,8 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
         if thought is not None:  # Qwen3's template reads it (and shows it only after the last question)
             entry["reasoning_content"] = thought
         out.append(entry)
+    if not knows_developer and any(entry["role"] == "developer" for entry in out):
+        out = _system_first([{**entry, "role": "system"} if entry["role"] == "developer" else entry for entry in out])
     prompt = plan.system_prompt() if plan is not None and not knows_tools else None
     if prompt is not None:
         if out and out[0]["role"] == "system":
@@ -508,6 +511,16 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan | None, knows_tools
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _system_first(out: list[dict]) -> list[dict]:
+    """The system messages as one, first (their texts a blank line apart), where there are several or one later
+    than first: templates render one system message, at the start."""
+    system = [i for i, entry in enumerate(out) if entry["role"] == "system"]
+    if system in ([], [0]):
+        return out
+    text = "\n\n".join(out[i]["content"] for i in system if out[i]["content"])
+    return [{"role": "system", "content": text}, *(entry for entry in out if entry["role"] != "system")]
 
 
 def _arguments(text: str, i: int, j: int) -> Any:

@@ -767,6 +767,19 @@ def test_responses_api_calls_functions_and_reads_their_outputs(client):
     assert shaped.status == "completed" and set(json.loads(shaped.output_text)) == {"name"}
 
 
+def test_developer_messages_and_text_parts_render_as_vllm_renders_them(appliance):
+    """SmolLM2's template has no developer role: a developer message is its system message (not the template's
+    default system prompt and a turn of a role the model never saw); text parts are joined by line breaks."""
+    def ids(messages):
+        return httpx.post(appliance.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+
+    system = ids([{"role": "system", "content": "Be brief.\nReally."}, {"role": "user", "content": "Hi\nthere"}])
+    assert ids([{"role": "developer", "content": [{"type": "text", "text": "Be brief."},
+                                                  {"type": "text", "text": "Really."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]) \
+        == system
+
+
 def test_models_tokenize_detokenize_version_openapi(appliance, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]

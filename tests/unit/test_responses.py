@@ -33,7 +33,7 @@ def test_input_items_become_the_chat_conversation():
     chat = ChatCompletionRequest.model_validate(fields)  # what the chat machinery is given
     roles = [m.role for m in chat.messages]
     assert roles == ["system", "user", "assistant", "tool", "user"]
-    assert chat.messages[1].content == "Weather in Paris?"
+    assert chat.messages[1].text() == "Weather in \nParis?"  # parts a line apart, as vLLM joins them
     assistant = fields["messages"][2]  # both calls in one assistant turn, with the thinking before them
     assert [c["id"] for c in assistant["tool_calls"]] == ["call_1", "call_2"] and assistant["reasoning_content"] == "Ask."
     assert "reasoning_content" not in fields["messages"][4]  # thinking that no answer followed is dropped

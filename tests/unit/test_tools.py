@@ -83,6 +83,22 @@ def test_tool_choices_that_cannot_be_served_are_400s_naming_the_field():
             tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
 
 
+def test_developer_messages_are_system_ones_where_the_template_has_no_developer_role():
+    """OpenAI's newer clients send "developer" where older ones sent "system"; a template without that role gets
+    them as system messages, all system messages as one first (vLLM's rendering); one that has the role keeps them."""
+    body = request(messages=[{"role": "system", "content": "A."}, {"role": "user", "content": "Hi"},
+                             {"role": "developer", "content": [{"type": "text", "text": "B."},
+                                                               {"type": "text", "text": "C."}]}])
+    assert conversation(body.messages, None, knows_tools=True) == [
+        {"role": "system", "content": "A.\n\nB.\nC."}, {"role": "user", "content": "Hi"}]
+    assert conversation(body.messages, None, knows_tools=True, knows_developer=True)[2] == {
+        "role": "developer", "content": "B.\nC."}
+    alone = request(messages=[{"role": "developer", "content": "Be brief."}, *ASK])
+    assert conversation(alone.messages, None, knows_tools=True)[0] == {"role": "system", "content": "Be brief."}
+    kept = request(messages=[{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."}])
+    assert [m["role"] for m in conversation(kept.messages, None, knows_tools=True)] == ["user", "system"]
+
+
 def test_a_template_without_tools_gets_them_in_a_system_message_and_past_calls_in_the_text():
     body = request(tools=[WEATHER], tool_choice="required", messages=[
         {"role": "system", "content": "Be brief."}, *ASK,
