@@ -107,17 +107,19 @@ class Context:
                            "invalid_value")
 
     def output_limit(self, ids: list[int], requested: int | None, param: str, prompt_param: str) -> int:
-        """How many tokens a sequence may generate; 400 when prompt plus request exceed the context (naming
-        `prompt_param` when the prompt alone leaves no room, else `param`, the field that asked for more)."""
+        """How many tokens a sequence may generate: what was `requested`, cut to what the context leaves (as vLLM
+        and llama.cpp cut it; the answer then ends with finish_reason "length"). 400 where the prompt alone leaves
+        no room (naming `prompt_param`) or the request asks for more than any context holds (naming `param`)."""
         room = self.max_model_len - len(ids)
-        if room < 1 or (requested is not None and requested > room):
-            asked = f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion)" \
-                if requested is not None else f"{len(ids)} tokens in the prompt"
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {asked}. Please reduce the prompt or the completion.",
-                           prompt_param if room < 1 or requested is None else param,
+        if requested is not None and requested > self.max_model_len:
+            raise APIError(400, f"{param}={requested} cannot be greater than this model's maximum context length "
+                                f"({self.max_model_len} tokens). Please request fewer output tokens.", param,
                            "context_length_exceeded")
-        return room if requested is None else requested
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"prompt has {len(ids)} tokens, which leaves no room for the completion. Please "
+                                "reduce the prompt.", prompt_param, "context_length_exceeded")
+        return room if requested is None else min(requested, room)
 
 
 # --- the gate: body size, API key, draining ---

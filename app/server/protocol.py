@@ -24,6 +24,17 @@ Stop = str | Annotated[list[str], FIRST_ERROR] | None
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """A field given as null is the field left out (OpenAI's optional fields are nullable; clients that send
+        every field send null for those they do not set, and vLLM takes them so); a required one stays an error."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {key: value for key, value in data.items()
+                    if value is not None or key not in fields or fields[key].is_required()}
+        return data
+
 
 # A token id: a JSON integer (not true/false, 1.0 or "1", which pydantic's lax mode would take as one)
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
@@ -267,7 +278,7 @@ class SamplingFields(_Body, PromptTruncation):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        old = sorted(k for k in self.model_extra or {} if k.startswith("guided_"))
+        old = sorted(k for k, v in (self.model_extra or {}).items() if k.startswith("guided_") and v is not None)
         if old:  # vLLM's earlier names: ignoring them would answer unconstrained
             raise ValueError(f"{old[0]} is not supported; use structured_outputs (vLLM's current name) or "
                              "response_format")

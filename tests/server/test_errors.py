@@ -30,9 +30,9 @@ CASES = [
     ("n-zero", "POST", C, {"prompt": "x", "n": 0}, 400, "invalid_value", "n"),
     ("max-tokens-zero", "POST", C, {"prompt": "x", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     ("max-tokens-past-context", "POST", C, {"prompt": "x", "max_tokens": 100000}, 400, "context_length_exceeded",
-     "maximum context length is 8192 tokens"),
+     "max_tokens=100000 cannot be greater than this model's maximum context length (8192 tokens)"),
     ("prompt-past-context", "POST", C, {"prompt": LONG, "max_tokens": 1}, 400, "context_length_exceeded",
-     "in the prompt"),
+     "leaves no room for the completion"),
     ("chat-past-context", "POST", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400,
      "context_length_exceeded", "8192"),
     ("unknown-model", "POST", C, {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found", "`gpt-9` does not exist"),
@@ -321,10 +321,9 @@ def test_the_server_is_unharmed_after_the_bad_requests(appliance):
     assert httpx.get(appliance.url + "/health").status_code == 200
 
 
-def test_prompt_too_long_names_both_numbers(appliance):
-    error = httpx.post(appliance.url + C, json={"prompt": [1930] * 8000, "max_tokens": 500}).json()["error"]
-    assert "maximum context length is 8192 tokens" in error["message"]
-    assert "(8000 in the prompt, 500 for the completion)" in error["message"]
+def test_prompt_too_long_names_its_length(appliance):
+    error = httpx.post(appliance.url + C, json={"prompt": [1930] * 8192, "max_tokens": 5}).json()["error"]
+    assert "maximum context length is 8192 tokens. However, your prompt has 8192 tokens" in error["message"]
 
 
 @pytest.fixture(scope="module")
@@ -362,18 +361,56 @@ def test_every_route_but_health_needs_the_key(keyed, method, path, body):
     assert right.status_code == 200, right.text
 
 
-def test_schemathesis_finds_no_server_error(tmp_path):
+def test_null_is_a_field_left_out(appliance):
+    """Clients that send every field send null for those they leave unset: each is its default (vLLM takes them);
+    a required field's null stays a 400."""
+    nulls = {"stream": None, "n": None, "stream_options": None, "stop": None, "seed": None, "ignore_eos": None,
+             "guided_json": None, "guided_decoding_backend": None, "include_stop_str_in_output": None}
+    chat = httpx.post(appliance.url + CHAT, timeout=60, json={
+        "messages": MSG, "max_tokens": 2, "logprobs": None, "parallel_tool_calls": None, "tools": None,
+        "add_generation_prompt": None, **nulls})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 1, chat.text
+    cmpl = httpx.post(appliance.url + C, timeout=60, json={"prompt": "x", "max_tokens": 2, "echo": None, **nulls})
+    assert cmpl.status_code == 200 and cmpl.json()["choices"][0]["logprobs"] is None, cmpl.text
+    missing = httpx.post(appliance.url + CHAT, timeout=60, json={"messages": None}).json()["error"]
+    assert missing["param"] == "messages", missing
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    """A short context (96 tokens), so that requests reach its end quickly."""
+    app = Appliance(tmp_path_factory.mktemp("short"), BASE_SPEC + "\n",
+                    ("model.max_model_len=96", "kv_cache.memory=64MiB")).wait_ready()
+    yield app
+    assert app.stop() == 0
+
+
+def test_a_completion_longer_than_the_context_leaves_is_cut_to_it(short):
+    """As vLLM and llama.cpp: max_tokens past what the prompt leaves of the context is cut to it (finish_reason
+    "length"), not refused; more than the whole context, or a prompt that fills it, is a 400."""
+    prompt = list(range(1000, 1090))  # 90 tokens: 6 left
+    for max_tokens in ({"max_tokens": 50}, {}, {"max_tokens": None}):  # (left out or null: 16, as vLLM)
+        answer = httpx.post(short.url + C, json={"prompt": prompt, "ignore_eos": True, **max_tokens}, timeout=60).json()
+        assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 6, answer
+    chat = httpx.post(short.url + CHAT, json={"messages": MSG, "max_completion_tokens": 96, "ignore_eos": True},
+                      timeout=60).json()
+    assert chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] == 96
+    assert chat["choices"][0]["finish_reason"] == "length"
+    for body, param in (({"prompt": prompt, "max_tokens": 97}, "max_tokens"),
+                        ({"prompt": list(range(1000, 1096)), "max_tokens": 1}, "prompt")):
+        error = httpx.post(short.url + C, json=body, timeout=60).json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+
+
+def test_schemathesis_finds_no_server_error(short):
     # a short context keeps each generated request quick; every response must be below 500
-    app = Appliance(tmp_path, BASE_SPEC + "\n", ("model.max_model_len=96", "kv_cache.memory=64MiB")).wait_ready()
-    try:
-        run = subprocess.run(
-            [sys.executable, "-m", "schemathesis.cli", "run", app.url + "/openapi.json", "--checks",
-             "not_a_server_error", "--phases", "fuzzing", "--max-examples", "30", "--request-timeout", "60",
-             "--no-color", "--suppress-health-check", "all", "--seed", "1",
-             # what it warns about (generated bodies our checks refuse, e.g. stream_options without stream) is not a bug
-             "--warnings", "off"],
-            capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-        assert "No issues found" in run.stdout, run.stdout[-6000:]
-    finally:
-        assert app.stop() == 0
+    app = short
+    run = subprocess.run(
+        [sys.executable, "-m", "schemathesis.cli", "run", app.url + "/openapi.json", "--checks",
+         "not_a_server_error", "--phases", "fuzzing", "--max-examples", "30", "--request-timeout", "60",
+         "--no-color", "--suppress-health-check", "all", "--seed", "1",
+         # what it warns about (generated bodies our checks refuse, e.g. stream_options without stream) is not a bug
+         "--warnings", "off"],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "No issues found" in run.stdout, run.stdout[-6000:]
