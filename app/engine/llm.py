@@ -28,6 +28,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string matched, or the stop token id (not EOS) that ended it
 
 
 @dataclass
@@ -145,7 +146,8 @@ class LLM:
             for i in range(p.n):
                 seq = sequences[f"{output.request_id}-{i}"]
                 reason = seq.finish_reason.value if seq.finish_reason else None
-                output.outputs.append(CompletionOutput(i, seq.text, seq.token_ids, reason, seq.logprobs or None))
+                output.outputs.append(CompletionOutput(i, seq.text, seq.token_ids, reason, seq.logprobs or None,
+                                                       seq.stop_reason))
         return outputs
 
     def _loop(self, sequences: dict[str, SequenceText]) -> None:

@@ -89,6 +89,7 @@ class SequenceText:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs, once they came
     embedding: list[float] | None = None  # SamplingParams.embed, once it came
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string matched, or the stop token id (not EOS) that ended it
 
     @classmethod
     def of(cls, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> SequenceText:
@@ -103,8 +104,10 @@ class SequenceText:
         token that ended a sequence stays in its token ids but adds no text."""
         hidden = engine_reason == FinishReason.STOP and token_id is not None and (
             token_id == self.eos_token_id or token_id in self.stop_token_ids)
-        if not self.add(token_id, logprobs, hidden) and engine_reason is not None:
-            self.finish_reason = self.finish_reason or engine_reason
+        if not self.add(token_id, logprobs, hidden) and engine_reason is not None and self.finish_reason is None:
+            self.finish_reason = engine_reason
+            if hidden and token_id != self.eos_token_id:
+                self.stop_reason = token_id
         return self.finish_reason
 
     def add(self, token_id: int | None, logprobs: TokenLogprobs | None, hidden: bool = False) -> bool:
@@ -125,10 +128,10 @@ class SequenceText:
 
     def _cut_at_stop(self, start: int) -> bool:
         # each stop string where it ends past `start`: one ending before was looked for with an earlier token
-        hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, max(start - len(s) + 1, 0))) >= 0]
+        hits = [(i, -len(s), s) for s in self.stop if (i := self.text.find(s, max(start - len(s) + 1, 0))) >= 0]
         if not hits:
             return False
-        at, minus_length = min(hits)  # the first to start, the longest of those
+        at, minus_length, self.stop_reason = min(hits)  # the first to start, the longest of those
         self.text = self.text[:at - minus_length if self.include_stop else at]
         self.finish_reason = FinishReason.STOP
         return True

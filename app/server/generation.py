@@ -53,6 +53,7 @@ class Event:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # with finish_reason: SequenceText.stop_reason
 
 
 class ShuttingDown(EngineUnavailable):
@@ -199,7 +200,7 @@ class Generation:
         if reason is not None:
             self._count(seq, reason, now)
         return Event(seq.index, text.take_new_text(), text.token_ids[before_tokens:], text.logprobs[before_lp:],
-                     reason)
+                     reason, text.stop_reason if reason is not None else None)
 
     @property
     def _generates(self) -> bool:

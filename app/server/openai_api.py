@@ -139,7 +139,8 @@ async def completions(request: Request) -> Response:
                 logprobs = _completion_logprobs_of(ctx.tokenizer, *_shown_logprobs(gen, seq, body.echo),
                                                    body.logprobs)
             choice = {"index": seq.index, "text": text, "logprobs": logprobs,
-                      "finish_reason": "length" if gen.prompt_only else _reason(seq)}
+                      "finish_reason": "length" if gen.prompt_only else _reason(seq),
+                      "stop_reason": seq.text.stop_reason}
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, seq, body.prompt_logprobs)
             choices.append(choice)
@@ -241,7 +242,7 @@ def chat_message(seq, tools: ToolPlan | None, reader: AnswerReader) -> dict:
         reason = tools.finish_reason(reason, reader.tools)
     if ("tool_calls" in fields or "reasoning" in fields) and not message["content"]:
         message["content"] = None  # as vLLM: calls or reasoning alone, no content
-    return {"message": message, "finish_reason": reason}
+    return {"message": message, "finish_reason": reason, "stop_reason": seq.text.stop_reason}
 
 
 async def _tool_error(ctx, tools: ToolPlan, error: APIError) -> APIError:
@@ -448,7 +449,7 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
             logprobs = await run(build) if big else build()  # (a big one off the event loop)
         chunk = _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                           "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
-                                       "finish_reason": reason}]}, gen, body)
+                                       "finish_reason": reason, "stop_reason": event.stop_reason}]}, gen, body)
         yield await run(lambda chunk=chunk: sse_event(chunk, fast=True)) if big else chunk  # encoded there too
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
@@ -472,7 +473,7 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
             continue
         logprobs = chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
         yield _counted({**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": reason}]}, gen, body)
+                                             "finish_reason": reason, "stop_reason": event.stop_reason}]}, gen, body)
     if body.stream_options and body.stream_options.include_usage:
         yield {**base, "choices": [], "usage": _usage(gen)}
 

@@ -545,6 +545,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (not EOS)
     prompt_logprobs: PromptLogprobs | None = None  # only where the request set prompt_logprobs
 
 
@@ -574,6 +575,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (not EOS)
 
 
 class ChatCompletionResponse(BaseModel):

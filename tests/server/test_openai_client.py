@@ -767,6 +767,25 @@ def test_responses_api_calls_functions_and_reads_their_outputs(client):
     assert shaped.status == "completed" and set(json.loads(shaped.output_text)) == {"name"}
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_answer(appliance, client):
+    """vLLM's stop_reason: the stop string matched, the stop token id, or null (EOS, or the length ran out)."""
+    period = httpx.post(appliance.url + "/tokenize", json={"prompt": ".", "add_special_tokens": False}).json()["tokens"]
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    cases = [({"stop": ["xyz", " Par"]}, " Par"), ({"extra_body": {"stop_token_ids": period}}, period[0]),
+             ({"max_tokens": 1}, None)]
+    for extra, reason in cases:
+        answer = client.completions.create(**{**kwargs, **extra}).choices[0]
+        assert answer.stop_reason == reason and answer.finish_reason == ("length" if reason is None else "stop")
+        last = [c.choices[0] for c in client.completions.create(**{**kwargs, **extra}, stream=True) if c.choices][-1]
+        assert last.stop_reason == reason and last.finish_reason == answer.finish_reason
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0).choices[0]
+    assert chat.finish_reason == "stop" and chat.stop_reason is None  # the model's EOS
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                          stop=["!", "."]).choices[0]
+    assert chat.stop_reason in ("!", ".") and chat.stop_reason not in chat.message.content
+
+
 def test_developer_messages_and_text_parts_render_as_vllm_renders_them(appliance):
     """SmolLM2's template has no developer role: a developer message is its system message (not the template's
     default system prompt and a turn of a role the model never saw); text parts are joined by line breaks."""
