@@ -158,8 +158,8 @@ class Gate:
         return None
 
     def _needs_key(self, path: str) -> bool:
-        """Every route but the probes' /health (and /metrics when `server.metrics_auth` is off)."""
-        if not self.cfg.api_key or path == "/health":
+        """Every route but the probes' /health and /ping (and /metrics when `server.metrics_auth` is off)."""
+        if not self.cfg.api_key or path in ("/health", "/ping"):
             return False
         return path != "/metrics" or self.cfg.metrics_auth
 
@@ -218,8 +218,14 @@ def _model_card(ctx: Context) -> dict:
     if not ctx.engine.serving():
         raise APIError(503, f"the engine is {ctx.engine.state()}; the model is listed once it can serve", None,
                        "engine_unavailable")
+    # vLLM's card: `root` the model it was loaded from (here the file or directory's name, not where it lies), and
+    # OpenAI's earlier `permission` list, which some clients still read
     return {"id": ctx.served_name, "object": "model", "created": ctx.created, "owned_by": "appliance",
-            "max_model_len": ctx.max_model_len}
+            "root": Path(ctx.cfg.model_path).name, "parent": None, "max_model_len": ctx.max_model_len,
+            "permission": [{"id": f"modelperm-{ctx.served_name}", "object": "model_permission",
+                            "created": ctx.created, "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]}
 
 
 async def tokenize(request: Request) -> Response:
@@ -230,7 +236,10 @@ async def tokenize(request: Request) -> Response:
         ids = (await ctx.chat_prompt(body.messages, body, plan_tools(body, ctx.text.tool_format))).ids
     else:
         ids = await ctx.text.encode(body.prompt, "prompt", body.add_special_tokens)
-    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids})
+    answer = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+    if body.return_token_strs:  # vLLM's: the tokenizer's own pieces ("Ġworld"), not decoded text
+        answer["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
+    return JSONResponse(answer)
 
 
 async def detokenize(request: Request) -> Response:
@@ -284,6 +293,11 @@ async def health(request: Request) -> Response:
             body["replicas"] = engine.states()
         return JSONResponse(body)
     return error_response(503, f"the engine is {engine.state()}", None, engine.state())
+
+
+async def load(request: Request) -> Response:
+    """vLLM's /load: the requests this HTTP worker is answering (their generations under way), for a load balancer."""
+    return JSONResponse({"server_load": len(LIVE)})
 
 
 async def metrics(request: Request) -> Response:
@@ -386,6 +400,8 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's probe): /health
+        Route("/load", load, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]

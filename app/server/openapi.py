@@ -24,6 +24,8 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
      p.TokenizerInfoResponse),
 ]
 PLAIN = [("/version", "The server's version"), ("/health", "200 when every engine is ready, else 503"),
+         ("/ping", "/health under vLLM's other name (GET or POST)"),
+         ("/load", "vLLM's: {\"server_load\": the requests this HTTP worker is answering}"),
          ("/metrics", "Prometheus metrics (vLLM's names)")]
 
 

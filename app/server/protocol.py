@@ -503,6 +503,7 @@ class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], FIRST_ERROR] | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM's: the tokens' pieces too, as `token_strs`
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -593,7 +594,10 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str  # the model file or directory's name
+    parent: str | None = None
     max_model_len: int
+    permission: list[dict[str, Any]]  # OpenAI's earlier list, as vLLM fills it
 
 
 class ModelList(BaseModel):
@@ -605,6 +609,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):

@@ -342,12 +342,13 @@ def test_api_key_is_required_when_configured(keyed):
     assert missing.status_code == wrong.status_code == 401 and right.status_code == 200
     assert missing.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(keyed.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(keyed.url + "/ping").status_code == httpx.post(keyed.url + "/ping").status_code == 200
 
 
 KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
                 ("GET", "/openapi.json", None), ("GET", "/version", None), ("GET", "/v1/models", None),
                 ("GET", "/v1/models/smollm2", None), ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1}),
-                ("POST", "/v1/embeddings", {"input": "Hi"})]
+                ("POST", "/v1/embeddings", {"input": "Hi"}), ("GET", "/load", None)]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), KEYED_ROUTES, ids=[r[1] for r in KEYED_ROUTES])

@@ -808,10 +808,21 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
             client.models.retrieve(other)
         assert missing.value.code == "model_not_found" and f"`{other}` does not exist" in missing.value.message
     assert httpx.get(appliance.url + "/v1/models/").json() == httpx.get(appliance.url + "/v1/models").json()  # the list
+    card = httpx.get(appliance.url + "/v1/models").json()["data"][0]  # vLLM's fields too
+    assert card["root"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and card["parent"] is None
+    assert card["permission"][0]["allow_sampling"] is True
+    assert httpx.get(appliance.url + "/ping").json() == httpx.get(appliance.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(appliance.url + "/load").json() == {"server_load": 0}
+    with client.completions.create(model=MODEL, prompt="Count:", max_tokens=60, stream=True,
+                                   extra_body={"ignore_eos": True}) as stream:
+        next(iter(stream))
+        assert httpx.get(appliance.url + "/load").json() == {"server_load": 1}
     tok = httpx.post(appliance.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) == 2 and tok["max_model_len"] == 8192
     text = httpx.post(appliance.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
     assert text == "Hello world"
+    pieces = httpx.post(appliance.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert pieces["tokens"] == tok["tokens"] and pieces["token_strs"] == ["Hello", "\u0120world"]
     chat = httpx.post(appliance.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] > 3
     assert httpx.get(appliance.url + "/version").json()["version"]
