@@ -5,7 +5,9 @@ penalties (as vLLM), EOS/stop ids masked
 until min_tokens,
 then either argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> a random draw (the vocabulary
 sorted only for rows that set top-p).
-Log-probabilities describe the model, not the knobs: they come from the raw logits (vLLM v1's default).
+Log-probabilities describe the model, not the knobs: they come from the raw logits (vLLM v1's default), where a
+structured output's grammar has masked the tokens it does not allow (vLLM's grammar masks the logits before its
+sampler sees them): a constrained answer's logprobs are those of the tokens it could be.
 
 Every step is batched across rows with different parameters. Only the random numbers are drawn row by
 row, because a seeded request must draw from its own generator to sample the same tokens whatever
@@ -114,7 +116,7 @@ class Sampler:
                                   states)
         if shaped is raw and any(state.matcher is not None for state in states):
             shaped = raw.clone()  # the grammars mask in place; the raw logits give the log-probabilities
-        failed = apply_grammars(shaped, states, raw)
+        failed, refused = apply_grammars(shaped, states, raw)
         tokens = self._choose(shaped, states)
         undrawn = tokens < 0  # no finite, positive mass to draw from: the argmax decides (a penalty that made a
         if undrawn.any():     # logit infinite makes that token certain; NaN or +inf comes first, as in torch)
@@ -122,7 +124,7 @@ class Sampler:
         tokens = _usable(raw, tokens)
         for s in failed:  # (NaN logits are the model's fault, whatever the grammar says)
             tokens[s] = GRAMMAR_FAILED if _sound(raw[s].numpy()) else NO_TOKEN
-        return _with_logprobs(raw, tokens, states)
+        return _with_logprobs(raw, tokens, states, refused)
 
     def _check(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
@@ -257,19 +259,20 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1).astype("int64", copy=False))
 
 
-def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: torch.Tensor) -> list[int]:
+def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState],
+                   raw: torch.Tensor) -> tuple[list[int], tuple[list[int], torch.Tensor] | None]:
     """In place: -inf on every token a row's grammar does not allow next (structured outputs; the last of the masks,
     so a grammar's choice is never undone). Where the masks before it left none of those tokens (min_tokens holding
     back the EOS that a complete grammar allows alone), the grammar wins: the row is the raw logits, masked by the
     grammar only. Returns the rows whose grammar failed (it allows no token): they get no token, and the engine
-    aborts their requests.
+    aborts their requests; and the grammars' rows with their refused tokens ([rows, V] bool), or None.
 
     shaped: [S, V] float32, already a copy of the raw logits wherever a row has a grammar (see __call__)."""
     from app.engine.structured import allowed_tokens, grammar_error
 
     rows = [s for s, state in enumerate(states) if state.matcher is not None]
     if not rows:
-        return []
+        return [], None
     allowed, failed_at = allowed_tokens([states[s].matcher for s in rows], shaped.shape[1],
                                         [(states[s].eos_token_id, states[s].params.stop_token_ids) for s in rows],
                                         [states[s].mask_clock for s in rows])
@@ -288,7 +291,7 @@ def apply_grammars(shaped: torch.Tensor, states: Sequence[SamplingState], raw: t
             masked[i] = raw[rows[i]].masked_fill(refused[i], float("-inf"))
     if not whole:
         shaped[rows] = masked
-    return [rows[i] for i in failed_at]
+    return [rows[i] for i in failed_at], (rows, refused)
 
 
 def apply_allowed(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -525,11 +528,17 @@ def _fully_sorted_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) 
     return torch.zeros_like(probs).scatter_(1, order, probs.masked_fill(~keep, 0))
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
-    # raw: [S, V] logits before any penalty or filter; tokens: [S]
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState],
+                   refused: tuple[list[int], torch.Tensor] | None = None) -> SampleOutput:
+    # raw: [S, V] logits before any penalty or filter; tokens: [S]; refused: apply_grammars' rows and masks
     asked = [s.params.logprobs for s in states if s.params.logprobs is not None]
     if not asked:
         return SampleOutput(tokens, None, None, None)
+    if refused is not None and any(states[s].params.logprobs is not None for s in refused[0]):
+        rows, mask = refused
+        mask = mask & ~mask.all(dim=1, keepdim=True)  # (a failed grammar's row allows none: it gets no token anyway)
+        raw = raw.clone()
+        raw[rows] = raw[rows].masked_fill(mask, float("-inf"))  # what the grammar allows, as vLLM's logprobs
     logprobs = raw.log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)  # (a NO_TOKEN row's is junk)
     top_logprobs, top_ids = logprobs.topk(max(asked), dim=-1)

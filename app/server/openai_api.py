@@ -590,7 +590,7 @@ def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": token_bytes(tokenizer, token_id, text)}
+        return {"token": text, "logprob": _clamped(logprob), "bytes": token_bytes(tokenizer, token_id, text)}
 
     return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, p) for i, p in lp.top]}
                         for t, lp in zip(token_ids, logprobs, strict=False)]}

@@ -53,7 +53,11 @@ def test_masks_keep_each_row_to_its_grammar_and_a_failed_grammar_gets_no_token(g
     assert torch.equal(logits, raw)  # the masks never touch the model's logits
     expected = logits[1].masked_fill(~torch.from_numpy(allowed[0]), float("-inf")).argmax()
     assert out.tokens.tolist() == [int(raw[0].argmax()), int(expected), GRAMMAR_FAILED]
-    assert torch.allclose(out.logprobs[:2], torch.log_softmax(raw, -1)[[0, 1], out.tokens[:2]])
+    # logprobs: the model's where no grammar holds the row, else among the tokens the grammar allows (as vLLM's)
+    held = raw[1].masked_fill(~torch.from_numpy(allowed[0]), float("-inf")).log_softmax(-1)
+    assert torch.allclose(out.logprobs[0], torch.log_softmax(raw[0], -1)[out.tokens[0]])
+    assert torch.allclose(out.logprobs[1], held[out.tokens[1]]) and out.logprobs[1] > raw[1].log_softmax(-1).max()
+    assert torch.isfinite(out.logprobs[2])  # (the failed grammar's row: no token, but no NaN either)
 
 
 def test_each_sequence_gets_its_own_matcher_of_a_grammar_compiled_once(grammars, hf):

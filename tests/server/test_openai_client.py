@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 
@@ -182,6 +183,15 @@ def test_structured_outputs_follow_the_schema_regex_choice_and_grammar(client, a
                                      extra_body={"structured_outputs": {"choice": ["yes", "no"]}, "min_tokens": 6})
     assert held.choices[0].text in ("yes", "no") and held.choices[0].finish_reason == "stop"
     assert held.usage.completion_tokens == 6  # EOS after the choice (not in the text) until min_tokens
+    # logprobs under a grammar are the allowed tokens' (vLLM's): the choice's first token's alternatives begin one
+    scored = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=5, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    first = scored.logprobs.content[0]
+    assert scored.message.content in ("yes", "no") and first.token == scored.message.content[:len(first.token)]
+    likely = [t for t in first.top_logprobs if t.logprob > -30]
+    assert all("yes".startswith(t.token) or "no".startswith(t.token) for t in likely), likely
+    assert abs(sum(math.exp(t.logprob) for t in likely) - 1) < 1e-3
     regex = r" [12][0-9]{3}\."
     kwargs = dict(model=MODEL, prompt="The Eiffel Tower was built in the year", max_tokens=10, temperature=0,
                   extra_body={"structured_outputs": {"regex": regex}})
