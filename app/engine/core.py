@@ -44,6 +44,9 @@ class TokenDelta:
     # SamplingParams.prompt_logprobs: with the first token, None for the prompt's first token, then one each
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None  # SamplingParams.embed: with the first token
+    # with the first token: seconds it waited to be scheduled, then until its first token (vLLM's queue and prefill
+    # times, on the engine's clock)
+    timings: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class EngineCore:
             aborted = (self.abort(r.request_id, FinishReason.ABORT) for r in plan.requests)
             return failed + [d for d in aborted if d is not None]
         sampled = {request_id: token for request_id, token in result.sampled.items() if token >= 0}
+        now = time.monotonic()
         deltas = failed
         # a broken model's requests go before the update (their blocks never cached, nor any hash they would claim
         # from a sound request of the same prompt), a failed grammar's after it (its blocks are sound: cached)
@@ -162,12 +166,15 @@ class EngineCore:
             new, kept = request.output_ids[produced[request_id]:], result.accepted.get(request_id, ())
             logprobs = [*(result.accepted_logprobs.get(request_id) or [None] * len(kept)),
                         result.logprobs.get(request_id)]
+            first = produced[request_id] == 0 and request.scheduled is not None
+            timings = (request.scheduled - request.arrival, now - request.scheduled) if first else None
             for j, token in enumerate(new):
                 reason = request.finish_reason if request_id in finished and j == len(new) - 1 else None
                 deltas.append(TokenDelta(request_id, token, logprobs[j], reason, len(request.prompt_ids),
                                          produced[request_id] + j + 1,
                                          result.prompt_logprobs.get(request_id) if j == 0 else None,
-                                         result.embeddings.get(request_id) if j == 0 else None))
+                                         result.embeddings.get(request_id) if j == 0 else None,
+                                         timings if j == 0 else None))
         return deltas
 
     def _failed_grammars(self) -> list[TokenDelta]:

@@ -37,6 +37,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     # (logprob, top, rank) for each next one
     prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
     embedding: list[float] | None = None  # with the first token of a request that asked for its embedding
+    timings: tuple[float, float] | None = None  # with the first token: seconds queued, then to that token (engine's)
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):

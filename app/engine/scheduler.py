@@ -350,6 +350,8 @@ class Scheduler:
             if looked_up:
                 self.kv.count_prefix(request, hit)
             request.num_computed_tokens, request.status = hit.num_tokens, Status.RUNNING
+            if request.scheduled is None:
+                request.scheduled = time.monotonic()
             self.running.append(request)
             self.peak_running = max(self.peak_running, len(self.running))
             chosen.append((request, count))

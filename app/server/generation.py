@@ -20,7 +20,7 @@ from app.engine.output import SequenceText, TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
 from app.server.engine_client import ACCEPTED, EngineClient, EngineUnavailable
-from app.server.metrics import Metrics
+from app.server.metrics import Finished, Metrics
 from app.server.router import EngineRouter
 
 # The generations whose answers are under way (started, events not all read): server.shutdown_grace ends them
@@ -42,6 +42,7 @@ class Sequence:
     tokens: int = 0
     accepted: bool = False  # the engine queued it
     counted: bool = False  # in the metrics' finished requests
+    timings: tuple[float, float] | None = None  # the engine's, with its first token (metrics.Finished.timings)
 
 
 @dataclass
@@ -185,6 +186,8 @@ class Generation:
         now = time.monotonic()
         if delta.token_id is not None:
             self._timing(seq, now)
+        if delta.timings is not None:
+            seq.timings = delta.timings
         text = seq.text
         if delta.prompt_logprobs is not None:  # the first choice's, every choice's (SamplingParams.for_choice)
             scored = [None if p is None else TokenLogprobs(p[0], tuple(map(tuple, p[1])), p[2])
@@ -213,9 +216,13 @@ class Generation:
         embedding that was not aborted as "stop" (as vLLM's pooling requests), whatever ended its hidden token."""
         if not seq.counted:
             seq.counted = True
-            self.metrics.finished("stop" if self.params.embed and reason != "abort" else reason, now - self.started,
-                                  len(seq.prompt_ids) if seq.first_of_prompt else 0,
-                                  seq.tokens if self._generates else 0)
+            engine = seq.engine.replica
+            if seq is self.sequences[0]:
+                self.metrics.request(engine, len(self._choices_of(seq)), seq.params.max_tokens)
+            self.metrics.finished(Finished(
+                "stop" if self.params.embed and reason != "abort" else reason, engine, now - self.started,
+                len(seq.prompt_ids) if seq.first_of_prompt else 0, seq.tokens if self._generates else 0,
+                seq.first_token_at, seq.last_token_at, seq.timings))
 
     def _choices_of(self, first: Sequence) -> list[Sequence]:
         """The n choices of `first`'s prompt (itself the first)."""
@@ -232,7 +239,7 @@ class Generation:
             return
         if seq.first_token_at is None:
             seq.first_token_at = now
-            self.metrics.first_token(now - self.started)
+            self.metrics.first_token(seq.engine.replica, now - self.started)
         else:
-            self.metrics.next_token(now - seq.last_token_at)
+            self.metrics.next_token(seq.engine.replica, now - seq.last_token_at)
         seq.last_token_at = now

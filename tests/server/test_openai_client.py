@@ -860,9 +860,23 @@ def test_metrics_use_vllm_names(appliance, client):
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-                 "vllm:request_success_total"):
+                 "vllm:request_success_total", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:request_time_per_output_token_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+                 "vllm:request_inference_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+                 "vllm:request_generation_tokens_bucket", "vllm:request_params_n_bucket",
+                 "vllm:request_params_max_tokens_bucket", "vllm:prompt_tokens_cached_total"):
         assert name in text, name
     assert appliance.metric("vllm:generation_tokens_total") >= 2
+    # each finished request's phases, as vLLM's: its queue and prefill times from the engine, its decode time
+    # (first token to last) from the frontend; the request histograms count requests, labelled with their replica
+    finished = appliance.metric("vllm:request_success_total")
+    for name in ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_params_n_count"):
+        assert appliance.metric(name) >= 1, name
+    assert appliance.metric("vllm:request_prefill_time_seconds_sum") > 0
+    assert re.search(r'^vllm:request_generation_tokens_count\{engine="0",model_name="[^"]+"\} \S+$', text, re.M)
+    assert finished >= 1
     # a client that goes away mid-answer: its request counts as finished with reason "abort", as vLLM counts it
     aborted = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', re.M)
 
@@ -886,8 +900,12 @@ def test_metrics_use_vllm_names(appliance, client):
                 appliance.metric("vllm:time_to_first_token_seconds_count"))
 
     stops = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="stop"[^}]*\} (\S+)$', re.M)
-    tokens, firsts = counts()
-    stopped = float(stops.search(httpx.get(appliance.url + "/metrics").text).group(1))
+
+    def stopped() -> float:  # (none yet where this test runs alone: its first request ends at its length)
+        found = stops.search(httpx.get(appliance.url + "/metrics").text)
+        return float(found.group(1)) if found else 0.0
+
+    tokens, firsts, stops_before = *counts(), stopped()
     client.embeddings.create(model=MODEL, input=["a text", "another one"])
     client.completions.create(model=MODEL, prompt="Scored alone", max_tokens=0, echo=True)
     client.completions.create(model=MODEL, prompt="Then", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
@@ -895,7 +913,7 @@ def test_metrics_use_vllm_names(appliance, client):
     while counts()[0] < tokens + 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert counts() == (tokens + 3, firsts + 1)
-    assert float(stops.search(httpx.get(appliance.url + "/metrics").text).group(1)) == stopped + 2
+    assert stopped() == stops_before + 2
 
 
 def test_text_offsets_stay_on_the_text_where_tokens_split_characters(client):
