@@ -137,7 +137,7 @@ async def completions(request: Request) -> Response:
             logprobs = None
             if body.logprobs is not None:
                 logprobs = _completion_logprobs_of(ctx.tokenizer, *_shown_logprobs(gen, seq, body.echo),
-                                                   body.logprobs)
+                                                   body.logprobs, as_ids=body.return_tokens_as_token_ids)
             choice = {"index": seq.index, "text": text, "logprobs": logprobs,
                       "finish_reason": "length" if gen.prompt_only else _reason(seq),
                       "stop_reason": seq.text.stop_reason}
@@ -159,7 +159,8 @@ async def chat_completions(request: Request) -> Response:
         return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
     events = await collect(gen, request)
     choices = [{"index": s.index, **chat_message(s, forced, reader()),
-                "logprobs": chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs) if body.logprobs else None}
+                "logprobs": chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs,
+                                          body.return_tokens_as_token_ids) if body.logprobs else None}
                for s in gen.sequences]
 
     def answer() -> dict:
@@ -445,7 +446,8 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
         logprobs, big = None, with_logprobs and len(token_logprobs) > 64  # a prompt's: MBs of JSON
         if with_logprobs:
             build = functools.partial(_completion_logprobs_of, gen.tokenizer, token_ids, token_logprobs,
-                                      body.logprobs, offsets.setdefault(event.index, TextOffsets()))
+                                      body.logprobs, offsets.setdefault(event.index, TextOffsets()),
+                                      body.return_tokens_as_token_ids)
             logprobs = await run(build) if big else build()  # (a big one off the event loop)
         chunk = _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                           "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
@@ -471,7 +473,8 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
             reason = tools.finish_reason(reason, readers[event.index].tools)
         if not delta and reason is None and not (body.logprobs and event.logprobs):
             continue
-        logprobs = chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs) if body.logprobs else None
+        logprobs = chat_logprobs(gen.tokenizer, event.token_ids, event.logprobs,
+                                 body.return_tokens_as_token_ids) if body.logprobs else None
         yield _counted({**base, "choices": [{"index": event.index, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": reason, "stop_reason": event.stop_reason}]}, gen, body)
     if body.stream_options and body.stream_options.include_usage:
@@ -551,19 +554,26 @@ class TextOffsets:
 
 
 def _completion_logprobs_of(tokenizer, token_ids: list[int], logprobs, k: int,
-                            offsets: TextOffsets | None = None) -> dict:
+                            offsets: TextOffsets | None = None, as_ids: bool = False) -> dict:
     """OpenAI's legacy shape, `k` most likely tokens at each position besides the token; a None entry (an echoed
-    prompt's first token) has a token and an offset only. `offsets`: where the choice's earlier chunks left off."""
+    prompt's first token) has a token and an offset only. `offsets`: where the choice's earlier chunks left off;
+    `as_ids`: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids; the offsets stay the text's)."""
     decode = _token_texts(tokenizer)
-    tokens = [decode(t) for t in token_ids[: len(logprobs)]]
+    name = _as_id if as_ids else decode
+    texts = [decode(t) for t in token_ids[: len(logprobs)]]
+    tokens = [name(t) for t in token_ids[: len(logprobs)]] if as_ids else texts
     where = offsets if offsets is not None else TextOffsets()
-    text_offset = [where.take(bytes(token_bytes(tokenizer, t, token))) for t, token in zip(token_ids, tokens)]
+    text_offset = [where.take(bytes(token_bytes(tokenizer, t, text))) for t, text in zip(token_ids, texts)]
     # as OpenAI's and vLLM's: the sampled token is always among its position's top logprobs (up to logprobs + 1)
     return {"tokens": tokens, "token_logprobs": [None if lp is None else _clamped(lp.logprob) for lp in logprobs],
-            "top_logprobs": [None if lp is None else {**{decode(t): _clamped(p) for t, p in lp.top[:k]},
+            "top_logprobs": [None if lp is None else {**{name(t): _clamped(p) for t, p in lp.top[:k]},
                                                       token: _clamped(lp.logprob)}
                              for token, lp in zip(tokens, logprobs)],
             "text_offset": text_offset}
+
+
+def _as_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _clamped(logprob: float) -> float:
@@ -587,10 +597,13 @@ def _vllm_prompt_logprobs(tokenizer, seq, k: int) -> list[dict | None] | None:
             for token, lp in zip(seq.prompt_ids, seq.text.prompt_logprobs, strict=False)]
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs) -> dict:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs, as_ids: bool = False) -> dict:
+    """OpenAI's chat shape; `as_ids`: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids), their
+    `bytes` still the token's own."""
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": _clamped(logprob), "bytes": token_bytes(tokenizer, token_id, text)}
+        return {"token": _as_id(token_id) if as_ids else text, "logprob": _clamped(logprob),
+                "bytes": token_bytes(tokenizer, token_id, text)}
 
     return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, p) for i, p in lp.top]}
                         for t, lp in zip(token_ids, logprobs, strict=False)]}

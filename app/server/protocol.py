@@ -183,7 +183,7 @@ class StructuredOutputs(BaseModel):
 # the client asked for without a word)
 VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False, None), "length_penalty": (1, None), "bad_words": ([], None),
-    "return_tokens_as_token_ids": (False, None), "logits_processors": ([], None),
+    "logits_processors": ([], None),
     "prompt_embeds": (None,), "spaces_between_special_tokens": (True, None),
 }
 
@@ -252,6 +252,8 @@ class SamplingFields(_Body, PromptTruncation):
     # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt; default: yes for a completion's prompt, no
     # for a chat's rendered template (which writes its own)
     add_special_tokens: bool | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (a client that maps them back needs no tokenizer)
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -814,7 +816,8 @@ class ResponsesRequest(_Body):
         # the chat completions fields of vLLM's that change an answer: the Responses API follows none of them
         refuse_unsupported(self.model_extra, {**VLLM_UNSUPPORTED, "allowed_token_ids": (None,),
                                               "include_stop_str_in_output": (False, None),
-                                              "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False)})
+                                              "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
+                                              "return_tokens_as_token_ids": (False, None)})
         return self
 
     @field_validator("previous_response_id", "conversation", "prompt")

@@ -587,7 +587,7 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
                                          extra_body={"add_special_tokens": special})
         assert used.usage.prompt_tokens == counted.json()["count"]
     for field, value, said in [("use_beam_search", True, None), ("bad_words", ["Paris"], None),
-                               ("return_tokens_as_token_ids", True, None), ("truncate_prompt_tokens", 0, None),
+                               ("logits_processors", ["x"], None), ("truncate_prompt_tokens", 0, None),
                                ("allowed_token_ids", [], None),
                                ("allowed_token_ids", [1 << 20], "token id 1048576 is outside the vocabulary")]:
         with pytest.raises(openai.BadRequestError, match=said or field) as refused:
@@ -598,6 +598,17 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
                                       extra_body={"use_beam_search": False, "bad_words": [], "echo": False})
     assert plain.choices[0].text  # their defaults are fine
+    # return_tokens_as_token_ids: logprobs name each token "token_id:<id>", the ids of the tokens named otherwise
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    named, as_ids = (client.completions.create(**kwargs, extra_body={"return_tokens_as_token_ids": flag}).choices[0]
+                     for flag in (False, True))
+    sampled = [int(t.removeprefix("token_id:")) for t in as_ids.logprobs.tokens]
+    assert [httpx.post(appliance.url + "/detokenize", json={"tokens": [i]}).json()["prompt"] for i in sampled] \
+        == named.logprobs.tokens and as_ids.logprobs.text_offset == named.logprobs.text_offset
+    assert all(key.startswith("token_id:") for top in as_ids.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.token.startswith("token_id:") and t.bytes for t in chat.choices[0].logprobs.content)
     # allowed_token_ids: only " yes" and " no" (no EOS either), sampled or greedy, chat too
     words = [httpx.post(appliance.url + "/tokenize", json={"prompt": w}).json()["tokens"] for w in (" yes", " no")]
     assert all(len(w) == 1 for w in words)
