@@ -29,7 +29,6 @@ class Request:
     params: SamplingParams
     eos_token_id: int | None = None
     arrival: float = 0.0
-    scheduled: float | None = None  # when a step first took it in (time.monotonic(), as `arrival`)
     wait_for: str | None = None  # n > 1: start after this sibling's prompt is cached, to share its blocks
     compiling: Future | None = None  # its grammar's compilation (structured outputs): admitted once it is done
     output_ids: list[int] = field(default_factory=list)
@@ -39,6 +38,7 @@ class Request:
     draft_backoff: int = 0
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    scheduled: float | None = None  # when a step first took it in (time.monotonic(), as `arrival`)
 
     @property
     def num_tokens(self) -> int:

@@ -146,6 +146,20 @@ def test_the_image_serves_as_non_root_on_a_read_only_root_and_stops_within_secon
         _run(docker, "docker", "rm", "-f", "appliance-test", check=False)
 
 
+def test_the_image_serves_tensor_parallel_ranks(docker, image):
+    """tp 2: each worker rank loads the native kernels before torch (the image had lacked the GNU OpenMP library they
+    link, which only torch's import had brought: every tp spec failed at start)."""
+    port = free_port()
+    _run(docker, "docker", "run", "-d", "--name", "appliance-test-tp", "--network", "host", "--shm-size", "64m", image,
+         "serve", "-c", "/etc/appliance/spec.yaml", "--set", "parallel.tp=2", "--set", f"server.port={port}")
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=120).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+    finally:
+        _run(docker, "docker", "rm", "-f", "appliance-test-tp", check=False)
+
+
 def test_the_image_plans_inside_its_cpuset(docker, image):
     child = _run(docker, "docker", "run", "--rm", "--network", "host", "--cpuset-cpus=1", image, "plan", "-c",
                  "/etc/appliance/spec.yaml", "--json")
