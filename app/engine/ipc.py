@@ -70,6 +70,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     accepted_tokens: int = 0
     draining: bool = False  # finishing its requests before it exits (a spec reload restarts it): route elsewhere
     incarnation: int = 0  # the engine process's pid: a new one means it was restarted, and what was in flight is lost
+    # seconds from this beat on that the engine may go unheard and is not lost for it: a build that holds the GIL
+    # (llguidance's tokenizer, right after ready), which the heartbeat thread needs
+    quiet_for: float = 0.0
 
 
 ToEngine = AddRequest | Abort

@@ -26,6 +26,9 @@ from app.engine.launch import RankLaunch
 log = logging.getLogger("app.engine")
 
 HEARTBEAT_SECONDS = 0.5
+# how long the beacon may fall silent while llguidance's tokenizer is built (it holds the GIL: ~0.35 s for SmolLM2, 4-8
+# s seen on two cores shared with other processes), without a frontend taking the engine for lost
+WARM_QUIET_SECONDS = 30.0
 # Draining (SIGUSR1, a spec reload): once the heartbeat says so, frontends stop routing here; requests sent
 # just before still arrive. The engine exits after this long with nothing to do since it began draining.
 DRAIN_IDLE_SECONDS = 4 * HEARTBEAT_SECONDS
@@ -52,18 +55,20 @@ def run_engine(launches: list[RankLaunch]) -> None:
     gc.freeze()
     try:
         EngineServer(core, launch.address, launch.max_waiting_requests, beacon, drain,
-                     on_ready=partial(warm_grammars, core, launch)).serve_forever()
+                     on_ready=partial(warm_grammars, core, launch, beacon)).serve_forever()
     finally:
         beacon.close()
         core.close()
 
 
-def warm_grammars(core, launch: RankLaunch) -> None:
+def warm_grammars(core, launch: RankLaunch, beacon: Beacon | None = None) -> None:
     """Build structured outputs' tokenizer (app/engine/structured.py `Grammars`) on the grammar thread once the engine
     is ready and said so (its first heartbeat is out), from the tokenizer the bootstrap exported: the first request
     with a grammar would otherwise have it built then, and every stream of the engine would wait for it. The build
-    still holds the GIL (~0.35 s for SmolLM2's vocabulary) just after ready, once a process. Where the cache has no
-    export, nothing is converted here: it is built for the first grammar, as before."""
+    still holds the GIL (~0.35 s for SmolLM2's vocabulary) just after ready, once a process: the beacon announces
+    the silence it may cause first (WARM_QUIET_SECONDS; on a busy machine it had outlasted the frontends' DEAD_AFTER,
+    and they failed the first requests of an engine that was fine). Where the cache has no export, nothing is
+    converted here: it is built for the first grammar, as before."""
     from app.model.source import ModelSource
     from app.model.tokenizer import cache_entry, cached_export
 
@@ -71,7 +76,11 @@ def warm_grammars(core, launch: RankLaunch) -> None:
     source = ModelSource(Path(m.path), m.format, m.served_name)
     entry = cache_entry(source)
     if entry is not None and (entry / "tokenizer.json").is_file():  # (read on the grammar thread)
-        core.executor.grammars.warm_from(partial(cached_export, source), "as the engine started")
+        if beacon is not None:
+            beacon.quiet(WARM_QUIET_SECONDS)
+        built = core.executor.grammars.warm_from(partial(cached_export, source), "as the engine started")
+        if beacon is not None:
+            built.add_done_callback(lambda _: beacon.quiet(0.0))
 
 
 def build_core(launches: list[RankLaunch], bind: bool = True, tokenizer: bool = False,
@@ -342,6 +351,8 @@ class Beacon:
         self.socket = None
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        self.quiet_until = 0.0  # (time.monotonic()) until then, beats say the engine may go unheard (Heartbeat.quiet_for)
+        self.sent = threading.Event()  # a beat went out since `quiet` asked for one
 
     def open(self) -> None:
         import zmq
@@ -359,6 +370,14 @@ class Beacon:
         """The Heartbeat to send from now on (the first one goes out at once)."""
         self.snapshot = snapshot
 
+    def quiet(self, seconds: float) -> None:
+        """The next `seconds` of silence are expected (0: no longer): a beat that says so goes out now, and this
+        returns once it has (within ~0.1 s; at most 1 s)."""
+        self.sent.clear()
+        self.quiet_until = time.monotonic() + seconds
+        if self.thread is not None and self.snapshot is not None:
+            self.sent.wait(1.0)
+
     def close(self) -> None:
         if self.thread is not None:
             self.stopping.set()
@@ -367,6 +386,8 @@ class Beacon:
             self.thread = None
 
     def _beat_forever(self) -> None:
+        import msgspec
+
         from app.engine.ipc import encoder
 
         due = 0.0  # when the next beat goes out; 0: as soon as there is a snapshot
@@ -376,7 +397,10 @@ class Beacon:
                 while self.socket.poll(0):
                     self.socket.recv()  # a (un)subscription: answer it with the current snapshot now
                 due = 0.0
-            snapshot = self.snapshot
-            if snapshot is not None and time.monotonic() >= due:
-                self.socket.send(encoder.encode(snapshot))
+            snapshot, now = self.snapshot, time.monotonic()
+            if snapshot is not None and (now >= due or not self.sent.is_set()):  # (`quiet` waits for a beat)
+                quiet = self.quiet_until - now
+                self.socket.send(encoder.encode(msgspec.structs.replace(snapshot, quiet_for=quiet) if quiet > 0
+                                                else snapshot))
+                self.sent.set()
                 due = time.monotonic() + HEARTBEAT_SECONDS

@@ -208,13 +208,14 @@ class Grammars:
                 self._tokenizer = self._thread.submit(self._build, tokenizer_json or self._tokenizer_json,
                                                       eos_token_id, when)
 
-    def warm_from(self, exported: Callable[[], tuple[str, int | None] | None], when: str) -> None:
+    def warm_from(self, exported: Callable[[], tuple[str, int | None] | None], when: str) -> Future:
         """`warm`, with the tokenizer's text and EOS id read on the grammar thread too (`exported`: the cached
         export's, app/model/tokenizer.py `cached_export`; where it gives None, the tokenizer is built for the first
-        grammar instead, as without this)."""
+        grammar instead, as without this). Returns the build's future (done once it is built or given up)."""
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = self._thread.submit(self._build_exported, exported, when)
+            return self._tokenizer
 
     def _build_exported(self, exported: Callable[[], tuple[str, int | None] | None], when: str):
         got = exported()

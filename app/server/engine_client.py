@@ -99,11 +99,12 @@ class EngineClient:
         return "unavailable" if self.was_ready else "starting"
 
     def _beating(self) -> bool:
-        """A heartbeat read within DEAD_AFTER seconds of this process's event loop running: time the loop was held
-        up (a large body's JSON, say: the beats wait unread meanwhile) does not count against the engine."""
+        """A heartbeat read within DEAD_AFTER seconds of this process's event loop running (or within the quiet time
+        the last one announced: Heartbeat.quiet_for): time the loop was held up (a large body's JSON, say: the beats
+        wait unread meanwhile) does not count against the engine."""
         now = time.monotonic()
         forgiven = min(self._held_up(now), 10 * DEAD_AFTER)  # (bounded: were _watch to die)
-        return now - self.last_beat - forgiven < DEAD_AFTER
+        return now - self.last_beat - forgiven < max(DEAD_AFTER, self.stats.quiet_for)
 
     def _held_up(self, now: float) -> float:
         """How long past its due time _watch is: the event loop held up that long (0 within a timer's usual

@@ -100,6 +100,39 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
     assert not thread.is_alive()
 
 
+def test_the_beacon_announces_a_quiet_time_at_once_and_its_end(tmp_path, monkeypatch):
+    """`Beacon.quiet` returns once a beat that says so went out (beats 60 s apart here: only that one can), and the
+    time it announces counts down with each beat."""
+    from app.engine import process
+
+    monkeypatch.setattr(process, "HEARTBEAT_SECONDS", 60.0)
+    address = f"ipc://{tmp_path}/engine"
+    beacon = process.Beacon(address)
+    beacon.open()
+    beacon.publish(Heartbeat(ready=True, incarnation=9))
+
+    async def scenario():
+        client = EngineClient(address, replica=0)
+        try:
+            await client.start()
+            await _until(client.ready, 10.0)
+            assert client.stats.quiet_for == 0
+            began = time.monotonic()
+            await asyncio.to_thread(beacon.quiet, 30.0)
+            assert time.monotonic() - began < 1.0
+            await _until(lambda: client.stats.quiet_for > 0, 2.0)
+            assert 29 < client.stats.quiet_for <= 30
+            await asyncio.to_thread(beacon.quiet, 0.0)
+            await _until(lambda: client.stats.quiet_for == 0, 2.0)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        beacon.close()
+
+
 @pytest.mark.parametrize(("failure", "status_type", "code"), [
     (EngineUnavailable("the engine stopped"), "service_unavailable", "engine_unavailable"),
     (EngineRejected(429, "the waiting queue is full"), "rate_limit_error", "queue_full"),
@@ -153,6 +186,38 @@ def test_an_event_loop_held_up_longer_than_dead_after_does_not_make_a_beating_en
             await asyncio.sleep(0.6)  # _watch runs: nothing failed
             assert client.ready() and not pending.done()
             await asyncio.sleep(DEAD_AFTER + 0.6)  # then silence, the loop running: the engine is gone
+            assert client.state() == "unavailable"
+            with pytest.raises(EngineUnavailable):
+                await asyncio.wait_for(pending, 1)
+        finally:
+            await client.close()
+            beats.close(0)
+            engine.close(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_quiet_time_the_engine_announced_is_not_its_silence(tmp_path):
+    """The engine builds llguidance's tokenizer right after ready, holding the GIL its heartbeat thread needs (4-8 s
+    seen on a busy machine): it announces the quiet first (Heartbeat.quiet_for), and a request in flight is not
+    failed for the silence; past the announced time, silence is loss again."""
+    address = f"ipc://{tmp_path}/engine"
+
+    async def scenario():
+        engine, beats, client = await _stand_in(address)
+        try:
+            async def beat_until(quiet: float) -> None:
+                while not (client.ready() and client.stats.quiet_for == quiet):
+                    await beats.send(encoder.encode(Heartbeat(ready=True, incarnation=7, quiet_for=quiet)))
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(beat_until(DEAD_AFTER + 2.0), 5)
+            stream = client.generate("r1", [1, 2, 3], SamplingParams(max_tokens=4), None)
+            pending = asyncio.ensure_future(stream.__anext__())
+            await engine.recv_multipart()
+            await asyncio.sleep(DEAD_AFTER + 0.6)  # silent past DEAD_AFTER, within the quiet time
+            assert client.state() == "ready" and not pending.done()
+            await asyncio.sleep(2.0)  # and past it
             assert client.state() == "unavailable"
             with pytest.raises(EngineUnavailable):
                 await asyncio.wait_for(pending, 1)
