@@ -63,6 +63,8 @@ CpuSet = Annotated[
 def _to_rank_lists(value: Any) -> str | tuple[tuple[int, ...], ...]:
     if value == "auto":
         return value
+    if _is_cpu_id(value):  # one rank on one CPU, as YAML reads `ranks: 1` (or `--set cores.ranks=1`)
+        value = [value]
     if isinstance(value, str):
         value = [part.strip() for part in value.split("|")]
     if not isinstance(value, list | tuple) or not value:
@@ -85,6 +87,7 @@ RankCpus = Annotated[
     PlainValidator(_to_rank_lists),
     PlainSerializer(_show_rank_lists),
     WithJsonSchema({"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^{_CPULIST}(\\|{_CPULIST})*$"},
+                              {"type": "integer", "minimum": 0},
                               {"type": "array", "minItems": 1, "items": CPUSET_SCHEMA}]}, mode="validation"),
 ]
 """Either "auto" or one CPU set per rank."""

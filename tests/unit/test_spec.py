@@ -39,6 +39,12 @@ def test_explicit_rank_lists_in_every_spelling(ranks, expected):
     assert spec_of(f"parallel: {{tp: 2}}\ncores: {{ranks: {ranks}}}").cores.ranks == expected
 
 
+def test_one_rank_on_one_cpu_may_be_a_bare_number():
+    """YAML reads `ranks: 1` (and `--set cores.ranks=1`) as an integer: one rank on CPU 1, not a type error."""
+    assert spec_of("cores: {ranks: 1}").cores.ranks == spec_of("cores: {ranks: '1'}").cores.ranks == ((1,),)
+    assert spec_of("", "cores.ranks=0").cores.ranks == ((0,),)
+
+
 @pytest.mark.parametrize(("memory", "expected"), [
     ("0.3", 0.3), ('"30%"', 0.3), ("4GiB", 4 * 1024**3), ('"512 MiB"', 512 * 1024**2), ("2GB", 2 * 10**9),
 ])
