@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 from app.bootstrap.runtime import RuntimeDir
@@ -22,6 +23,7 @@ def serve(config: str | None, overrides: list[str]) -> int:
     from app.bootstrap.startup import api_key, check_listen, prepare
     from app.spec.errors import SpecError
 
+    _check_temporary_directory()
     deployment = prepare(config, overrides, openmp=_preflight)
     try:
         key = api_key(deployment.spec.server.api_key)
@@ -44,6 +46,20 @@ def serve(config: str | None, overrides: list[str]) -> int:
         return _layout(again, key, runtime.path)
 
     return Supervisor(_layout(deployment, key, runtime.path), runtime, reload).run()
+
+
+def _check_temporary_directory() -> None:
+    """The runtime directory, the tokenizer's export and the metrics' files need a writable temporary directory: on a
+    read-only root without one, say how to give it one rather than fail later with a traceback."""
+    from app.spec.errors import Described, Problem, SpecError
+
+    try:
+        tempfile.gettempdir()
+    except FileNotFoundError:
+        raise SpecError([Problem("(filesystem)", "a writable temporary directory ($TMPDIR, /tmp or /var/tmp): on a "
+                                 "read-only root, mount one there (docker run --tmpfs /tmp; compose.yaml's tmpfs; "
+                                 "a Kubernetes emptyDir, as the chart mounts)",
+                                 Described("no writable $TMPDIR, /tmp, /var/tmp or /usr/tmp"))]) from None
 
 
 def _log_plan(deployment) -> None:

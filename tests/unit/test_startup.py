@@ -45,3 +45,20 @@ def test_chat_template_override_is_read_from_a_file(tmp_path):
     deployment = prepare(None, [f"model.chat_template={template}"], root=TOPOLOGIES / "this-machine")
     assert deployment.chat_template() == "{{ messages[0].content }}"
     assert prepare(None, [], root=TOPOLOGIES / "this-machine").chat_template() is None
+
+
+def test_a_read_only_root_without_a_temporary_directory_is_told_how_to_give_one(monkeypatch):
+    """`docker run --read-only` without `--tmpfs /tmp`: a one-line error naming the fix, before anything starts (it
+    had been a traceback from tempfile)."""
+    import tempfile
+
+    from app.bootstrap.serve import serve
+
+    def none_usable():
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/tmp', '/var/tmp', '/usr/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", none_usable)
+    with pytest.raises(SpecError) as refused:
+        serve(None, [])
+    assert "(filesystem): found no writable $TMPDIR, /tmp" in str(refused.value)
+    assert "docker run --tmpfs /tmp" in str(refused.value)
