@@ -94,6 +94,11 @@ def check(runtime: RuntimeSpec, arch: str, env: dict[str, str], dirs: list[str],
         else:
             warnings.append(f"runtime.allocator is {runtime.allocator} but it is not installed; running with "
                             f"glibc malloc (install it: {ALLOCATORS[runtime.allocator].install})")
+    if allocator_path:  # a user's own allocator in LD_PRELOAD (as vLLM's docs have users preload tcmalloc) loses
+        for other in _preloaded_allocators(env.get("LD_PRELOAD", ""), runtime.allocator):
+            warnings.append(f"LD_PRELOAD holds {other}, but runtime.allocator is {runtime.allocator}, which is "
+                            f"preloaded ahead of it and is the one in use: set runtime.allocator to use yours "
+                            f"(or \"system\" to leave LD_PRELOAD as it is)")
     openmp, openmp_path = _openmp(runtime.openmp, arch, dirs, warnings)
     if openmp_path:
         preload.append(openmp_path)
@@ -104,6 +109,12 @@ def check(runtime: RuntimeSpec, arch: str, env: dict[str, str], dirs: list[str],
     loaded = [path for path in preload if _is_mapped(path, maps)]
     return PreflightReport(runtime.allocator, allocator_path, openmp, openmp_path, libnuma, preload, loaded,
                            env.get("LD_PRELOAD", ""), env.get(REEXEC_MARKER) == "1", warnings)
+
+
+def _preloaded_allocators(ld_preload: str, chosen: str) -> list[str]:
+    """The libraries in LD_PRELOAD that are an allocator other than `chosen` (jemalloc or tcmalloc)."""
+    return [path for path in ld_preload.replace(":", " ").split()
+            if any(Path(path).name.startswith(f"lib{name}") for name in ALLOCATORS if name != chosen)]
 
 
 def _openmp(wanted: str, arch: str, dirs: list[str], warnings: list[str]) -> tuple[str, str | None]:

@@ -47,6 +47,18 @@ def test_system_allocator_preloads_nothing(tmp_path):
     assert report.preload == [] and report.warnings == []
 
 
+def test_an_allocator_the_user_preloaded_that_the_spec_does_not_use_is_named(tmp_path):
+    """vLLM's docs have users preload tcmalloc; the spec's jemalloc goes ahead of it and wins: said, with the fix."""
+    dirs = _libs(tmp_path, "libjemalloc.so.2", "libtcmalloc_minimal.so.4", "libnuma.so.1")
+    theirs = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    report = check(RuntimeSpec(), "x86_64", {"LD_PRELOAD": theirs}, dirs, "")
+    assert report.warnings == [f"LD_PRELOAD holds {theirs}, but runtime.allocator is jemalloc, which is preloaded "
+                               f"ahead of it and is the one in use: set runtime.allocator to use yours (or \"system\" "
+                               f"to leave LD_PRELOAD as it is)"]
+    for spec in (RuntimeSpec(allocator="tcmalloc"), RuntimeSpec(allocator="system")):  # theirs is used: nothing said
+        assert check(spec, "x86_64", {"LD_PRELOAD": theirs}, dirs, "").warnings == []
+
+
 def test_intel_openmp_is_preferred_on_x86_when_installed(tmp_path):
     dirs = _libs(tmp_path, "libjemalloc.so.2", "libiomp5.so", "libnuma.so.1")
     report = check(RuntimeSpec(), "x86_64", {}, dirs, "")
