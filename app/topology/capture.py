@@ -36,6 +36,8 @@ def describe(topo: Topology) -> str:
     cg = topo.cgroup
     lines.append(f"cgroup cpuset: {fmt(cg.cpuset) if cg.cpuset else 'none'}" + (f" ({cg.cpuset_source})" if cg.cpuset_source else ""))
     lines.append(f"cgroup memory limit: {size(cg.memory_max) if cg.memory_max else 'none'}" + (f" ({cg.memory_source})" if cg.memory_source else ""))
+    if cg.cpu_quota is not None:
+        lines.append(f"cgroup CPU quota: {cg.cpu_quota:g} CPUs ({cg.cpu_quota_source})")
     for index, kind in enumerate(topo.kinds):
         cpus = [cpu for cpu in topo.online if topo.cpus[cpu].kind == index]
         lines.append(f"{kind}s{' (fastest)' if index == 0 else ''}: CPUs {fmt(cpus)}")

@@ -1,4 +1,4 @@
-"""The cgroup limits of this process: cpuset and memory, v1, v2 or a hybrid of both.
+"""The cgroup limits of this process: cpuset, CPU quota and memory, v1, v2 or a hybrid of both.
 
 Mount points come from `proc/mounts` and this process's groups from `proc/self/cgroup` (or, for the
 cpuset, `proc/self/cpuset`), the way the kernel reports them, rather than from an assumed layout.
@@ -26,6 +26,8 @@ class CgroupLimits:
     memory_max: int | None
     memory_source: str | None
     mems: tuple[int, ...] | None = None  # NUMA nodes memory may come from (cpuset.mems)
+    cpu_quota: float | None = None  # CPU time it may use, in CPUs (quota / period): a pod's limit, `docker --cpus`
+    cpu_quota_source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ def read_cgroup_limits(root: Root) -> CgroupLimits:
                                     ("effective_cpus", "cpus"))
     mems, _ = _cpuset(root, cpuset_dir, ("cpuset.mems.effective", "cpuset.mems"), ("effective_mems", "mems"))
     memory_max, memory_source = _memory_max(root, memory_dir)
-    return CgroupLimits(cpuset, cpuset_source, memory_max, memory_source, mems)
+    cpu_quota, cpu_source = _cpu_quota(root, _controller_dir(root, mounts, groups, "cpu"))
+    return CgroupLimits(cpuset, cpuset_source, memory_max, memory_source, mems, cpu_quota, cpu_source)
 
 
 def _unescape(path: str) -> str:
@@ -149,4 +152,24 @@ def _memory_max(root: Root, cg: _Dir | None) -> tuple[int | None, str | None]:
         value = root.line(file)
         if value and value.isdigit() and int(value) < UNLIMITED_V1 and (best is None or int(value) < best):
             best, source = int(value), file
+    return best, source
+
+
+def _cpu_quota(root: Root, cg: _Dir | None) -> tuple[float | None, str | None]:
+    """The tightest CPU bandwidth limit on the way up, in CPUs: v2's `cpu.max` ("max 100000": none), v1's
+    `cpu.cfs_quota_us` (-1: none) over `cpu.cfs_period_us`."""
+    if cg is None:
+        return None, None
+    best, source = None, None
+    for directory in _ancestors(cg):
+        if cg.version == 2:
+            file = posixpath.join(directory, "cpu.max")
+            quota, _, period = (root.line(file) or "").partition(" ")
+        else:
+            file = posixpath.join(directory, cg.prefix + "cfs_quota_us")
+            quota, period = root.line(file) or "", root.line(posixpath.join(directory, cg.prefix + "cfs_period_us")) or ""
+        if quota.isdigit() and period.strip().isdigit() and int(quota) > 0 and int(period) > 0:
+            cpus = int(quota) / int(period)
+            if best is None or cpus < best:
+                best, source = cpus, file
     return best, source

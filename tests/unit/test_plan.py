@@ -369,6 +369,44 @@ def test_memory_follows_the_cgroup_cpuset_mems(tmp_path):
     assert topology("k8s-cpuset8-smt").allowed_mems == (0,)
 
 
+def _with_quota(tmp_path, machine: str, files: dict[str, str]):
+    import shutil
+
+    from app.topology.machine import read_topology
+
+    tree = tmp_path / machine
+    shutil.copytree(topology(machine).root, tree)
+    for name, text in files.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    return read_topology(tree)
+
+
+def test_auto_ranks_keep_to_the_cgroups_cpu_quota(tmp_path):
+    """A CPU limit without the static CPU manager's whole cores (`docker run --cpus`, a Burstable pod): the ranks run
+    ceil(quota) threads in all, shared evenly, at least one each, and the plan says why (v2's cpu.max, v1's CFS
+    files); explicit ranks are kept, with a warning."""
+    pod = _with_quota(tmp_path, "k8s-cpuset8-smt", {"sys/fs/cgroup/cpu.max": "150000 100000\n"})
+    assert pod.cgroup.cpu_quota == 1.5 and pod.cgroup.cpu_quota_source.endswith("sys/fs/cgroup/cpu.max")
+    plan = make_plan(parse_spec("").spec, pod, SMOLLM2, "gnu")
+    unlimited = make_plan(parse_spec("").spec, topology("k8s-cpuset8-smt"), SMOLLM2, "gnu")
+    assert len(unlimited.ranks[0].cpus) > 2 and plan.ranks[0].cpus == unlimited.ranks[0].cpus[:2]
+    assert any("CPU quota is 1.5 CPUs" in w and "run 2 threads in all" in w for w in plan.warnings), plan.warnings
+    scope = "sys/fs/cgroup/user.slice/user-0.slice/session-1.scope/cpu.max"
+    two = _with_quota(tmp_path, "2s-2n-32c-smt2", {scope: "400000 100000\n"})
+    plan = make_plan(parse_spec("parallel: {tp: 2}").spec, two, SMOLLM2, "gnu")
+    assert [len(r.cpus) for r in plan.ranks] == [2, 2] and [r.node for r in plan.ranks] == [0, 1]
+    explicit = make_plan(parse_spec('parallel: {tp: 2}\ncores: {ranks: "0-3|32-35"}').spec, two, SMOLLM2, "gnu")
+    assert [len(r.cpus) for r in explicit.ranks] == [4, 4]
+    assert any("the ranks run 8 threads, but the cgroup's CPU quota is 4 CPUs" in w for w in explicit.warnings)
+    v1 = _with_quota(tmp_path, "this-machine", {"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "50000\n",
+                                                 "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"})
+    assert v1.cgroup.cpu_quota == 0.5
+    assert [len(r.cpus) for r in make_plan(parse_spec("").spec, v1, SMOLLM2, "gnu").ranks] == [1]
+    none = _with_quota(tmp_path / "none", "k8s-cpuset8-smt", {"sys/fs/cgroup/cpu.max": "max 100000\n"})
+    assert none.cgroup.cpu_quota is None
+
+
 def test_bf16_forced_on_a_cpu_without_it_is_refused():
     with pytest.raises(SpecError) as error:
         _plan("k8s-cpuset8-smt", "model: {dtype: bfloat16}")
