@@ -147,7 +147,7 @@ def _too_much(plans: list[RankMemory], where: str, demand: float, node: int | No
     return Problem(
         "kv_cache.memory",
         f"weights, KV and runtime of all {len(ranks)} rank(s) within {where} "
-        f"(lower kv_cache.memory, or use more NUMA nodes)",
+        f"(lower kv_cache.memory, or {'use more NUMA nodes' if node is not None else 'raise the memory limit'})",
         Described(f"{size(rank.kv_bytes)} of KV per rank; with weights {size(rank.weight_bytes)} and runtime "
                   f"reserve {size(RUNTIME_RESERVE)} per rank ({size(fixed)} fixed), {len(ranks)} rank(s) "
                   f"need {size(demand)}"))

@@ -320,7 +320,7 @@ def test_kv_too_large_for_the_node_gives_the_numbers():
 def test_kv_over_the_cgroup_limit_gives_the_numbers():
     with pytest.raises(SpecError) as error:
         _plan("k8s-cpuset8-smt", "kv_cache: {memory: 16GiB}")
-    assert "the cgroup memory limit of 16.00 GiB" in error.value.render()
+    assert "the cgroup memory limit of 16.00 GiB (lower kv_cache.memory, or raise the memory limit)" in error.value.render()
     fits = 16 * 1024**3 - 134_515_008 * 4 - RUNTIME_RESERVE - 1024**2
     _plan("k8s-cpuset8-smt", f"kv_cache: {{memory: {fits}B}}")
 
