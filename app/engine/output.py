@@ -89,7 +89,7 @@ class SequenceText:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs, once they came
     embedding: list[float] | None = None  # SamplingParams.embed, once it came
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None  # vLLM's: the stop string matched, or the stop token id (not EOS) that ended it
+    stop_reason: str | int | None = None  # vLLM's: the stop string matched, or the stop token id (not EOS) that ended
 
     @classmethod
     def of(cls, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> SequenceText:

@@ -40,7 +40,8 @@ def layout_cores(cores: CoresSpec, tp: int, dp: int, topo: Topology) -> Layout:
         layout = _within_quota(_auto(cores, tp, dp, topo), topo)
     else:
         layout = _explicit(cores, topo)
-        layout = Layout(layout.ranks, layout.frontend, layout.frontend_shared, layout.warnings + _over_quota(layout, topo))
+        layout = Layout(layout.ranks, layout.frontend, layout.frontend_shared,
+                        layout.warnings + _over_quota(layout, topo))
     checks = _shared_cores(layout, topo) + _mixed_kinds(layout.ranks, topo)
     return Layout(layout.ranks, layout.frontend, layout.frontend_shared, layout.warnings + checks)
 
@@ -51,22 +52,24 @@ def layout_cores(cores: CoresSpec, tp: int, dp: int, topo: Topology) -> Layout:
 def _within_quota(layout: Layout, topo: Topology) -> Layout:
     """Auto ranks cut to the cgroup's CPU quota (a pod's CPU limit without the static CPU manager's whole cores,
     `docker run --cpus`): threads past it only wait their turn at every barrier (measured at a quota of 0.5 CPU:
-    two threads 2.6x as slow as one). The ranks keep ceil(quota) threads in all, at least one each, shared as
-    evenly as their CPUs allow (each keeps its first CPUs)."""
+    two threads 2.6x as slow as one). Every rank keeps the same number of threads, ceil(quota) / ranks (at least
+    one): a tensor-parallel group waits for its slowest rank at every all-reduce, so a thread more on one rank would
+    spend quota for nothing. A rank keeps one CPU of each core before a second (its SMT siblings last)."""
     quota, threads = topo.cgroup.cpu_quota, sum(len(rank) for rank in layout.ranks)
     if quota is None or threads <= math.ceil(quota - 1e-9):
         return layout
-    budget = max(len(layout.ranks), math.ceil(quota - 1e-9))
-    keep = [1] * len(layout.ranks)
-    for _ in range(budget - len(keep)):
-        grow = max((i for i, rank in enumerate(layout.ranks) if keep[i] < len(rank)),
-                   key=lambda i: (len(layout.ranks[i]) / (keep[i] + 1), -i))
-        keep[grow] += 1
-    ranks = tuple(rank[:count] for rank, count in zip(layout.ranks, keep, strict=True))
+    each = max(1, math.ceil(quota - 1e-9) // len(layout.ranks))
+
+    def first_of_each_core(rank: tuple[int, ...]) -> tuple[int, ...]:
+        order = sorted(rank, key=lambda cpu: (sorted(topo.cpus[cpu].siblings).index(cpu), cpu))
+        return tuple(sorted(order[:each]))
+
+    ranks = tuple(first_of_each_core(rank) for rank in layout.ranks)
+    kept = sum(len(rank) for rank in ranks)
     warning = (f"the cgroup's CPU quota is {quota:g} CPUs ({topo.cgroup.cpu_quota_source}), fewer than the {threads} "
-               f"CPUs the ranks would run on: they run {budget} thread{'s' if budget != 1 else ''} in all "
-               f"({', '.join(fmt(rank) for rank in ranks)}); a whole-CPU limit equal to its request, under the "
-               "kubelet's static CPU manager policy, grants whole cores instead")
+               f"CPUs the ranks would run on: they run {kept} thread{'s' if kept != 1 else ''} in all "
+               f"({', '.join(fmt(rank) for rank in ranks)}; the HTTP frontend shares the quota); a whole-CPU limit "
+               "equal to its request, under the kubelet's static CPU manager policy, grants whole cores instead")
     return Layout(ranks, layout.frontend, layout.frontend_shared, layout.warnings + (warning,))
 
 

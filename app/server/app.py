@@ -1,11 +1,10 @@
-"""The Starlette application of one frontend worker: routes, the request gate, errors, OpenAPI."""
+"""The Starlette application of one frontend worker: routes, errors, OpenAPI (the request gate: gate.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import time
@@ -27,6 +26,7 @@ from app.server import embeddings, openai_api, responses
 from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
+from app.server.gate import Gate
 from app.server.generation import LIVE, ShuttingDown
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
@@ -106,10 +106,12 @@ class Context:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{self.vocab_size - 1})", param,
                            "invalid_value")
 
-    def output_limit(self, ids: list[int], requested: int | None, param: str, prompt_param: str) -> int:
+    def output_limit(self, ids: list[int], requested: int | None, param: str, prompt_param: str,
+                     min_tokens: int = 0) -> int:
         """How many tokens a sequence may generate: what was `requested`, cut to what the context leaves (as vLLM
         and llama.cpp cut it; the answer then ends with finish_reason "length"). 400 where the prompt alone leaves
-        no room (naming `prompt_param`) or the request asks for more than any context holds (naming `param`)."""
+        no room (naming `prompt_param`), the request asks for more than any context holds (naming `param`), or
+        for at least `min_tokens` where fewer are left."""
         room = self.max_model_len - len(ids)
         if requested is not None and requested > self.max_model_len:
             raise APIError(400, f"{param}={requested} cannot be greater than this model's maximum context length "
@@ -119,80 +121,11 @@ class Context:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                                 f"prompt has {len(ids)} tokens, which leaves no room for the completion. Please "
                                 "reduce the prompt.", prompt_param, "context_length_exceeded")
+        if min_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"prompt has {len(ids)} tokens, which leaves {room} for the completion, fewer than "
+                                f"min_tokens ({min_tokens}).", "min_tokens", "context_length_exceeded")
         return room if requested is None else min(requested, room)
-
-
-# --- the gate: body size, API key, draining ---
-
-
-class Gate:
-    """Pure ASGI middleware: checks that must happen before a body is read or a handler runs."""
-
-    def __init__(self, app, cfg: FrontendConfig):
-        self.app, self.cfg = app, cfg
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        refusal = self._refuse(scope)
-        if refusal is not None:
-            return await refusal(scope, receive, send)
-        await self.app(scope, self._limited(receive), send)
-
-    def _refuse(self, scope) -> Response | None:
-        headers = dict(scope["headers"])
-        if b"transfer-encoding" in headers and b"content-length" in headers:  # (RFC 9112 6.3: a request smuggler's)
-            return error_response(400, "a request may not have both Transfer-Encoding and Content-Length", None,
-                                  "invalid_request")
-        length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.cfg.max_body_size:
-            return error_response(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,
-                                  "body_too_large")
-        path = scope["path"]
-        if self._needs_key(path) and not self._has_key(headers):
-            return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)", None,
-                                  "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        if self.cfg.draining_marker and path.startswith("/v1") and scope["method"] == "POST" and \
-                os.path.exists(self.cfg.draining_marker):
-            return error_response(503, "the server is shutting down", None, "draining", {"Retry-After": "5"})
-        return None
-
-    def _needs_key(self, path: str) -> bool:
-        """Every route but the probes' /health and /ping (and /metrics when `server.metrics_auth` is off)."""
-        if not self.cfg.api_key or path in ("/health", "/ping"):
-            return False
-        return path != "/metrics" or self.cfg.metrics_auth
-
-    def _has_key(self, headers: dict[bytes, bytes]) -> bool:
-        given = headers.get(b"authorization", b"")
-        return hmac.compare_digest(given, f"Bearer {self.cfg.api_key}".encode())
-
-    def _limited(self, receive):
-        """`receive` with the body's size limit and its deadline (`server.body_timeout` from the first read)."""
-        seen, deadline, done = 0, None, False
-        loop = asyncio.get_running_loop()
-
-        async def wrapped():
-            nonlocal seen, deadline, done
-            if done:  # the body is in: what follows is a wait for the client to hang up, with no deadline
-                return await receive()
-            deadline = deadline or loop.time() + self.cfg.body_timeout
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s", None,
-                               "body_timeout", {"Connection": "close"}) from None
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.cfg.max_body_size:
-                    raise APIError(413, f"the request body is larger than {self.cfg.max_body_size} bytes", None,
-                                   "body_too_large")
-                done = not message.get("more_body", False)
-            else:
-                done = True
-            return message
-
-        return wrapped
 
 
 # --- small routes ---

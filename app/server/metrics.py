@@ -21,7 +21,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 5,000,000 (vLLM's series)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finished:
     """One finished sequence (a choice of a prompt), as the metrics take it."""
 

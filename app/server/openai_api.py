@@ -122,7 +122,7 @@ async def completions(request: Request) -> Response:
     gen.prompt_only = body.max_tokens == 0  # (only with echo): the engine generates one token, not shown
     for ids in prompts:
         add_prompt(gen, ids, body.n, ctx.output_limit(ids, 1 if gen.prompt_only else body.max_tokens, "max_tokens",
-                                                       "prompt"))
+                                                       "prompt", body.min_tokens))
     echo = [await ctx.text.decode(ids) for ids in prompts] if body.echo else None
     await start_generation(gen)
     if body.stream:
@@ -140,7 +140,7 @@ async def completions(request: Request) -> Response:
                                                    body.logprobs, as_ids=body.return_tokens_as_token_ids)
             choice = {"index": seq.index, "text": text, "logprobs": logprobs,
                       "finish_reason": "length" if gen.prompt_only else _reason(seq),
-                      "stop_reason": seq.text.stop_reason}
+                      "stop_reason": None if gen.prompt_only else seq.text.stop_reason}
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(ctx.tokenizer, seq, body.prompt_logprobs)
             choices.append(choice)
@@ -194,7 +194,7 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
     except APIError as exc:
         raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages"))
+    add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages", body.min_tokens))
     await start_generation(gen)
     return gen, forced, lambda: AnswerReader(forced, thinking)
 
@@ -445,13 +445,15 @@ async def _completion_chunks(gen: Generation, body: CompletionRequest, model: st
             continue
         logprobs, big = None, with_logprobs and len(token_logprobs) > 64  # a prompt's: MBs of JSON
         if with_logprobs:
+            if event.index not in offsets:
+                offsets[event.index] = TextOffsets()
             build = functools.partial(_completion_logprobs_of, gen.tokenizer, token_ids, token_logprobs,
-                                      body.logprobs, offsets.setdefault(event.index, TextOffsets()),
-                                      body.return_tokens_as_token_ids)
+                                      body.logprobs, offsets[event.index], body.return_tokens_as_token_ids)
             logprobs = await run(build) if big else build()  # (a big one off the event loop)
         chunk = _counted({"id": gen.response_id, "object": "text_completion", "created": created, "model": model,
                           "choices": [{"index": event.index, "text": text, "logprobs": logprobs,
-                                       "finish_reason": reason, "stop_reason": event.stop_reason}]}, gen, body)
+                                       "finish_reason": reason,
+                                       "stop_reason": None if gen.prompt_only else event.stop_reason}]}, gen, body)
         yield await run(lambda chunk=chunk: sse_event(chunk, fast=True)) if big else chunk  # encoded there too
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": gen.response_id, "object": "text_completion", "created": created, "model": model,

@@ -225,7 +225,8 @@ class ServerSpec(Section):
     port: int = Field(default=8000, ge=1, le=65535)
     """TCP port to listen on; `serve` stops at once if another process listens there."""
     api_key: ApiKeySpec | None = None
-    """Require this bearer key on every route but /health (and /metrics, see `metrics_auth`); default: no key."""
+    """Require this bearer key on every route but /health and /ping (and /metrics, see `metrics_auth`); default: no
+    key."""
     workers: int = Field(default=1, ge=1, le=64)
     """HTTP worker processes (gunicorn with uvicorn workers)."""
     max_body_size: ByteSize = Field(default="4MiB")

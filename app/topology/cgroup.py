@@ -167,7 +167,8 @@ def _cpu_quota(root: Root, cg: _Dir | None) -> tuple[float | None, str | None]:
             quota, _, period = (root.line(file) or "").partition(" ")
         else:
             file = posixpath.join(directory, cg.prefix + "cfs_quota_us")
-            quota, period = root.line(file) or "", root.line(posixpath.join(directory, cg.prefix + "cfs_period_us")) or ""
+            period_file = posixpath.join(directory, cg.prefix + "cfs_period_us")
+            quota, period = root.line(file) or "", root.line(period_file) or ""
         if quota.isdigit() and period.strip().isdigit() and int(quota) > 0 and int(period) > 0:
             cpus = int(quota) / int(period)
             if best is None or cpus < best:

@@ -397,8 +397,13 @@ def test_a_completion_longer_than_the_context_leaves_is_cut_to_it(short):
                       timeout=60).json()
     assert chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] == 96
     assert chat["choices"][0]["finish_reason"] == "length"
+    # left out or null, max_tokens is 16 (vLLM's default), where the context leaves more
+    for max_tokens in ({}, {"max_tokens": None}):
+        answer = httpx.post(short.url + C, json={"prompt": prompt[:10], "ignore_eos": True, **max_tokens}, timeout=60)
+        assert answer.json()["usage"]["completion_tokens"] == 16, answer.text
     for body, param in (({"prompt": prompt, "max_tokens": 97}, "max_tokens"),
-                        ({"prompt": list(range(1000, 1096)), "max_tokens": 1}, "prompt")):
+                        ({"prompt": list(range(1000, 1096)), "max_tokens": 1}, "prompt"),
+                        ({"prompt": prompt, "max_tokens": 50, "min_tokens": 10}, "min_tokens")):
         error = httpx.post(short.url + C, json=body, timeout=60).json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == param, error
 

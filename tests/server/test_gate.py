@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.server.app import FrontendConfig, Gate, _api_error
+from app.server.app import FrontendConfig, _api_error
+from app.server.gate import Gate
 from app.server.errors import APIError
 
 

@@ -72,11 +72,11 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
     """The engine's heartbeat publisher answers each new subscription with its current snapshot: a frontend
     worker that connects after the engine became ready must not wait for the next beat (half a second of
     every start, before). With beats 60 s apart, only that answer can make the client ready in time."""
-    from app.engine import process
+    from app.engine import beacon as beacons
 
-    monkeypatch.setattr(process, "HEARTBEAT_SECONDS", 60.0)
+    monkeypatch.setattr(beacons, "HEARTBEAT_SECONDS", 60.0)
     address = f"ipc://{tmp_path}/engine"
-    beacon = process.Beacon(address)
+    beacon = beacons.Beacon(address)
     beacon.open()
     beacon.publish(Heartbeat(ready=True, incarnation=7))
     time.sleep(0.2)  # the first beat went out, to no one
@@ -103,11 +103,11 @@ def test_a_frontend_that_subscribes_late_hears_the_engine_at_once(tmp_path, monk
 def test_the_beacon_announces_a_quiet_time_at_once_and_its_end(tmp_path, monkeypatch):
     """`Beacon.quiet` returns once a beat that says so went out (beats 60 s apart here: only that one can), and the
     time it announces counts down with each beat."""
-    from app.engine import process
+    from app.engine import beacon as beacons
 
-    monkeypatch.setattr(process, "HEARTBEAT_SECONDS", 60.0)
+    monkeypatch.setattr(beacons, "HEARTBEAT_SECONDS", 60.0)
     address = f"ipc://{tmp_path}/engine"
-    beacon = process.Beacon(address)
+    beacon = beacons.Beacon(address)
     beacon.open()
     beacon.publish(Heartbeat(ready=True, incarnation=9))
 

@@ -320,7 +320,8 @@ def test_kv_too_large_for_the_node_gives_the_numbers():
 def test_kv_over_the_cgroup_limit_gives_the_numbers():
     with pytest.raises(SpecError) as error:
         _plan("k8s-cpuset8-smt", "kv_cache: {memory: 16GiB}")
-    assert "the cgroup memory limit of 16.00 GiB (lower kv_cache.memory, or raise the memory limit)" in error.value.render()
+    assert "the cgroup memory limit of 16.00 GiB (lower kv_cache.memory, or raise the memory limit)" in \
+        error.value.render()
     fits = 16 * 1024**3 - 134_515_008 * 4 - RUNTIME_RESERVE - 1024**2
     _plan("k8s-cpuset8-smt", f"kv_cache: {{memory: {fits}B}}")
 
@@ -396,6 +397,10 @@ def test_auto_ranks_keep_to_the_cgroups_cpu_quota(tmp_path):
     two = _with_quota(tmp_path, "2s-2n-32c-smt2", {scope: "400000 100000\n"})
     plan = make_plan(parse_spec("parallel: {tp: 2}").spec, two, SMOLLM2, "gnu")
     assert [len(r.cpus) for r in plan.ranks] == [2, 2] and [r.node for r in plan.ranks] == [0, 1]
+    odd = _with_quota(tmp_path / "odd", "2s-2n-32c-smt2", {scope: "300000 100000\n"})  # 3 CPUs for 2 ranks
+    assert [len(r.cpus) for r in make_plan(parse_spec("parallel: {tp: 2}").spec, odd, SMOLLM2, "gnu").ranks] == [1, 1]
+    smt = make_plan(parse_spec("parallel: {tp: 2}\ncores: {use_smt: true}").spec, two, SMOLLM2, "gnu")
+    assert [len({two.cpus[cpu].core for cpu in r.cpus}) for r in smt.ranks] == [2, 2]  # two cores each, not siblings
     explicit = make_plan(parse_spec('parallel: {tp: 2}\ncores: {ranks: "0-3|32-35"}').spec, two, SMOLLM2, "gnu")
     assert [len(r.cpus) for r in explicit.ranks] == [4, 4]
     assert any("the ranks run 8 threads, but the cgroup's CPU quota is 4 CPUs" in w for w in explicit.warnings)
