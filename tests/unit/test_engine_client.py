@@ -34,6 +34,19 @@ async def _stand_in(address: str):
     return engine, beats, client
 
 
+async def _lost(client: EngineClient, pending: asyncio.Future) -> None:
+    """The engine counts as gone, and the request in flight failed for it."""
+    assert client.state() == "unavailable"
+    with pytest.raises(EngineUnavailable):
+        await asyncio.wait_for(pending, 1)
+
+
+async def _close(engine, beats, client: EngineClient) -> None:
+    await client.close()
+    beats.close(0)
+    engine.close(0)
+
+
 def test_an_engine_restarted_faster_than_dead_after_fails_its_requests_and_shows(tmp_path):
     address = f"ipc://{tmp_path}/engine"
 
@@ -186,13 +199,9 @@ def test_an_event_loop_held_up_longer_than_dead_after_does_not_make_a_beating_en
             await asyncio.sleep(0.6)  # _watch runs: nothing failed
             assert client.ready() and not pending.done()
             await asyncio.sleep(DEAD_AFTER + 0.6)  # then silence, the loop running: the engine is gone
-            assert client.state() == "unavailable"
-            with pytest.raises(EngineUnavailable):
-                await asyncio.wait_for(pending, 1)
+            await _lost(client, pending)
         finally:
-            await client.close()
-            beats.close(0)
-            engine.close(0)
+            await _close(engine, beats, client)
 
     asyncio.run(scenario())
 
@@ -218,13 +227,9 @@ def test_a_quiet_time_the_engine_announced_is_not_its_silence(tmp_path):
             await asyncio.sleep(DEAD_AFTER + 0.6)  # silent past DEAD_AFTER, within the quiet time
             assert client.state() == "ready" and not pending.done()
             await asyncio.sleep(2.0)  # and past it
-            assert client.state() == "unavailable"
-            with pytest.raises(EngineUnavailable):
-                await asyncio.wait_for(pending, 1)
+            await _lost(client, pending)
         finally:
-            await client.close()
-            beats.close(0)
-            engine.close(0)
+            await _close(engine, beats, client)
 
     asyncio.run(scenario())
 
