@@ -73,6 +73,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is not shown (nor counted)
+    client_id: str | None = None  # the client's request id (vLLM's request_id, X-Request-Id): the response's id
     _interrupted: Exception | None = field(default=None, init=False, repr=False)
 
     def add_prompt(self, prompt_ids: list[int], n: int, max_tokens: int | None) -> None:
@@ -90,7 +91,7 @@ class Generation:
 
     @property
     def response_id(self) -> str:
-        return f"{self.prefix}-{self.id}"
+        return f"{self.prefix}-{self.client_id or self.id}"
 
     async def start(self) -> None:
         """Submit every sequence; returns once the engine queued them all (raises if one was refused)."""

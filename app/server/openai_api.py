@@ -50,6 +50,9 @@ async def read_body(request: Request, model):
     if where is not None:
         raise APIError(400, f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (such as \\ud800), "
                             f"which is not Unicode text", where or None, "invalid_json")
+    header = request.headers.get("x-request-id")
+    if header and "request_id" in model.model_fields:  # vLLM's: the header wins over the body's request_id
+        data["request_id"] = header
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -158,7 +161,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
     events = await collect(gen, request)
-    choices = [{"index": s.index, **chat_message(s, forced, reader()),
+    choices = [{"index": s.index, **chat_message(s, forced, reader(), body.echoed()),
                 "logprobs": chat_logprobs(ctx.tokenizer, s.text.token_ids, s.text.logprobs,
                                           body.return_tokens_as_token_ids) if body.logprobs else None}
                for s in gen.sequences]
@@ -233,8 +236,9 @@ class AnswerReader:
         return {**fields, **({"content": text} if text else {}), **({"tool_calls": calls} if calls else {})}
 
 
-def chat_message(seq, tools: ToolPlan | None, reader: AnswerReader) -> dict:
-    """A non-streamed choice's message and finish_reason: its text as content, tool calls and reasoning."""
+def chat_message(seq, tools: ToolPlan | None, reader: AnswerReader, echoed: str = "") -> dict:
+    """A non-streamed choice's message and finish_reason: its text as content, tool calls and reasoning;
+    `echoed` first in its content (ChatCompletionRequest.echoed)."""
     reason = _reason(seq)
     fields = reader.feed(seq.text.text, last=True)
     message = {"role": "assistant", "content": fields.get("content", ""), **fields}
@@ -243,6 +247,8 @@ def chat_message(seq, tools: ToolPlan | None, reader: AnswerReader) -> dict:
         reason = tools.finish_reason(reason, reader.tools)
     if ("tool_calls" in fields or "reasoning" in fields) and not message["content"]:
         message["content"] = None  # as vLLM: calls or reasoning alone, no content
+    if echoed:
+        message["content"] = echoed + (message["content"] or "")
     return {"message": message, "finish_reason": reason, "stop_reason": seq.text.stop_reason}
 
 
@@ -278,7 +284,8 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
         params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
-    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix)
+    return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix,
+                      client_id=body.request_id)
 
 
 def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
@@ -467,6 +474,10 @@ async def _chat_chunks(gen: Generation, body: ChatCompletionRequest, model: str,
     for seq in gen.sequences:  # the role comes first, as OpenAI sends it
         yield _counted({**base, "choices": [{"index": seq.index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]}, gen, body)
+    if body.echoed():  # then the echoed prefill, a chunk for each choice (vLLM's)
+        for seq in gen.sequences:
+            yield _counted({**base, "choices": [{"index": seq.index, "delta": {"content": body.echoed()},
+                                                 "logprobs": None, "finish_reason": None}]}, gen, body)
     readers = {seq.index: reader() for seq in gen.sequences}
     async for event in gen.events():
         reason = event.finish_reason

@@ -254,6 +254,9 @@ class SamplingFields(_Body, PromptTruncation):
     add_special_tokens: bool | None = None
     # vLLM's: logprobs name tokens "token_id:<id>" (a client that maps them back needs no tokenizer)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the response's id is "<cmpl or chatcmpl>-<request_id>" (the X-Request-Id header's, where sent); the
+    # engine's own ids stay unique whatever clients send
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -488,13 +491,18 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 30)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False  # vLLM's: a last message of the assistant's (a prefill) begins each answer's content
 
     @model_validator(mode="after")
     def _chat_checks(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        refuse_unsupported(self.model_extra, {"echo": (False, None)})  # vLLM's: the last message's text first
         return self
+
+    def echoed(self) -> str:
+        """The text `echo` puts first in each answer: the last message's, where it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

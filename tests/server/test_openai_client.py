@@ -593,8 +593,22 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
         with pytest.raises(openai.BadRequestError, match=said or field) as refused:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={field: value})
         assert field in json.dumps(refused.value.body), refused.value.body
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"echo": True})
+    # chat's echo (vLLM's): an assistant's last message, the prefill continue_final_message goes on from, comes first
+    prefill = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    kwargs = dict(model=MODEL, messages=prefill, max_tokens=4, temperature=0,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    alone = client.chat.completions.create(**kwargs).choices[0].message.content
+    echoed = client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == "The capital of France is" + alone and "Paris" in alone
+    streamed = client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}},
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        echoed.choices[0].message.content
+    asked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                           extra_body={"echo": True}).choices[0].message.content
+    assert asked == client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                                   temperature=0).choices[0].message.content  # a user's: nothing
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
                                       extra_body={"use_beam_search": False, "bad_words": [], "echo": False})
     assert plain.choices[0].text  # their defaults are fine
@@ -805,6 +819,27 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_answer(applia
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                           stop=["!", "."]).choices[0]
     assert chat.stop_reason in ("!", ".") and chat.stop_reason not in chat.message.content
+
+
+def test_the_clients_request_id_is_the_responses_id(appliance):
+    """vLLM's request_id (the body's, or the X-Request-Id header's, which wins) names the response; two requests that
+    share one still run apart (the engine's ids are the server's own)."""
+    url = appliance.url + "/v1/completions"
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+    assert httpx.post(url, json=body, headers={"X-Request-Id": "trace-42"}).json()["id"] == "cmpl-trace-42"
+    chat = httpx.post(appliance.url + "/v1/chat/completions", headers={"X-Request-Id": "from-header"},
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "abc"})
+    assert chat.json()["id"] == "chatcmpl-from-header"
+
+    async def both():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(url, json={**body, "request_id": "same", "max_tokens": 6})
+                                          for _ in range(2)))
+
+    answers = [r.json() for r in asyncio.run(both())]
+    assert [a["id"] for a in answers] == ["cmpl-same"] * 2 and answers[0]["choices"] == answers[1]["choices"]
+    long = httpx.post(url, json=body, headers={"X-Request-Id": "x" * 300})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "request_id"
 
 
 def test_developer_messages_and_text_parts_render_as_vllm_renders_them(appliance):
