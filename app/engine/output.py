@@ -101,12 +101,15 @@ class SequenceText:
              engine_reason: FinishReason | None) -> FinishReason | None:
         """One engine output: its token and the engine's finish reason. Returns the sequence's finish reason:
         STOP when a stop string matched (the engine does not know yet), else the engine's. The EOS or stop
-        token that ended a sequence stays in its token ids but adds no text."""
-        hidden = engine_reason == FinishReason.STOP and token_id is not None and (
+        token that ended a sequence stays in its token ids but adds no text (unless include_stop, as vLLM's
+        include_stop_str_in_output keeps it; an EOS that is a special token still adds none where those are
+        skipped)."""
+        at_stop_token = engine_reason == FinishReason.STOP and token_id is not None and (
             token_id == self.eos_token_id or token_id in self.stop_token_ids)
-        if not self.add(token_id, logprobs, hidden) and engine_reason is not None and self.finish_reason is None:
+        if not self.add(token_id, logprobs, at_stop_token and not self.include_stop) and engine_reason is not None \
+                and self.finish_reason is None:
             self.finish_reason = engine_reason
-            if hidden and token_id != self.eos_token_id:
+            if at_stop_token and token_id != self.eos_token_id:
                 self.stop_reason = token_id
         return self.finish_reason
 

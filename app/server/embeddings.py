@@ -40,8 +40,11 @@ async def embeddings(request: Request) -> Response:
                             "embedding model); leave dimensions out", "dimensions", "invalid_value")
     texts = await ctx.prompt_ids(body.input, "input", bounded=body.truncate_prompt_tokens is None)
     prompts = [body.truncated(ids, ctx.max_model_len) for ids in texts]
-    for ids in prompts:
-        ctx.output_limit(ids, None, "input", "input")  # a 400 where an input fills the context, before any runs
+    for i, ids in enumerate(prompts):  # a 400 before any runs (the engine computes an input as a one-token completion)
+        if len(ids) >= ctx.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, input "
+                                f"{i} has {len(ids)} tokens: an embedding's input may have up to "
+                                f"{ctx.max_model_len - 1}.", "input", "context_length_exceeded")
     vectors: list[list[float]] = []
     for first in range(0, len(prompts), WAVE):  # (up to 2,048 inputs: the engine's queue holds 256 requests)
         gen = Generation(ctx.engine, ctx.metrics, ctx.tokenizer,

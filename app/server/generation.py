@@ -218,12 +218,13 @@ class Generation:
         if not seq.counted:
             seq.counted = True
             engine = seq.engine.replica
-            if seq is self.sequences[0]:
-                self.metrics.request(engine, len(self._choices_of(seq)), seq.params.max_tokens)
+            if seq is self.sequences[0] and not self.params.embed:  # (vLLM's pooling requests have no such params)
+                asked = 0 if self.prompt_only else seq.params.max_tokens
+                self.metrics.request(engine, len(self._choices_of(seq)), asked)
             self.metrics.finished(Finished(
                 "stop" if self.params.embed and reason != "abort" else reason, engine, now - self.started,
                 len(seq.prompt_ids) if seq.first_of_prompt else 0, seq.tokens if self._generates else 0,
-                seq.first_token_at, seq.last_token_at, seq.timings))
+                not self.params.embed, seq.first_token_at, seq.last_token_at, seq.timings))
 
     def _choices_of(self, first: Sequence) -> list[Sequence]:
         """The n choices of `first`'s prompt (itself the first)."""

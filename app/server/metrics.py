@@ -30,6 +30,7 @@ class Finished:
     seconds: float  # from the HTTP request's arrival
     prompt_tokens: int  # counted with its prompt's first choice only (0 for the others)
     output_tokens: int
+    generates: bool  # its tokens are shown (not an embedding's one token): it counts in request_generation_tokens
     first_token_at: float | None = None  # time.monotonic() of its first and last shown tokens
     last_token_at: float | None = None
     timings: tuple[float, float] | None = None  # the engine's: seconds queued, then to its first token
@@ -93,7 +94,8 @@ class Metrics:
         self.generation_tokens.labels(model, engine).inc(done.output_tokens)
         if done.prompt_tokens:
             self.request_prompt.labels(model, engine).observe(done.prompt_tokens)
-        self.request_generation.labels(model, engine).observe(done.output_tokens)
+        if done.generates:
+            self.request_generation.labels(model, engine).observe(done.output_tokens)
         first, last = done.first_token_at, done.last_token_at
         if first is not None and last is not None:
             if done.output_tokens > 1:

@@ -21,8 +21,8 @@ FIRST_ERROR = Field(fail_fast=True)
 Stop = str | Annotated[list[str], FIRST_ERROR] | None
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Nullable(BaseModel):
+    """A part of a request whose fields sent as null count as left out (below)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -34,6 +34,10 @@ class _Body(BaseModel):
             return {key: value for key, value in data.items()
                     if value is not None or key not in fields or fields[key].is_required()}
         return data
+
+
+class _Body(_Nullable):
+    model_config = ConfigDict(extra="allow")
 
 
 # A token id: a JSON integer (not true/false, 1.0 or "1", which pydantic's lax mode would take as one)
@@ -98,7 +102,7 @@ def _texts_or_ids(field: str):
                      BeforeValidator(lambda value: texts_or_ids(value, field))]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Nullable):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 

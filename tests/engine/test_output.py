@@ -71,6 +71,19 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(tokenizer
         assert pieces[0] == tokenizer.decode(ids[:1])  # not held back (without it: "", it could begin "STOP")
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text_too(tokenizer):
+    """As vLLM's: the stop token id that ended the sequence adds its text where include_stop_str_in_output is set
+    (and none otherwise); its stop_reason is the id either way."""
+    ids = tokenizer(" Paris.\n", add_special_tokens=False).input_ids
+    newline = ids[-1]
+    for include, text in ((False, " Paris."), (True, " Paris.\n")):
+        seq = SequenceText(Detokenizer(tokenizer, []), (), (newline,), include_stop=include)
+        for t in ids[:-1]:
+            assert seq.take(t, None, None) is None
+        assert seq.take(newline, None, FinishReason.STOP) == FinishReason.STOP
+        assert seq.text == text and seq.stop_reason == newline and seq.token_ids == ids
+
+
 def test_stop_string_split_across_tokens_never_leaks_while_streaming(tokenizer):
     stop = ("</answer>",)
     ids = tokenizer("The result is 42</answer> trailing", add_special_tokens=False).input_ids

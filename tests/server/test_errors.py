@@ -373,6 +373,10 @@ def test_null_is_a_field_left_out(appliance):
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 1, chat.text
     cmpl = httpx.post(appliance.url + C, timeout=60, json={"prompt": "x", "max_tokens": 2, "echo": None, **nulls})
     assert cmpl.status_code == 200 and cmpl.json()["choices"][0]["logprobs"] is None, cmpl.text
+    streamed = httpx.post(appliance.url + C, timeout=60, json={  # nested too: stream_options' fields
+        "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None,
+                                                                            "continuous_usage_stats": None}})
+    assert streamed.status_code == 200 and "[DONE]" in streamed.text, streamed.text
     missing = httpx.post(appliance.url + CHAT, timeout=60, json={"messages": None}).json()["error"]
     assert missing["param"] == "messages", missing
 

@@ -952,7 +952,9 @@ def test_metrics_use_vllm_names(appliance, client):
         return float(found.group(1)) if found else 0.0
 
     tokens, firsts, stops_before = *counts(), stopped()
+    asked = appliance.metric("vllm:request_params_n_count")
     client.embeddings.create(model=MODEL, input=["a text", "another one"])
+    assert appliance.metric("vllm:request_params_n_count") == asked  # (no such parameters: vLLM's pooling requests)
     client.completions.create(model=MODEL, prompt="Scored alone", max_tokens=0, echo=True)
     client.completions.create(model=MODEL, prompt="Then", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     deadline = time.monotonic() + 10
