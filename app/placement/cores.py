@@ -55,10 +55,10 @@ def _within_quota(layout: Layout, topo: Topology) -> Layout:
     two threads 2.6x as slow as one). Every rank keeps the same number of threads, ceil(quota) / ranks (at least
     one): a tensor-parallel group waits for its slowest rank at every all-reduce, so a thread more on one rank would
     spend quota for nothing. A rank keeps one CPU of each core before a second (its SMT siblings last)."""
-    quota, threads = topo.cgroup.cpu_quota, sum(len(rank) for rank in layout.ranks)
-    if quota is None or threads <= math.ceil(quota - 1e-9):
+    allowed, threads = _quota_threads(topo), sum(len(rank) for rank in layout.ranks)
+    if allowed is None or threads <= allowed:
         return layout
-    each = max(1, math.ceil(quota - 1e-9) // len(layout.ranks))
+    each = max(1, allowed // len(layout.ranks))
 
     def first_of_each_core(rank: tuple[int, ...]) -> tuple[int, ...]:
         order = sorted(rank, key=lambda cpu: (sorted(topo.cpus[cpu].siblings).index(cpu), cpu))
@@ -66,8 +66,9 @@ def _within_quota(layout: Layout, topo: Topology) -> Layout:
 
     ranks = tuple(first_of_each_core(rank) for rank in layout.ranks)
     kept = sum(len(rank) for rank in ranks)
-    warning = (f"the cgroup's CPU quota is {quota:g} CPUs ({topo.cgroup.cpu_quota_source}), fewer than the {threads} "
-               f"CPUs the ranks would run on: they run {kept} thread{'s' if kept != 1 else ''} in all "
+    plural = "s" if kept != 1 else ""
+    warning = (f"the cgroup's CPU quota is {topo.cgroup.cpu_quota:g} CPUs ({topo.cgroup.cpu_quota_source}), fewer "
+               f"than the {threads} CPUs the ranks would run on: they run {kept} thread{plural} in all "
                f"({', '.join(fmt(rank) for rank in ranks)}; the HTTP frontend shares the quota); a whole-CPU limit "
                "equal to its request, under the kubelet's static CPU manager policy, grants whole cores instead")
     return Layout(ranks, layout.frontend, layout.frontend_shared, layout.warnings + (warning,))
@@ -75,12 +76,18 @@ def _within_quota(layout: Layout, topo: Topology) -> Layout:
 
 def _over_quota(layout: Layout, topo: Topology) -> tuple[str, ...]:
     """Explicit ranks are kept as written; a quota they exceed is said."""
-    quota, threads = topo.cgroup.cpu_quota, sum(len(rank) for rank in layout.ranks)
-    if quota is None or threads <= math.ceil(quota - 1e-9):
+    allowed, threads = _quota_threads(topo), sum(len(rank) for rank in layout.ranks)
+    if allowed is None or threads <= allowed:
         return ()
-    return (f"the ranks run {threads} threads, but the cgroup's CPU quota is {quota:g} CPUs "
+    return (f"the ranks run {threads} threads, but the cgroup's CPU quota is {topo.cgroup.cpu_quota:g} CPUs "
             f"({topo.cgroup.cpu_quota_source}): threads past it wait their turn at every barrier; list "
-            f"{math.ceil(quota - 1e-9)} CPUs in all in cores.ranks",)
+            f"{allowed} CPUs in all in cores.ranks",)
+
+
+def _quota_threads(topo: Topology) -> int | None:
+    """The threads the cgroup's CPU quota keeps busy, ceil(quota); None without a quota."""
+    quota = topo.cgroup.cpu_quota
+    return None if quota is None else math.ceil(quota - 1e-9)
 
 
 # --- auto ---------------------------------------------------------------------------------------

@@ -72,13 +72,23 @@ class Metrics:
         self.params_n = histogram("vllm:request_params_n", "The n request parameter.", (1, 2, 5, 10, 20))
         self.params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter.",
                                            TOKEN_BUCKETS)
+        self._per_token: dict[int, tuple] = {}  # replica -> its labelled TTFT, ITL and TPOT histograms
 
     def first_token(self, engine: int, seconds: float) -> None:
-        self.ttft.labels(self.model, str(engine)).observe(seconds)
+        self._token_histograms(engine)[0].observe(seconds)
 
     def next_token(self, engine: int, seconds: float) -> None:
-        self.itl.labels(self.model, str(engine)).observe(seconds)
-        self.tpot.labels(self.model, str(engine)).observe(seconds)
+        _, itl, tpot = self._token_histograms(engine)
+        itl.observe(seconds)
+        tpot.observe(seconds)
+
+    def _token_histograms(self, engine: int) -> tuple:
+        """A replica's per-token histograms, labelled once (every token of every stream observes them)."""
+        found = self._per_token.get(engine)
+        if found is None:
+            labels = (self.model, str(engine))
+            found = self._per_token[engine] = tuple(h.labels(*labels) for h in (self.ttft, self.itl, self.tpot))
+        return found
 
     def request(self, engine: int, n: int, max_tokens: int | None) -> None:
         """A request's parameters (vLLM's request_params_*), once per HTTP request."""
