@@ -1,4 +1,5 @@
-"""The request gate of a frontend worker (pure ASGI): body size and deadline, the API key, draining."""
+"""The request gate of a frontend worker (pure ASGI): body size and deadline, the API key, draining, and the
+client's X-Request-Id echoed on the answer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = _echo_request_id(scope, send)
         refusal = self._refuse(scope)
         if refusal is not None:
             return await refusal(scope, receive, send)
@@ -80,3 +82,18 @@ class Gate:
             return message
 
         return wrapped
+
+
+def _echo_request_id(scope, send):
+    """`send` that gives the answer the request's X-Request-Id header, where it had one (what vLLM's
+    --enable-request-id-headers does, without its made-up ids), so a proxy's or client's trace id comes back."""
+    request_id = next((value for name, value in scope["headers"] if name == b"x-request-id"), None)
+    if not request_id:
+        return send
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
+        await send(message)
+
+    return wrapped

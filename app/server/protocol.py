@@ -817,6 +817,8 @@ class ResponsesRequest(_Body):
     user: str | None = None
     include: Annotated[list[str], Field(max_length=16)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: the response's id, as given (an X-Request-Id header wins, as on the other endpoints); default resp_<id>
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("input", mode="before")
     @classmethod

@@ -69,7 +69,7 @@ class _Answer:
 
     def __init__(self, gen: Generation, body: ResponsesRequest, model: str):
         self.gen, self.body, self.model = gen, body, model
-        self.id = f"resp_{gen.id}"
+        self.id = body.request_id or f"resp_{gen.id}"
         self.created = int(time.time())
         self.status, self.incomplete = "in_progress", None
         self.sequence = 0

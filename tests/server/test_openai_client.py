@@ -822,11 +822,22 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_answer(applia
 
 
 def test_the_clients_request_id_is_the_responses_id(appliance):
-    """vLLM's request_id (the body's, or the X-Request-Id header's, which wins) names the response; two requests that
-    share one still run apart (the engine's ids are the server's own)."""
+    """vLLM's request_id (the body's, or the X-Request-Id header's, which wins) names the response, and the header
+    comes back on the answer (refusals and streams too); two requests that share one still run apart (the engine's ids
+    are the server's own)."""
     url = appliance.url + "/v1/completions"
     body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
-    assert httpx.post(url, json=body, headers={"X-Request-Id": "trace-42"}).json()["id"] == "cmpl-trace-42"
+    traced = httpx.post(url, json=body, headers={"X-Request-Id": "trace-42"})
+    assert traced.json()["id"] == "cmpl-trace-42" and traced.headers["x-request-id"] == "trace-42"
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers={"X-Request-Id": "s-1"}) as streamed:
+        assert streamed.headers["x-request-id"] == "s-1" and "cmpl-s-1" in streamed.read().decode()
+    refused = httpx.post(url, json={**body, "max_tokens": -1}, headers={"X-Request-Id": "bad-1"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+    assert "x-request-id" not in httpx.post(url, json=body).headers
+    responses = appliance.url + "/v1/responses"
+    assert httpx.post(responses, json={"input": "Hi", "max_output_tokens": 2, "request_id": "r-7"}).json()["id"] == "r-7"
+    assert httpx.post(responses, json={"input": "Hi", "max_output_tokens": 2},
+                      headers={"X-Request-Id": "r-8"}).json()["id"] == "r-8"
     chat = httpx.post(appliance.url + "/v1/chat/completions", headers={"X-Request-Id": "from-header"},
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "abc"})
     assert chat.json()["id"] == "chatcmpl-from-header"
