@@ -74,11 +74,21 @@ def test_pods_are_guaranteed_with_exclusive_cores_and_roll_on_a_spec_edit():
     assert edited["metadata"]["annotations"]["checksum/spec"] != pod["metadata"]["annotations"]["checksum/spec"]
 
 
+def test_whole_cpus_and_memory_may_be_written_as_kubernetes_writes_them():
+    """"4000m" is 4 whole CPUs and 8192Mi is 8Gi to the kubelet: Guaranteed, so the render takes them as equal."""
+    container = _manifests(_render("resources.requests.cpu=4000m", "resources.requests.memory=8192Mi",
+                                   "spec.parallel.dp=4"))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"] == {"cpu": "4000m", "memory": "8192Mi"}
+
+
 @pytest.mark.parametrize(("sets", "message"), [
     (("resources.requests.cpu=3.5", "resources.limits.cpu=3.5"), "resources.limits.cpu"),
     (("resources.requests.cpu=3500m", "resources.limits.cpu=3500m"), "resources.requests.cpu"),
     (("resources.requests.cpu=2",), "requests.cpu (2) must equal limits.cpu (4)"),
+    (("resources.requests.cpu=3000m",), "requests.cpu (3000m) must equal limits.cpu (4)"),
+    (("resources.limits.cpu=2000m", "resources.requests.cpu=2", "spec.parallel.tp=3"), "fewer than the spec's tp"),
     (("resources.requests.memory=4Gi",), "requests.memory (4Gi) must equal limits.memory (8Gi)"),
+    (("resources.requests.memory=8193Mi",), "requests.memory (8193Mi) must equal limits.memory (8Gi)"),
     (("spec.parallel.tpp=2",), "spec.parallel: Additional property tpp is not allowed"),
     (("spec.kv_cache.memory=4GiBs",), "spec.kv_cache.memory"),
     (("spec.parallel.tp=4", "spec.parallel.dp=2"), "fewer than the spec's tp x dp = 8 ranks"),
