@@ -238,7 +238,7 @@ def requantize_gguf(source: Path, path: Path, kind_of) -> None:
 
 def copy_gguf(source: Path, path: Path, metadata: dict) -> None:
     """`source` written to `path` as it is (its tensors' bytes, its metadata), with the `metadata` keys added or
-    replaced (ints as uint32, as llama.cpp writes token ids)."""
+    replaced (ints as uint32, as llama.cpp writes token ids, negative ones as int32; floats as float32)."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
@@ -250,7 +250,9 @@ def copy_gguf(source: Path, path: Path, metadata: dict) -> None:
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), value_type, sub_type)
     for key, value in metadata.items():
-        w.add_key_value(key, value, gguf.GGUFValueType.UINT32 if isinstance(value, int) else gguf.GGUFValueType.STRING)
+        kind = (gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.STRING
+                if isinstance(value, str) else gguf.GGUFValueType.UINT32 if value >= 0 else gguf.GGUFValueType.INT32)
+        w.add_key_value(key, value, kind)
     for tensor in reader.tensors:
         w.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     write_gguf(w)

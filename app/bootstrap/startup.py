@@ -46,6 +46,18 @@ class Deployment:
         chosen = self.spec.model.pooling
         return self.footprint.pooling if chosen == "auto" else chosen
 
+    def sampling_defaults(self) -> tuple[dict[str, float | int], str]:
+        """The defaults of the sampling fields a request leaves out, and where they came from (for the log): the
+        model's own (model.generation_config: auto) with model.sampling_defaults over them."""
+        from app.model.generation_config import model_sampling_defaults
+
+        model = self.spec.model
+        found, where = model_sampling_defaults(self.source) if model.generation_config == "auto" else ({}, "")
+        own = model.sampling_defaults.model_dump(exclude_none=True) if model.sampling_defaults else {}
+        sources = [text for text, given in ((f"the model's {where}", found), ("model.sampling_defaults", own))
+                   if given]
+        return {**found, **own}, " over ".join(reversed(sources))
+
     def launches(self, sockets: Path | None = None) -> list[RankLaunch]:
         """One launch record per rank of every replica, in plan order; `sockets` is where rank 0s bind."""
         from app.cache import cache_root

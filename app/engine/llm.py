@@ -65,6 +65,8 @@ class LLM:
         self.spec = deployment.spec
         self.dtype = deployment.plan.dtype  # the compute dtype the spec's "auto" resolved to on this machine
         self.pooling = deployment.pooling()  # how embed pools (model.pooling, "auto" resolved for the model)
+        defaults = deployment.sampling_defaults()[0]  # the model's (generation_config.json, GGUF) and the spec's
+        self.default_params = SamplingParams(**defaults)
         if self.spec.parallel.dp != 1:
             raise ValueError("the offline LLM runs one replica; dp > 1 needs the server (`app serve`)")
         launches = deployment.launches()
@@ -89,9 +91,15 @@ class LLM:
 
     # --- public API ---
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with where no params are given (vLLM's name): SamplingParams' own
+        defaults with the model's sampling defaults and the spec's model.sampling_defaults over them."""
+        return self.default_params
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) with continuous batching; outputs in input order."""
+        """Run every prompt (text or token ids) with continuous batching; outputs in input order; no `params`:
+        get_default_sampling_params()."""
         batch = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
         texts = [p if isinstance(p, str) else None for p in batch]
         ids = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in batch]
@@ -117,7 +125,7 @@ class LLM:
 
     def _params_for(self, params, count: int) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * count
+            return [params or self.default_params] * count
         if len(params) != count:
             raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
         return list(params)

@@ -54,6 +54,7 @@ class Context:
         # the model's other end-of-generation tokens: each request stops at them too (unless it ignores EOS)
         self.end_token_ids = end_token_ids(ModelSource(Path(cfg.model_path), cfg.model_format, cfg.served_name),
                                            tokenizer)
+        self.sampling_defaults = cfg.sampling_defaults  # the model's and the spec's, for fields a request leaves out
         self.engine = EngineRouter(cfg.engine_addresses)
         self.metrics = Metrics(cfg.served_name)
         self.collector = EngineCollector(cfg.served_name, self.engine)
@@ -108,8 +109,9 @@ class Context:
 
     def output_limit(self, ids: list[int], requested: int | None, param: str, prompt_param: str,
                      min_tokens: int = 0) -> int:
-        """How many tokens a sequence may generate: what was `requested`, cut to what the context leaves (as vLLM
-        and llama.cpp cut it; the answer then ends with finish_reason "length"). 400 where the prompt alone leaves
+        """How many tokens a sequence may generate: what was `requested` (None: the sampling defaults' max_tokens,
+        else all), cut to what the context leaves (as vLLM and llama.cpp cut it; the answer then ends with
+        finish_reason "length"). 400 where the prompt alone leaves
         no room (naming `prompt_param`), the request asks for more than any context holds (naming `param`), or
         for at least `min_tokens` where fewer are left."""
         room = self.max_model_len - len(ids)
@@ -125,6 +127,8 @@ class Context:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                                 f"prompt has {len(ids)} tokens, which leaves {room} for the completion, fewer than "
                                 f"min_tokens ({min_tokens}).", "min_tokens", "context_length_exceeded")
+        if requested is None:  # (chat's, the Responses API's: a completion's default is 16)
+            requested = self.sampling_defaults.get("max_tokens")
         return room if requested is None else min(requested, room)
 
 

@@ -19,6 +19,8 @@ class FrontendConfig:
     chat_template: str | None = None
     reasoning: str = "auto"  # model.reasoning
     pooling: str = "last"  # model.pooling, resolved (Deployment.pooling): how /v1/embeddings pools
+    # the sampling fields' defaults where a request leaves them out (Deployment.sampling_defaults)
+    sampling_defaults: dict = field(default_factory=dict)
     api_key: str | None = None
     max_body_size: int = 4 << 20
     cors_origins: list[str] = field(default_factory=list)

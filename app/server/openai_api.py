@@ -281,7 +281,8 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
                        "invalid_value")
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
     try:
-        params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs)
+        params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs,
+                                  ctx.sampling_defaults)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix,
@@ -290,14 +291,20 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
 
 def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
                      grammar: str | None, keep: tuple[int, ...] = (), ends: tuple[int, ...] = (),
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
     """`ends`: the model's end-of-generation tokens besides EOS, stop tokens of every request that does not ignore
-    EOS (Context.end_token_ids)."""
+    EOS (Context.end_token_ids); `defaults`: the sampling fields' where the body leaves them out (Context's)."""
+    defaults = defaults or {}
+
+    def given(name: str, neutral: float) -> float:  # the request's, else the server's default, else OpenAI's
+        value = getattr(body, name)
+        return defaults.get(name, neutral) if value is None else value
+
     return SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
-        top_p=1.0 if body.top_p is None else body.top_p, min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0, frequency_penalty=body.frequency_penalty or 0.0,
-        presence_penalty=body.presence_penalty or 0.0, seed=None if body.seed is None else body.seed % 2**64,
+        temperature=given("temperature", 1.0), top_k=given("top_k", 0), top_p=given("top_p", 1.0),
+        min_p=given("min_p", 0.0), repetition_penalty=given("repetition_penalty", 1.0),
+        frequency_penalty=given("frequency_penalty", 0.0), presence_penalty=given("presence_penalty", 0.0),
+        seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         include_stop_str_in_output=body.include_stop_str_in_output,
         allowed_token_ids=tuple(body.allowed_token_ids or ()),

@@ -70,6 +70,16 @@ class ModelSpec(Section):
     `pooling_type`, a sentence-transformers directory's Pooling module), else "last". "mean" and "cls" compute the
     whole prompt of each input (no prefix-cache hit)."""
 
+    generation_config: Literal["auto", "none"] = "auto"
+    """Defaults of the sampling fields a request leaves out: "auto" takes the model's own, as its peers do (a Hugging
+    Face directory's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+    frequency_penalty, and max_new_tokens as chat's default max_tokens, as vLLM reads them; a GGUF file's
+    general.sampling.temp, top_k, top_p, min_p and penalty_repeat, as llama.cpp reads them); "none" uses OpenAI's
+    (temperature 1, top_p 1, no top_k, min_p or penalties). The start's log names what was taken."""
+    sampling_defaults: SamplingDefaults | None = None
+    """Defaults of your own for the sampling fields a request leaves out, over the model's (vLLM's
+    --override-generation-config), e.g. {temperature: 0.7, top_p: 0.9}."""
+
     @model_validator(mode="before")
     @classmethod
     def _one_source(cls, data: object) -> object:
@@ -80,6 +90,28 @@ class ModelSpec(Section):
         if data.get("path") is None and data.get("package") is None:
             return {**data, "package": DEFAULT_MODEL_PACKAGE_FILE}
         return data
+
+
+class SamplingDefaults(Section):
+    """Sampling defaults of the server's (model.sampling_defaults), in the API's ranges."""
+
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    """0 is greedy."""
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    """Nucleus sampling's probability mass."""
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 20)
+    """The k most likely tokens (0 or -1: all)."""
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    """Tokens below this fraction of the most likely one's probability are dropped."""
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    """Tokens of the prompt or output: positive logits divided by it, negative ones multiplied."""
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    """Subtracted from the logit of every token the output holds."""
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    """Subtracted from a token's logit once for every time the output holds it."""
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 30)
+    """Chat's and the Responses API's output tokens where a request sets none (default: until the context is full;
+    a completion's default stays 16, as OpenAI's)."""
 
 
 class ParallelSpec(Section):

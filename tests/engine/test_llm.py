@@ -293,3 +293,24 @@ def test_prompt_logprobs_through_chunks_and_preemption(llm):
         assert len(other.prompt_logprobs) == len(one.prompt_logprobs) and other.prompt_logprobs[0] is None
         for a, b in zip(one.prompt_logprobs[1:], other.prompt_logprobs[1:], strict=True):
             assert b.logprob == pytest.approx(a.logprob, abs=1e-3) and [t for t, _ in b.top] == [t for t, _ in a.top]
+
+
+def test_generate_without_params_samples_with_the_models_and_the_specs_defaults(llm, tmp_path):
+    """vLLM's LLM.get_default_sampling_params: a file whose general.sampling says greedy, and the spec's max_tokens,
+    answer generate() without params: the greedy text of the shared LLM (the same numerics), 5 tokens long."""
+    from app.model.source import resolve_source
+    from app.spec.schema import ModelSpec
+    from tests.gguf_files import copy_gguf
+
+    path = tmp_path / "greedy.gguf"
+    copy_gguf(resolve_source(ModelSpec()).path, path, {"general.sampling.temp": 0.0})
+    greedy = LLM(model={"path": str(path), "dtype": "float32", "max_model_len": 256,
+                        "sampling_defaults": {"max_tokens": 5}},
+                 kv_cache={"memory": "64MiB", "dtype": "float32"}, bind_threads=False)
+    try:
+        assert greedy.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+        got = greedy.generate("The capital of France is")[0].outputs[0]
+    finally:
+        greedy.close()
+    want = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 5
