@@ -60,6 +60,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     """Only these tokens may be sampled (vLLM's allowed_token_ids; EOS too only if listed): every other token's logit
     is -inf before logit_bias, penalties and the grammar; log-probabilities stay the model's own. Empty: all."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences the output never ends with (vLLM's bad_words, as its tokenizer's ids: the frontend gives each
+    word's ids with and without a leading space): a sequence's last token is -inf wherever the output's last tokens
+    are the rest of it (a one-token sequence: always), before logit_bias and penalties."""
     grammar: str | None = None
     """An llguidance grammar the output must follow (app/engine/structured.py `grammar_for` makes one from a JSON
     schema, a regular expression, a list of choices or a Lark grammar); it ends where the grammar is complete."""
@@ -95,6 +99,8 @@ class SamplingParams:
              "logit_bias must map token ids (>= 0) to biases from -100 to 100"),
             (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
             (all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be token ids (>= 0)"),
+            (all(word and all(t >= 0 for t in word) for word in self.bad_words_token_ids),
+             "bad_words_token_ids must be non-empty sequences of token ids (>= 0)"),
             (self.pooling in POOLINGS, f"pooling must be one of {', '.join(POOLINGS)}"),
         ]
         for ok, message in checks:
@@ -106,6 +112,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "keep_special_ids", tuple(self.keep_special_ids))
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(word) for word in self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:

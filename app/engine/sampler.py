@@ -1,6 +1,7 @@
 """Turns one step's logits into one token per running sequence, with vLLM's and OpenAI's semantics.
 
-Order of operations, per row: tokens outside allowed_token_ids masked, logit_bias added to the raw logits, then
+Order of operations, per row: tokens outside allowed_token_ids masked, then the last token of each bad word that
+the output would complete, logit_bias added to the raw logits, then
 penalties (as vLLM), EOS/stop ids masked
 until min_tokens,
 then either argmax (temperature 0) or temperature -> top-k -> top-p -> min-p -> a random draw (the vocabulary
@@ -112,7 +113,8 @@ class Sampler:
         raw = logits.float()
         if all(_plain_greedy(state, grammar=True) for state in states):
             return _greedy_output(raw, states)
-        shaped = mask_stop_tokens(apply_penalties(apply_logit_bias(apply_allowed(raw, states), states), states),
+        shaped = apply_allowed(raw, states)
+        shaped = mask_stop_tokens(apply_penalties(apply_logit_bias(apply_bad_words(shaped, states), states), states),
                                   states)
         if shaped is raw and any(state.matcher is not None for state in states):
             shaped = raw.clone()  # the grammars mask in place; the raw logits give the log-probabilities
@@ -188,12 +190,13 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_greedy(state: SamplingState, grammar: bool = False) -> bool:
-    """Greedy, without allowed_token_ids, logit_bias, penalties, logprobs or a stop token still masked: the argmax of
+    """Greedy, without allowed_token_ids, bad words, logit_bias, penalties, logprobs or a stop token still masked: the
+    argmax of
     the raw logits (`grammar`: or of those the row's grammar allows)."""
     params = state.params
     held = len(state.output_ids) < params.min_tokens and state.early_stops is not None
     return params.greedy and params.logprobs is None and not params.logit_bias and not params.allowed_token_ids and \
-        (grammar or state.matcher is None) and not _has_penalty(params) and not held
+        not params.bad_words_token_ids and (grammar or state.matcher is None) and not _has_penalty(params) and not held
 
 
 def _greedy_output(raw: torch.Tensor, states: Sequence[SamplingState] = ()) -> SampleOutput:
@@ -307,6 +310,21 @@ def apply_allowed(logits: torch.Tensor, states: Sequence[SamplingState]) -> torc
         kept = out[s, states[s].allowed]
         out[s] = float("-inf")
         out[s, states[s].allowed] = kept
+    return out
+
+
+def apply_bad_words(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """-inf on the last token of each of a row's bad words (params.bad_words_token_ids) whose other tokens end its
+    output so far (vLLM's bad_words: its output, not its prompt); a copy where any is masked."""
+    out = logits
+    for s, state in enumerate(states):
+        output = state.output_ids
+        banned = [word[-1] for word in state.params.bad_words_token_ids
+                  if len(word) - 1 <= len(output) and (len(word) == 1 or output[len(output) - len(word) + 1:] ==
+                                                       list(word[:-1]))]
+        if banned:
+            out = logits.clone() if out is logits else out
+            out[s, banned] = -math.inf
     return out
 
 

@@ -280,9 +280,10 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
         raise APIError(400, f"allowed_token_ids cannot be combined with {constraint[2]}", "allowed_token_ids",
                        "invalid_value")
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
+    bad_words = await ctx.text.bad_words(body.bad_words) if body.bad_words else ()
     try:
         params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs,
-                                  ctx.sampling_defaults)
+                                  ctx.sampling_defaults, bad_words)
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix,
@@ -291,7 +292,8 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
 
 def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tuple[int, float], ...],
                      grammar: str | None, keep: tuple[int, ...] = (), ends: tuple[int, ...] = (),
-                     prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None, defaults: dict | None = None,
+                     bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """`ends`: the model's end-of-generation tokens besides EOS, stop tokens of every request that does not ignore
     EOS (Context.end_token_ids); `defaults`: the sampling fields' where the body leaves them out (Context's)."""
     defaults = defaults or {}
@@ -307,7 +309,7 @@ def _sampling_params(body: SamplingFields, logprobs: int | None, bias: tuple[tup
         seed=None if body.seed is None else body.seed % 2**64,
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=body.stops(),
         include_stop_str_in_output=body.include_stop_str_in_output,
-        allowed_token_ids=tuple(body.allowed_token_ids or ()),
+        allowed_token_ids=tuple(body.allowed_token_ids or ()), bad_words_token_ids=bad_words,
         stop_token_ids=(*(body.stop_token_ids or ()), *(() if body.ignore_eos else ends)), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens, keep_special_ids=keep, logit_bias=bias, grammar=grammar,

@@ -88,6 +88,21 @@ class AsyncTokenizer:
             self.check_length(len(text), param)
         return await self._run(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
+    async def bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token ids (SamplingParams.update_from_tokenizer): each word without and with a leading
+        space (its leading whitespace dropped first), the second kept where it differs from the first in its first
+        token and has as many tokens (a word that starts a text and one inside it)."""
+        def tokenize() -> tuple[tuple[int, ...], ...]:
+            found: list[tuple[int, ...]] = []
+            for word in words:
+                plain = tuple(self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids)
+                spaced = tuple(self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids)
+                found += [ids for ids in (plain, spaced if spaced and plain and spaced[0] != plain[0] and
+                                          len(spaced) == len(plain) else ()) if ids]
+            return tuple(dict.fromkeys(found))
+
+        return await self._run(tokenize)
+
     async def render_chat(self, conversation: list[dict], options: dict, param: str,
                           tools: list[dict] | None = None, bounded: bool = True) -> str:
         """The conversation rendered by the chat template (the prompt's text: `encode` it with add_special_tokens

@@ -430,6 +430,31 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert Sampler(5)(logits[:1], [early_greedy]).tokens.tolist() == [2]
 
 
+def test_bad_words_mask_the_token_that_would_complete_one():
+    """vLLM's bad_words: a one-token word is never sampled; a longer one's last token only right after the rest of it
+    ends the output (never where the rest is elsewhere, or in the prompt); rows without bad words are untouched;
+    log-probabilities stay the model's own."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0, 6.0]])
+    params = SamplingParams(temperature=0, logprobs=1, bad_words_token_ids=((4,), (1, 2, 3)))
+
+    def greedy(prompt, output, p=params):
+        state = new_state(p, prompt, None)
+        state.output_ids.extend(output)
+        return Sampler(5)(logits, [state])
+
+    assert greedy([], []).tokens.tolist() == [3]  # 4 is a word of its own
+    assert greedy([1, 2], []).tokens.tolist() == [3]  # the prompt does not count
+    assert greedy([], [2, 1]).tokens.tolist() == [3]
+    out = greedy([], [0, 1, 2])
+    assert out.tokens.tolist() == [2]  # 3 would complete (1, 2, 3)
+    assert out.logprobs.tolist() == pytest.approx(torch.log_softmax(logits, -1)[0, [2]].tolist())
+    plain = new_state(SamplingParams(temperature=0), [], None)
+    both = Sampler(5)(torch.cat([logits, logits]), [plain, new_state(params, [], None)])
+    assert both.tokens.tolist() == [4, 3]
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=((),))
+
+
 def test_ignore_eos_does_not_mask_eos():
     state = new_state(SamplingParams(temperature=0, ignore_eos=True), [], 4)
     assert Sampler(5)(torch.tensor([[0.0, 1.0, 2.0, 5.0, 6.0]]), [state]).tokens.tolist() == [4]

@@ -586,7 +586,7 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
         used = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
                                          extra_body={"add_special_tokens": special})
         assert used.usage.prompt_tokens == counted.json()["count"]
-    for field, value, said in [("use_beam_search", True, None), ("bad_words", ["Paris"], None),
+    for field, value, said in [("use_beam_search", True, None), ("bad_words", [""], None),
                                ("logits_processors", ["x"], None), ("truncate_prompt_tokens", 0, None),
                                ("allowed_token_ids", [], None),
                                ("allowed_token_ids", [1 << 20], "token id 1048576 is outside the vocabulary")]:
@@ -1127,3 +1127,25 @@ def test_speculative_decoding_streams_the_answer_the_plain_server_gives(applianc
         time.sleep(0.1)
     assert kept > 10
     assert app.stop() == 0, app.logs()[-3000:]
+
+
+def test_bad_words_keep_their_tokens_out_of_the_answer(appliance, client):
+    """vLLM's bad_words: greedy, the answer to the capital of France holds " Paris" (one token); with "Paris" a bad
+    word it does not, and the answer is otherwise the model's greedy one up to there. The Responses API refuses it."""
+    def ids(text):
+        return httpx.post(appliance.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    def answer(**extra):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+            max_tokens=24, logprobs=True, extra_body={"return_tokens_as_token_ids": True, **extra})
+        return [int(t.token.removeprefix("token_id:")) for t in chat.choices[0].logprobs.content]
+
+    banned = {tuple(ids("Paris")), tuple(ids(" Paris"))}
+    assert (ids(" Paris")[0],) in banned and len(ids(" Paris")) == 1
+    plain, held = answer(), answer(bad_words=["Paris"])
+    at = plain.index(ids(" Paris")[0])
+    assert held[:at] == plain[:at] and held[at] != plain[at]
+    assert not any(tuple(held[i:i + len(word)]) == word for word in banned for i in range(len(held)))
+    refused = httpx.post(appliance.url + "/v1/responses", json={"input": "Hi", "bad_words": ["x"]})
+    assert refused.status_code == 400 and "bad_words" in refused.text
