@@ -21,6 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
+from app.server import beam
+from app.server.beam import check_beam_request
 from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation, ShuttingDown
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, json_value
@@ -119,6 +121,9 @@ async def completions(request: Request) -> Response:
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
                        "invalid_value")
+    if body.use_beam_search:
+        check_beam_request(body)
+        return JSONResponse(await beam.completion_answer(ctx, request, body, prompts))
     # echo with logprobs scores the prompt too (OpenAI's legacy API, vLLM's; lm-evaluation-harness asks this way)
     scored = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
     gen = await _generation(ctx, body, body.logprobs, "cmpl", prompt_logprobs=max(scored, default=None))
@@ -157,6 +162,8 @@ async def chat_completions(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
+    if body.use_beam_search:
+        return JSONResponse(await _beam_chat(ctx, request, body))
     gen, forced, reader = await start_chat(ctx, body)
     if body.stream:
         return _sse(_chat_chunks(gen, body, ctx.served_name, forced, reader))
@@ -174,6 +181,14 @@ async def chat_completions(request: Request) -> Response:
         return response
 
     return await json_answer(ctx, answer, body.prompt_logprobs is not None)
+
+
+async def _beam_chat(ctx, request: Request, body: ChatCompletionRequest) -> dict:
+    check_beam_request(body)
+    prompt = await ctx.chat_prompt(body.messages, body, None, add_special_tokens=bool(body.add_special_tokens),
+                                   bounded=body.truncate_prompt_tokens is None)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    return await beam.chat_answer(ctx, request, body, body.truncated(prompt.ids, ctx.max_model_len), param)
 
 
 async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, ToolPlan | None,

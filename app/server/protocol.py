@@ -186,7 +186,6 @@ class StructuredOutputs(BaseModel):
 # mean "off": set otherwise, a 400 says so (ignored, as unknown fields are, they would give a different answer than
 # the client asked for without a word)
 VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False, None), "length_penalty": (1, None),
     "logits_processors": ([], None),
     "prompt_embeds": (None,), "spaces_between_special_tokens": (True, None),
 }
@@ -253,6 +252,9 @@ class SamplingFields(_Body, PromptTruncation):
     # vLLM's: only these tokens may be sampled (bounded by the vocabulary's size: 2^18 covers the largest in use)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18), FIRST_ERROR,
                                  at_most(1 << 18)] | None = None
+    # vLLM's beam search (app/server/beam.py): n beams, scored by summed logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0
     # vLLM's: words the output never ends with (the last token of each is masked where the output would complete it)
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=128)] | None = None
     # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt; default: yes for a completion's prompt, no
@@ -831,6 +833,7 @@ class ResponsesRequest(_Body):
     def _vllm_fields(self):
         # the chat completions fields of vLLM's that change an answer: the Responses API follows none of them
         refuse_unsupported(self.model_extra, {**VLLM_UNSUPPORTED, "allowed_token_ids": (None,),
+                                              "use_beam_search": (False, None), "length_penalty": (1, None),
                                               "bad_words": ([], None), "include_stop_str_in_output": (False, None),
                                               "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
                                               "return_tokens_as_token_ids": (False, None)})
