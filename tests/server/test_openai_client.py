@@ -586,7 +586,7 @@ def test_vllm_stop_and_truncation_fields(appliance, client):
         used = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
                                          extra_body={"add_special_tokens": special})
         assert used.usage.prompt_tokens == counted.json()["count"]
-    for field, value, said in [("use_beam_search", True, None), ("bad_words", [""], None),
+    for field, value, said in [("prompt_embeds", "abc", None), ("bad_words", [""], None),
                                ("logits_processors", ["x"], None), ("truncate_prompt_tokens", 0, None),
                                ("allowed_token_ids", [], None),
                                ("allowed_token_ids", [1 << 20], "token id 1048576 is outside the vocabulary")]:
