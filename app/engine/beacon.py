@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 
 HEARTBEAT_SECONDS = 0.5
+# A step held up this long by a TP rank that is alive but has not reached a collective (stopped, stuck): the beats
+# stop until it arrives, so that the frontends fail the step's requests and report the replica down (as they do
+# for a rank 0 that stopped) rather than wait with it: the requests fail ~3 s later (the frontends' DEAD_AFTER).
+# Ranks run the same step on equal shares, so a live rank this far behind the others is stopped or stuck.
+STALL_SECONDS = 5.0
+
+log = logging.getLogger("app.engine")
 
 
 class Beacon:
@@ -31,6 +39,8 @@ class Beacon:
         # counts its asks, and the beat thread answers each with a beat that carries it
         self.quiet_until, self.asked, self.answered = 0.0, 0, 0
         self.answer = threading.Condition()
+        self.stall = None  # () -> (rank, seconds) a step has waited for a live TP rank, or None (TPExecutor.stalled)
+        self.stalled_by: int | None = None  # the rank the beats are held for, once said in the log
 
     def open(self) -> None:
         import zmq
@@ -79,6 +89,9 @@ class Beacon:
                 due = 0.0
             with self.answer:
                 snapshot, now, asked, quiet_until = self.snapshot, time.monotonic(), self.asked, self.quiet_until
+            if snapshot is not None and self._held():
+                due = now + self.WAKE_SECONDS * 5  # (looked at again in 0.1 s)
+                continue
             if snapshot is not None and (now >= due or asked > self.answered):  # (`quiet` waits for its beat)
                 quiet = quiet_until - now
                 self.socket.send(encoder.encode(msgspec.structs.replace(snapshot, quiet_for=quiet) if quiet > 0
@@ -87,3 +100,19 @@ class Beacon:
                     self.answered = asked
                     self.answer.notify_all()
                 due = time.monotonic() + HEARTBEAT_SECONDS
+
+    def _held(self) -> bool:
+        """Whether a step has waited over STALL_SECONDS for a live TP rank (`stall`): no beats then; the log says
+        when that begins and ends."""
+        stalled = self.stall() if self.stall is not None else None
+        if stalled is not None and stalled[1] > STALL_SECONDS:
+            if self.stalled_by is None:
+                self.stalled_by = stalled[0]
+                log.error("TP rank %d has not reached this step's all-reduce in %.0f s (alive, but stopped or stuck): "
+                          "heartbeats held, so the frontends fail this replica's requests until it does",
+                          stalled[0], stalled[1])
+            return True
+        if self.stalled_by is not None:
+            log.warning("TP rank %d answered again; heartbeats resume", self.stalled_by)
+            self.stalled_by = None
+        return False

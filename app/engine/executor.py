@@ -25,6 +25,12 @@ class Executor(Protocol):
         """A forward pass of `count` dummy tokens after `num_computed`, or of `count` one-token sequences
         (`decodes`): the step cost's calibration (model_runner.calibration_step)."""
 
+    def check_workers(self) -> None:
+        """ExecutorFailed where another rank has exited (called while the engine is idle)."""
+
+    def stalled(self) -> tuple[int, float] | None:
+        """(rank, seconds) a step has waited for a live rank that has not arrived; None (any thread may ask)."""
+
     def close(self) -> None:
         """Release what the executor started (worker processes, shared memory)."""
 
@@ -45,6 +51,12 @@ class LocalExecutor:
 
     def time_forward(self, count: int, num_computed: int, decodes: bool = False) -> None:
         self.runner.time_forward(count, num_computed, decodes)
+
+    def check_workers(self) -> None:
+        """Nothing to check: no other rank."""
+
+    def stalled(self) -> tuple[int, float] | None:
+        return None
 
     def close(self) -> None:
         self.grammars.close()
@@ -80,6 +92,22 @@ class TPExecutor:
         except Exception as exc:
             self.group.abort(f"TP rank 0: {type(exc).__name__}: {exc}")
             raise ExecutorFailed(f"tensor-parallel step failed: {exc}") from exc
+
+    def check_workers(self) -> None:
+        """ExecutorFailed where a worker has exited: checked while the engine is idle (a step's collectives see a
+        dead peer themselves), so that a rank that dies between requests ends the engine then, not at the next
+        request."""
+        for rank, worker in enumerate(self.workers, start=1):
+            if not worker.is_alive():
+                self.group.abort(f"TP rank {rank} (pid {worker.pid}) exited")
+                raise ExecutorFailed(f"TP rank {rank} (pid {worker.pid}) exited (code {worker.exitcode}) while the "
+                                     "engine was idle")
+
+    def stalled(self) -> tuple[int, float] | None:
+        """(rank, seconds) where this rank has been waiting that long in a step's collective for a live rank that
+        has not arrived (stopped, or stuck), else None; read from the heartbeat's thread."""
+        seconds = self.group.native.waiting_seconds()
+        return (self.group.native.waiting_peer, seconds) if seconds > 0 else None
 
     def close(self) -> None:
         from app.parallel.worker import Stop, encoder

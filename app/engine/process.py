@@ -48,13 +48,17 @@ def run_engine(launches: list[RankLaunch]) -> None:
     drain = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # before loading: a reload may come at any time
     beacon = Beacon(launch.address)
-    core, _ = build_core(launches, before_load=beacon.open)  # the frontends subscribe while the model loads
+    core, _ = build_core(launches, before_load=beacon.open)
+    from app.engine.executor import ExecutorFailed  # the frontends subscribe while the model loads
     # What exists now lives as long as the process (modules, the model): the collector stops walking it.
     # Full collections over torch's objects were ~3% of a loaded step's samples (perf, offline engine).
     gc.freeze()
     try:
         EngineServer(core, launch.address, launch.max_waiting_requests, beacon, drain,
                      on_ready=partial(warm_grammars, core, launch, beacon)).serve_forever()
+    except ExecutorFailed as exc:  # (a dead TP rank: what happened is the message, not where it was noticed)
+        log.error("%s; the engine stops", exc)
+        sys.exit(1)
     finally:
         beacon.close()
         core.close()
@@ -229,11 +233,14 @@ class EngineServer:
                  self.core.kv.num_blocks, self.core.kv.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         if self.on_ready is not None:  # (after the heartbeat that says so)
             self.on_ready()
+        self.beacon.stall = self.core.executor.stalled  # a TP peer that holds a step up silences the beats
         while not self._drained():
             self._receive(timeout_ms=0 if self.core.has_work() else int(HEARTBEAT_SECONDS * 1000))
             if self.core.has_work():
                 self._send_outputs(self.core.step())
                 self.last_busy = time.monotonic()
+            else:
+                self.core.executor.check_workers()  # a TP rank that died between requests ends the engine now
             self._update_snapshot()
 
     def _drained(self) -> bool:

@@ -57,6 +57,7 @@ class EngineClient:
         self.socket: zmq.asyncio.Socket | None = None
         self.queues: dict[str, asyncio.Queue] = {}
         self.stats = Heartbeat(ready=False)
+        self.ours_at_beat = 0  # this worker's requests in flight when the last heartbeat came (router._load)
         self.last_beat = 0.0
         self._tick: float | None = None  # when _watch last ran (None: not started)
         self.was_ready = False
@@ -166,7 +167,7 @@ class EngineClient:
                 if self.stats.incarnation and message.incarnation != self.stats.incarnation:
                     self._fail_in_flight(f"engine {self.replica} was restarted")  # they died with the old process
                 self.lost = None
-                self.stats, self.last_beat = message, time.monotonic()
+                self.stats, self.last_beat, self.ours_at_beat = message, time.monotonic(), len(self.queues)
                 self.was_ready = self.was_ready or message.ready
             elif isinstance(message, Outputs):
                 for delta in message.deltas:
@@ -205,4 +206,5 @@ class EngineClient:
             return
         log.error("%s; failing %d request(s) in flight", why, len(self.queues))
         for queue in list(self.queues.values()):
-            queue.put_nowait(EngineUnavailable("the engine process stopped; the request was not finished", self.replica))
+            queue.put_nowait(EngineUnavailable(f"{why.replace(f'engine {self.replica}', 'the engine', 1)}; the request "
+                                               "was not finished", self.replica))

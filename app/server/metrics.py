@@ -128,10 +128,14 @@ class EngineCollector:
     def collect(self):
         """One sample per replica, labelled `engine` (its index) as vLLM labels its engines."""
         replicas = self.engine.replicas
-        gauges = [("vllm:num_requests_running", "Requests running in the engine.", lambda r: r.stats.running),
-                  ("vllm:num_requests_waiting", "Requests waiting for a slot.", lambda r: r.stats.waiting),
-                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = all blocks in use).", lambda r: r.stats.kv_usage),
-                  ("appliance:kv_cache_blocks_in_use", "KV blocks held by requests.", lambda r: r.stats.kv_blocks_used),
+
+        def now(field: str):  # a replica that stopped answering holds nothing now (its last beat's figures were)
+            return lambda r: getattr(r.stats, field) if r.state() in ("ready", "draining") else 0
+
+        gauges = [("vllm:num_requests_running", "Requests running in the engine.", now("running")),
+                  ("vllm:num_requests_waiting", "Requests waiting for a slot.", now("waiting")),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage (1 = all blocks in use).", now("kv_usage")),
+                  ("appliance:kv_cache_blocks_in_use", "KV blocks held by requests.", now("kv_blocks_used")),
                   ("appliance:engine_ready", "1 when the engine is ready and alive.", lambda r: int(r.ready()))]
         counters = [("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda r: r.stats.prefix_queries),
                     ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda r: r.stats.prefix_hits),

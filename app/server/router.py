@@ -1,8 +1,8 @@
 """Which data-parallel replica serves a request.
 
 Each replica is an engine process (rank 0 of its TP group) with its own KV cache. A prompt goes to
-the ready replica with the least outstanding work: this worker's requests in flight there plus what
-the replica's heartbeat reports running and waiting (other workers' requests included). Prompts that
+the ready replica with the least outstanding work: this worker's requests in flight there plus the
+other workers' that the replica's last heartbeat reported running and waiting. Prompts that
 share a long prefix prefer one replica, chosen by rendezvous hashing of the prefix (so every
 gunicorn worker prefers the same one without sharing any state), and go there so its prefix cache
 keeps hitting, unless it is clearly busier than the least loaded replica.
@@ -82,8 +82,12 @@ class EngineRouter:
 
 
 def _load(replica: EngineClient) -> int:
+    """This worker's requests in flight there now, and the other workers' as its last heartbeat counted them (what
+    it ran and queued then, less this worker's then). The heartbeat is up to half a second old: counted whole, the
+    requests of a burst that had just ended there made it look busy, and the next burst all went elsewhere (8 of 8
+    on one of two idle replicas, in an outside attack)."""
     stats = replica.stats
-    return len(replica.queues) + stats.running + stats.waiting
+    return len(replica.queues) + max(0, stats.running + stats.waiting - replica.ours_at_beat)
 
 
 def _score(head: bytes, replica: int) -> bytes:

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,11 @@ class ShmGroup {
   void abort(const std::string& reason);
   void close();
 
+  // How long this rank has been waiting in a collective for a live peer that has not arrived, in seconds (0: not
+  // waiting), and for which; safe to call from another thread (an engine's heartbeat thread: a peer that is
+  // stopped, not dead, holds rank 0 in a step while its heartbeats would otherwise go on).
+  double waiting_seconds() const;
+  int waiting_peer() const { return waiting_peer_.load(std::memory_order_relaxed); }
   int rank() const { return rank_; }
   int world() const { return world_; }
   double timeout = 120.0;  // seconds one collective may wait for the others
@@ -50,6 +56,8 @@ class ShmGroup {
   SegmentHeader* header_ = nullptr;
   std::byte* base_ = nullptr;
   uint64_t epoch_ = 0, broadcasts_ = 0;
+  std::atomic<int64_t> waiting_since_ns_{0};  // steady clock, 0: not waiting
+  std::atomic<int> waiting_peer_{-1};
   bool unlinked_ = false;
 };
 

@@ -242,6 +242,13 @@ void ShmGroup::wait_for(int peer, uint64_t epoch, double limit, const char* what
   }
   const auto start = Clock::now();
   auto checked = start;
+  struct Waiting {  // the stall gauge (waiting_seconds), cleared however the wait ends
+    ShmGroup& group;
+    ~Waiting() { group.waiting_since_ns_.store(0, std::memory_order_relaxed); }
+  } waiting{*this};
+  waiting_peer_.store(peer, std::memory_order_relaxed);
+  waiting_since_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(start.time_since_epoch()).count(),
+                          std::memory_order_relaxed);
   while (flag.load(std::memory_order_acquire) < epoch) {
     sched_yield();
     const auto now = Clock::now();
@@ -256,6 +263,13 @@ void ShmGroup::wait_for(int peer, uint64_t epoch, double limit, const char* what
       }
     }
   }
+}
+
+double ShmGroup::waiting_seconds() const {
+  const int64_t since = waiting_since_ns_.load(std::memory_order_relaxed);
+  if (since == 0) return 0.0;
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  return static_cast<double>(now - since) * 1e-9;
 }
 
 void ShmGroup::all_reduce(void* data, int64_t count, int dtype) {

@@ -605,6 +605,8 @@ PYBIND11_MODULE(_native, m) {
       .def("abort", &ShmGroup::abort)
       .def("close", &ShmGroup::close)
       .def_readwrite("timeout", &ShmGroup::timeout)
+      .def("waiting_seconds", &ShmGroup::waiting_seconds, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("waiting_peer", &ShmGroup::waiting_peer)
       .def_property_readonly("rank", &ShmGroup::rank)
       .def_property_readonly("world", &ShmGroup::world);
 }

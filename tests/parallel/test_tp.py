@@ -150,6 +150,41 @@ def test_a_dead_worker_fails_the_engine_within_seconds(reference):
     core.close()
 
 
+def test_a_stopped_worker_shows_as_a_stall_and_one_that_dies_between_steps_fails_the_idle_engine(reference):
+    """A live rank that holds a step up (SIGSTOP) is a stall rank 0's heartbeat thread can read (Beacon holds its
+    beats on it) until it goes on; a rank that dies while the engine is idle fails the engine's idle check."""
+    import threading
+
+    ids, _, _, _ = reference
+    core, _ = build_core(_replica(2), bind=False)
+    worker = core.executor.workers[0]
+    try:
+        core.add_request("0", ids[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), None)
+        core.step()
+        assert core.executor.stalled() is None
+        os.kill(worker.pid, signal.SIGSTOP)
+        stepping = threading.Thread(target=core.step)
+        stepping.start()
+        deadline = time.monotonic() + 20
+        while (core.executor.stalled() or (0, 0.0))[1] < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank, seconds = core.executor.stalled()
+        assert rank == 1 and 1.0 <= seconds < 20
+        os.kill(worker.pid, signal.SIGCONT)
+        stepping.join(30)
+        assert not stepping.is_alive() and core.executor.stalled() is None
+        while core.has_work():
+            core.step()
+        core.executor.check_workers()  # all alive: nothing to say
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(ExecutorFailed, match=r"TP rank 1 \(pid \d+\) exited \(code -9\) while the engine was idle"):
+            core.executor.check_workers()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT) if worker.is_alive() else None
+        core.close()
+
+
 # --- a second model: Qwen2 (QKV bias), 8 query / 2 KV heads, so tp=4 replicates KV heads ---
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 256, 8, 2, 384, 2, 512

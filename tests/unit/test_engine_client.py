@@ -4,6 +4,7 @@ sockets the test drives, so a process that dies and comes back within DEAD_AFTER
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -144,6 +145,47 @@ def test_the_beacon_announces_a_quiet_time_at_once_and_its_end(tmp_path, monkeyp
         asyncio.run(scenario())
     finally:
         beacon.close()
+
+
+def test_a_step_held_up_by_a_tp_rank_silences_the_beats_until_it_goes_on(tmp_path, monkeypatch, caplog):
+    """Beacon.stall (TPExecutor.stalled) over STALL_SECONDS: no beats, so the frontend finds the replica silent after
+    DEAD_AFTER and fails its requests, as for a stopped rank 0; the beats come back once the rank arrives."""
+    from app.engine import beacon as beacons
+
+    monkeypatch.setattr(beacons, "HEARTBEAT_SECONDS", 0.05)
+    address = f"ipc://{tmp_path}/engine"
+    beacon, stall = beacons.Beacon(address), [None]
+    beacon.stall = lambda: stall[0]
+    beacon.open()
+    beacon.publish(Heartbeat(ready=True, incarnation=3))
+
+    async def scenario():
+        client = EngineClient(address, replica=0)
+        try:
+            await client.start()
+            await _until(client.ready, 10.0)
+            stall[0] = (1, beacons.STALL_SECONDS - 1)  # a rank a little behind: beats go on
+            heard = client.last_beat
+            await asyncio.sleep(0.3)
+            assert client.last_beat > heard
+            stall[0] = (1, beacons.STALL_SECONDS + 1)
+            await asyncio.sleep(0.3)
+            heard = client.last_beat
+            await asyncio.sleep(0.5)
+            assert client.last_beat == heard  # held
+            stall[0] = None
+            await asyncio.sleep(0.5)
+            assert client.last_beat > heard
+        finally:
+            await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="app.engine"):
+        try:
+            asyncio.run(scenario())
+        finally:
+            beacon.close()
+    assert "TP rank 1 has not reached this step's all-reduce in 6 s" in caplog.text
+    assert "TP rank 1 answered again; heartbeats resume" in caplog.text
 
 
 @pytest.mark.parametrize(("failure", "status_type", "code"), [

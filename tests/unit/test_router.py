@@ -48,3 +48,27 @@ def test_a_draining_replica_serves_when_the_others_are_gone():
     assert router.serving(frozenset({0})) == []
     router.replicas[1].last_beat = time.monotonic()  # back, ready: it alone serves again
     assert router.serving() == [router.replicas[1]]
+
+
+def test_a_burst_that_just_ended_does_not_make_its_replica_look_busy():
+    """The last heartbeat (up to 0.5 s old) counted this worker's 8 requests there, since finished: not load now.
+    Other workers' requests it counted still are."""
+    router = _router(2)
+    router.replicas[0].stats, router.replicas[0].ours_at_beat = Heartbeat(ready=True, running=8), 8
+    picked = [router.pick([1, 2, 3]).replica for _ in range(8)]
+    assert picked.count(0) == picked.count(1) == 4
+    router.replicas[0].stats, router.replicas[0].ours_at_beat = Heartbeat(ready=True, running=8, waiting=3), 2
+    assert router.pick([4]).replica == 1  # 9 of other workers' there
+
+
+def test_a_replica_that_stopped_answering_shows_nothing_running():
+    """/metrics: its last heartbeat's running, waiting and KV figures are not what it holds now (its requests were
+    failed, its cache went with it); its counters stay as they were."""
+    from app.server.metrics import EngineCollector
+
+    router = _router(2, running=7, waiting=2, kv_usage=0.5, prefix_hits=40)
+    router.replicas[1].was_ready, router.replicas[1].last_beat = True, time.monotonic() - 3600
+    samples = {(s.name, s.labels["engine"]): s.value for m in EngineCollector("m", router).collect() for s in m.samples}
+    assert samples[("vllm:num_requests_running", "0")] == 7 and samples[("vllm:num_requests_running", "1")] == 0
+    assert samples[("vllm:num_requests_waiting", "1")] == 0 and samples[("vllm:kv_cache_usage_perc", "1")] == 0
+    assert samples[("vllm:prefix_cache_hits_total", "1")] == 40
