@@ -106,8 +106,9 @@ class TPExecutor:
     def stalled(self) -> tuple[int, float] | None:
         """(rank, seconds) where this rank has been waiting that long in a step's collective for a live rank that
         has not arrived (stopped, or stuck), else None; read from the heartbeat's thread."""
-        seconds = self.group.native.waiting_seconds()
-        return (self.group.native.waiting_peer, seconds) if seconds > 0 else None
+        seconds = self.group.native.waiting_seconds()  # (then the peer: set before the time it waits from)
+        peer = self.group.native.waiting_peer
+        return (peer, seconds) if seconds > 0 else None
 
     def close(self) -> None:
         from app.parallel.worker import Stop, encoder

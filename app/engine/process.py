@@ -48,8 +48,8 @@ def run_engine(launches: list[RankLaunch]) -> None:
     drain = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: drain.set())  # before loading: a reload may come at any time
     beacon = Beacon(launch.address)
-    core, _ = build_core(launches, before_load=beacon.open)
-    from app.engine.executor import ExecutorFailed  # the frontends subscribe while the model loads
+    core, _ = build_core(launches, before_load=beacon.open)  # the frontends subscribe while the model loads
+    from app.engine.executor import ExecutorFailed
     # What exists now lives as long as the process (modules, the model): the collector stops walking it.
     # Full collections over torch's objects were ~3% of a loaded step's samples (perf, offline engine).
     gc.freeze()

@@ -35,9 +35,9 @@ def model_sampling_defaults(source: ModelSource) -> tuple[dict[str, float | int]
     fails a start: a file that cannot be read, or a value out of range, is a warning."""
     try:
         if source.format == "gguf":
-            from app.model.gguf_header import read_gguf_metadata
+            from app.model.gguf_header import read_gguf_header
 
-            found, where = _pick(read_gguf_metadata(source.path), GGUF_FIELDS), "GGUF general.sampling keys"
+            found, where = _pick(read_gguf_header(source.path).metadata, GGUF_FIELDS), "GGUF general.sampling keys"
         else:
             path = Path(source.path) / "generation_config.json"
             if not path.is_file():

@@ -264,7 +264,9 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return error_response(500, "internal server error", None, "internal_error")
+    traced = request.headers.get("x-request-id")  # (this handler answers outside the Gate, which echoes it)
+    return error_response(500, "internal server error", None, "internal_error",
+                          {"X-Request-Id": traced} if traced else None)
 
 
 def _tokenizer(cfg: FrontendConfig):

@@ -80,7 +80,7 @@ async def beam_search(ctx, request: Request, prompt_ids: list[int], width: int, 
 
 
 def usage(prompt_ids: list[int], beams: list[Beam]) -> dict:
-    output = sum(len(b.tokens) for b in beams)
+    output = sum(len(b.text_ids()) for b in beams)  # (an ended beam's end token not counted, as vLLM's)
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": output, "total_tokens": len(prompt_ids) + output}
 
 
@@ -94,7 +94,8 @@ async def completion_answer(ctx, request: Request, body, prompts: list[list[int]
         beams = await beam_search(ctx, request, ids, body.n, limit, body.length_penalty, body.ignore_eos)
         for beam in beams:
             choices.append({"index": len(choices), "text": await _text(ctx, beam, body), "logprobs": None,
-                            "finish_reason": "stop" if beam.ended else "length", "stop_reason": None})
+                            "finish_reason": "stop" if beam.ended else "length",
+                            "stop_reason": beam.tokens[-1] if beam.ended else None})
         counted = {k: counted[k] + v for k, v in usage(ids, beams).items()}
     return {"id": f"cmpl-{body.request_id or _id()}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.served_name, "choices": choices, "usage": counted}
@@ -107,7 +108,8 @@ async def chat_answer(ctx, request: Request, body, ids: list[int], param: str) -
     limit = ctx.output_limit(ids, body.output_limit(), param, "messages")
     beams = await beam_search(ctx, request, ids, body.n, limit, body.length_penalty, body.ignore_eos)
     choices = [{"index": i, "message": {"role": "assistant", "content": await _text(ctx, beam, body)},
-                "logprobs": None, "finish_reason": "stop" if beam.ended else "length", "stop_reason": None}
+                "logprobs": None, "finish_reason": "stop" if beam.ended else "length",
+                "stop_reason": beam.tokens[-1] if beam.ended else None}
                for i, beam in enumerate(beams)]
     return {"id": f"chatcmpl-{body.request_id or _id()}", "object": "chat.completion", "created": int(time.time()),
             "model": ctx.served_name, "choices": choices, "usage": usage(ids, beams)}

@@ -295,6 +295,8 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
         raise APIError(400, f"allowed_token_ids cannot be combined with {constraint[2]}", "allowed_token_ids",
                        "invalid_value")
     grammar = None if constraint is None else await ctx.text.grammar(*constraint)
+    if any(not word.strip() for word in body.bad_words or ()):  # (vLLM's 400 too: it would tokenize to nothing)
+        raise APIError(400, "bad_words: a word of only whitespace bans nothing", "bad_words", "invalid_value")
     bad_words = await ctx.text.bad_words(body.bad_words) if body.bad_words else ()
     try:
         params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs,

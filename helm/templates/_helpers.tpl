@@ -49,11 +49,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* A memory quantity in bytes, as Kubernetes reads it: 8Gi = 8192Mi = 8589934592. */}}
 {{- define "appliance.bytes" -}}
+{{- if or (kindIs "float64" .) (kindIs "int" .) (kindIs "int64" .) -}}
+{{- printf "%.0f" (float64 .) -}}
+{{- else -}}
 {{- $text := toString . -}}
 {{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 "E" 1000000000000000000 -}}
 {{- $number := regexFind "^[0-9.]+" $text -}}
 {{- $scale := get $units (trimPrefix $number $text) | default 1 -}}
 {{- printf "%.0f" (mulf (float64 $number) $scale) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Guaranteed QoS with exclusive cores: requests equal limits, whole CPUs. Fails the render otherwise. */}}

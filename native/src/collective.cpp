@@ -248,7 +248,7 @@ void ShmGroup::wait_for(int peer, uint64_t epoch, double limit, const char* what
   } waiting{*this};
   waiting_peer_.store(peer, std::memory_order_relaxed);
   waiting_since_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(start.time_since_epoch()).count(),
-                          std::memory_order_relaxed);
+                          std::memory_order_release);  // (the peer before it: a reader that sees the time sees it)
   while (flag.load(std::memory_order_acquire) < epoch) {
     sched_yield();
     const auto now = Clock::now();
@@ -266,7 +266,7 @@ void ShmGroup::wait_for(int peer, uint64_t epoch, double limit, const char* what
 }
 
 double ShmGroup::waiting_seconds() const {
-  const int64_t since = waiting_since_ns_.load(std::memory_order_relaxed);
+  const int64_t since = waiting_since_ns_.load(std::memory_order_acquire);
   if (since == 0) return 0.0;
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
   return static_cast<double>(now - since) * 1e-9;

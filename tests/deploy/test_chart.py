@@ -89,6 +89,7 @@ def test_whole_cpus_and_memory_may_be_written_as_kubernetes_writes_them():
     (("resources.limits.cpu=2000m", "resources.requests.cpu=2", "spec.parallel.tp=3"), "fewer than the spec's tp"),
     (("resources.requests.memory=4Gi",), "requests.memory (4Gi) must equal limits.memory (8Gi)"),
     (("resources.requests.memory=8193Mi",), "requests.memory (8193Mi) must equal limits.memory (8Gi)"),
+    (("resources.requests.memory=8589934592", "resources.limits.memory=8589934000"), "must equal limits.memory"),
     (("spec.parallel.tpp=2",), "spec.parallel: Additional property tpp is not allowed"),
     (("spec.kv_cache.memory=4GiBs",), "spec.kv_cache.memory"),
     (("spec.parallel.tp=4", "spec.parallel.dp=2"), "fewer than the spec's tp x dp = 8 ranks"),

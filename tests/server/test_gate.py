@@ -40,3 +40,17 @@ def test_metrics_follow_their_switch_and_everything_else_needs_the_key(metrics_a
 def test_without_a_key_nothing_needs_one():
     c = client()
     assert all(c.get(path).status_code == 200 for path in ("/metrics", "/tokenize", "/v1/x"))
+
+
+def test_a_server_error_carries_the_requests_id_back_too():
+    """The 500 handler answers outside the Gate (Starlette's outermost layer): it echoes X-Request-Id itself."""
+    from app.server.app import _server_error
+
+    async def broken(request: Request) -> JSONResponse:
+        raise RuntimeError("a bug")
+
+    cfg = FrontendConfig("m", "/nowhere", "gguf", 64, "ipc:///nowhere")
+    app = Starlette(routes=[Route("/v1/x", broken, methods=["POST"])], middleware=[Middleware(Gate, cfg=cfg)],
+                    exception_handlers={APIError: _api_error, Exception: _server_error})
+    answer = TestClient(app, raise_server_exceptions=False).post("/v1/x", headers={"X-Request-Id": "t-500"})
+    assert answer.status_code == 500 and answer.headers["x-request-id"] == "t-500"

@@ -1147,5 +1147,7 @@ def test_bad_words_keep_their_tokens_out_of_the_answer(appliance, client):
     at = plain.index(ids(" Paris")[0])
     assert held[:at] == plain[:at] and held[at] != plain[at]
     assert not any(tuple(held[i:i + len(word)]) == word for word in banned for i in range(len(held)))
+    blank = httpx.post(appliance.url + "/v1/completions", json={"prompt": "Hi", "bad_words": ["ok", "  "]})
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "bad_words"
     refused = httpx.post(appliance.url + "/v1/responses", json={"input": "Hi", "bad_words": ["x"]})
     assert refused.status_code == 400 and "bad_words" in refused.text
