@@ -66,14 +66,15 @@ def _log_plan(deployment) -> None:
     from app.placement.render import plan_table
 
     plan = deployment.plan
-    for line in plan_table(plan, deployment.source, deployment.footprint, deployment.topology).splitlines():
+    for line in plan_table(plan, deployment.source, deployment.footprint, deployment.topology,
+                           warnings=False).splitlines():
         log.info("plan: %s", line)
     for warning in plan.warnings:
         log.warning("plan: %s", warning)
     if deployment.pooling() != "last":  # the others compute each input whole: worth a line
         said = "model.pooling" if deployment.spec.model.pooling != "auto" else "the model file"
         log.info("embeddings: %s pooling (%s)", deployment.pooling(), said)
-    defaults, where = deployment.sampling_defaults()
+    defaults, where = deployment.sampling_defaults
     if defaults:  # (vLLM says as much: a request that leaves these out is answered differently than OpenAI's)
         log.info("sampling: requests that leave them out get %s (%s; model.generation_config: none turns the "
                  "model's off)", ", ".join(f"{k} {v:g}" for k, v in defaults.items()), where)
@@ -105,7 +106,7 @@ def _layout(deployment, api_key: str | None, path: Path) -> Layout:
         served_name=model.served_name, model_path=model.path, model_format=model.format,
         max_model_len=plan.max_model_len, engine_addresses=[l.address for l in launches if l.rank == 0],
         chat_template=deployment.chat_template(), reasoning=spec.model.reasoning,
-        pooling=deployment.pooling(), sampling_defaults=deployment.sampling_defaults()[0],
+        pooling=deployment.pooling(), sampling_defaults=deployment.sampling_defaults[0],
         api_key=api_key, max_body_size=s.max_body_size, cors_origins=list(s.cors_origins),
         metrics_auth=s.metrics_auth, header_timeout=s.header_timeout, body_timeout=s.body_timeout,
         max_connections=s.max_connections, tokenizer_dir=str(path / "tokenizer"), draining_marker=str(path / "draining"),

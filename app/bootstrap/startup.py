@@ -11,6 +11,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from app.engine.launch import ModelLaunch, Placement, RankLaunch
@@ -46,6 +47,7 @@ class Deployment:
         chosen = self.spec.model.pooling
         return self.footprint.pooling if chosen == "auto" else chosen
 
+    @cached_property
     def sampling_defaults(self) -> tuple[dict[str, float | int], str]:
         """The defaults of the sampling fields a request leaves out, and where they came from (for the log): the
         model's own (model.generation_config: auto) with model.sampling_defaults over them."""

@@ -65,7 +65,7 @@ class LLM:
         self.spec = deployment.spec
         self.dtype = deployment.plan.dtype  # the compute dtype the spec's "auto" resolved to on this machine
         self.pooling = deployment.pooling()  # how embed pools (model.pooling, "auto" resolved for the model)
-        defaults = deployment.sampling_defaults()[0]  # the model's (generation_config.json, GGUF) and the spec's
+        defaults = deployment.sampling_defaults[0]  # the model's (generation_config.json, GGUF) and the spec's
         self.default_params = SamplingParams(**defaults)
         if self.spec.parallel.dp != 1:
             raise ValueError("the offline LLM runs one replica; dp > 1 needs the server (`app serve`)")

@@ -27,7 +27,8 @@ def plan_json(plan: Plan, source: ModelSource, model: ModelFootprint, topo: Topo
     return json.dumps(data, indent=2)
 
 
-def plan_table(plan: Plan, source: ModelSource, model: ModelFootprint, topo: Topology) -> str:
+def plan_table(plan: Plan, source: ModelSource, model: ModelFootprint, topo: Topology, warnings: bool = True) -> str:
+    """The plan as `plan` prints it; `warnings=False` leaves the warnings out (`serve` logs them as warnings)."""
     replicas = len({r.replica for r in plan.ranks})
     lines = [
         f"model    {source.served_name} ({model.architecture}, {model.num_params / 1e6:.1f}M parameters, "
@@ -52,7 +53,7 @@ def plan_table(plan: Plan, source: ModelSource, model: ModelFootprint, topo: Top
     lines += ["", "OpenMP environment per rank:"]
     lines += [f"  {r.replica}/{r.rank}  " + " ".join(f"{k}={_quote(v)}" for k, v in r.openmp_env.items())
               for r in plan.ranks]
-    if plan.warnings:
+    if warnings and plan.warnings:
         lines += ["", "warnings:"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(lines)
 

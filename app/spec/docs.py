@@ -104,8 +104,8 @@ def spec_schema() -> str:
 _QUANTITY = {"anyOf": [{"type": "integer", "minimum": 1},
                        {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"}]}
 _WHOLE_CPUS = {"anyOf": [{"type": "integer", "minimum": 1},
-                         {"type": "string", "pattern": "^[1-9][0-9]*$|^[1-9][0-9]*000m$"}],
-               "description": "Whole CPUs (4, \"4\" or \"4000m\"; not 3.5 or \"3500m\"): the static CPU manager "
+                         {"type": "string", "pattern": r"^[1-9][0-9]*(\.0+)?$|^[1-9][0-9]*000m$"}],
+               "description": "Whole CPUs (4, \"4\", \"4.0\" or \"4000m\"; not 3.5 or \"3500m\"): the static CPU manager "
                               "pins only integer requests."}
 
 

@@ -41,10 +41,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- mul (int (default 1 (get $parallel "tp"))) (int (default 1 (get $parallel "dp"))) -}}
 {{- end -}}
 
-{{/* A CPU quantity in whole CPUs: 4, "4" or "4000m" (the schema has refused any other form). */}}
+{{/* A CPU quantity in whole CPUs: 4, "4", "4.0" or "4000m" (the schema has refused any other form). */}}
 {{- define "appliance.cpus" -}}
 {{- $cpus := toString . -}}
-{{- if hasSuffix "m" $cpus -}}{{- div (atoi (trimSuffix "m" $cpus)) 1000 -}}{{- else -}}{{- $cpus -}}{{- end -}}
+{{- if hasSuffix "m" $cpus -}}{{- div (atoi (trimSuffix "m" $cpus)) 1000 -}}{{- else -}}{{- regexReplaceAll "\\.0+$" $cpus "" -}}{{- end -}}
 {{- end -}}
 
 {{/* A memory quantity in bytes, as Kubernetes reads it: 8Gi = 8192Mi = 8589934592. */}}

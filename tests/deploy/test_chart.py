@@ -79,6 +79,8 @@ def test_whole_cpus_and_memory_may_be_written_as_kubernetes_writes_them():
     container = _manifests(_render("resources.requests.cpu=4000m", "resources.requests.memory=8192Mi",
                                    "spec.parallel.dp=4"))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"] == {"cpu": "4000m", "memory": "8192Mi"}
+    container = _manifests(_render("resources.requests.cpu=4.0", "resources.limits.cpu=4.00"))["Deployment"]
+    assert container["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "4.00"
 
 
 @pytest.mark.parametrize(("sets", "message"), [
@@ -86,6 +88,8 @@ def test_whole_cpus_and_memory_may_be_written_as_kubernetes_writes_them():
     (("resources.requests.cpu=3500m", "resources.limits.cpu=3500m"), "resources.requests.cpu"),
     (("resources.requests.cpu=2",), "requests.cpu (2) must equal limits.cpu (4)"),
     (("resources.requests.cpu=3000m",), "requests.cpu (3000m) must equal limits.cpu (4)"),
+    (("resources.requests.cpu=3.0",), "requests.cpu (3.0) must equal limits.cpu (4)"),
+    (("resources.requests.cpu=4.5", "resources.limits.cpu=4.5"), "resources.limits.cpu"),
     (("resources.limits.cpu=2000m", "resources.requests.cpu=2", "spec.parallel.tp=3"), "fewer than the spec's tp"),
     (("resources.requests.memory=4Gi",), "requests.memory (4Gi) must equal limits.memory (8Gi)"),
     (("resources.requests.memory=8193Mi",), "requests.memory (8193Mi) must equal limits.memory (8Gi)"),

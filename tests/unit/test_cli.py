@@ -57,3 +57,21 @@ def test_serve_port_and_host_are_the_spec_values_they_stand_for():
     assert "server.port: found 70000; allowed: an integer from 1 to 65535" in result.err
     assert "server.host: found ''" in result.err
     assert run_cli("serve", "--port", "eighty").code == 2
+
+
+def test_serve_logs_the_plan_and_each_warning_once(caplog):
+    """`serve` logs the plan's table at INFO and its warnings at WARNING, each once (the table leaves them out)."""
+    import logging
+
+    from app.bootstrap.serve import _log_plan
+    from app.bootstrap.startup import prepare
+
+    deployment = prepare(CONFIG / "default.yaml", ["parallel.tp=2", "runtime.openmp=gnu"],
+                         root=TOPOLOGIES / "1s-4n-nps4")
+    assert deployment.plan.warnings  # tp=2 does not divide SmolLM2's 9 heads
+    with caplog.at_level(logging.INFO, logger="app"):
+        _log_plan(deployment)
+    for warning in deployment.plan.warnings:
+        said = [r for r in caplog.records if warning in r.getMessage()]
+        assert [r.levelname for r in said] == ["WARNING"], warning
+    assert any("OMP_NUM_THREADS=" in r.getMessage() for r in caplog.records if r.levelname == "INFO")

@@ -58,11 +58,11 @@ def test_a_generation_config_json_as_vllm_reads_it(tmp_path, caplog):
 def test_the_specs_defaults_go_over_the_models_and_none_turns_the_models_off(sampled_gguf):
     sets = [f"model.path={sampled_gguf}", "model.sampling_defaults.temperature=0.3",
             "model.sampling_defaults.max_tokens=64"]
-    defaults, where = prepare(None, sets).sampling_defaults()
+    defaults, where = prepare(None, sets).sampling_defaults
     assert defaults == pytest.approx({"temperature": 0.3, "top_k": 20, "top_p": 0.95, "min_p": 0.05,
                                       "repetition_penalty": 1.1, "max_tokens": 64})
     assert where == "model.sampling_defaults over the model's GGUF general.sampling keys"
-    assert prepare(None, [*sets, "model.generation_config=none"]).sampling_defaults() == \
+    assert prepare(None, [*sets, "model.generation_config=none"]).sampling_defaults == \
         ({"temperature": 0.3, "max_tokens": 64}, "model.sampling_defaults")
-    assert prepare(None, [f"model.path={sampled_gguf}", "model.generation_config=none"]).sampling_defaults() == \
+    assert prepare(None, [f"model.path={sampled_gguf}", "model.generation_config=none"]).sampling_defaults == \
         ({}, "")
