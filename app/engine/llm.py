@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from app.engine.output import SequenceText, TokenLogprobs
 from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
@@ -111,6 +113,20 @@ class LLM:
         (SamplingParams.embed)."""
         outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1, embed=True, pooling=self.pooling))
         return [output.embedding for output in outputs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[float]:
+        """vLLM's `LLM.score` for an embedding model: the cosine of each pair's embeddings (`embed`), a single text
+        of `data_1` paired with every one of `data_2`, else one to one."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not firsts or not seconds or len(firsts) not in (1, len(seconds)):
+            raise ValueError(f"score pairs one text with many, or as many with as many: {len(firsts)} with "
+                             f"{len(seconds)}")
+        texts = list(dict.fromkeys(firsts + seconds))
+        vectors = dict(zip(texts, np.asarray(self.embed(texts), dtype=np.float64), strict=True))
+        pairs = zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds, strict=True)
+        return [float(np.clip(vectors[a] @ vectors[b] / (np.linalg.norm(vectors[a]) * np.linalg.norm(vectors[b])),
+                              -1, 1)) for a, b in pairs]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

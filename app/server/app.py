@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from app.model.source import ModelSource
 from app.model.tokenizer import end_token_ids
-from app.server import embeddings, openai_api, responses
+from app.server import embeddings, openai_api, responses, scores
 from app.server.config import FrontendConfig
 from app.server.router import EngineRouter
 from app.server.errors import APIError, error_response, from_api_error
@@ -332,6 +332,8 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+        *(Route(path, scores.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, scores.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -40,11 +40,21 @@ async def embeddings(request: Request) -> Response:
                             "embedding model); leave dimensions out", "dimensions", "invalid_value")
     texts = await ctx.prompt_ids(body.input, "input", bounded=body.truncate_prompt_tokens is None)
     prompts = [body.truncated(ids, ctx.max_model_len) for ids in texts]
-    for i, ids in enumerate(prompts):  # a 400 before any runs (the engine computes an input as a one-token completion)
-        if len(ids) >= ctx.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, input "
-                                f"{i} has {len(ids)} tokens: an embedding's input may have up to "
-                                f"{ctx.max_model_len - 1}.", "input", "context_length_exceeded")
+    check_context(ctx, prompts, "input")
+    vectors = await embed(ctx, request, prompts)
+
+    def answer() -> dict:
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
+                for i, vector in enumerate(vectors)]
+        tokens = sum(len(ids) for ids in prompts)
+        return {"object": "list", "data": data, "model": ctx.served_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return await json_answer(ctx, answer, len(prompts) > BIG_ANSWER)
+
+
+async def embed(ctx, request: Request, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt's vector (normalized, pooled as the spec says), computed in the engine in waves of `WAVE`."""
     vectors: list[list[float]] = []
     for first in range(0, len(prompts), WAVE):  # (up to 2,048 inputs: the engine's queue holds 256 requests)
         gen = Generation(ctx.engine, ctx.metrics, ctx.tokenizer,
@@ -59,15 +69,16 @@ async def embeddings(request: Request) -> Response:
             raise APIError(500, f"the engine could not compute the embedding of input {missing[0]}", "input",
                            "internal_error")
         vectors += [seq.text.embedding for seq in gen.sequences]
+    return vectors
 
-    def answer() -> dict:
-        data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
-                for i, vector in enumerate(vectors)]
-        tokens = sum(len(ids) for ids in prompts)
-        return {"object": "list", "data": data, "model": ctx.served_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    return await json_answer(ctx, answer, len(prompts) > BIG_ANSWER)
+def check_context(ctx, prompts: list[list[int]], param: str) -> None:
+    """A 400 before any input runs where one is too long (the engine computes an input as a one-token completion)."""
+    for i, ids in enumerate(prompts):
+        if len(ids) >= ctx.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, {param} "
+                                f"{i} has {len(ids)} tokens: an embedding's input may have up to "
+                                f"{ctx.max_model_len - 1}.", param, "context_length_exceeded")
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

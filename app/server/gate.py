@@ -12,6 +12,9 @@ from starlette.responses import Response
 from app.server.config import FrontendConfig
 from app.server.errors import APIError, error_response
 
+# The routes that start work in an engine: refused once the server drains (POST)
+WORK_PATHS = ("/v1/", "/v2/", "/score", "/rerank")
+
 
 class Gate:
     """Pure ASGI middleware: checks that must happen before a body is read or a handler runs."""
@@ -41,7 +44,7 @@ class Gate:
         if self._needs_key(path) and not self._has_key(headers):
             return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)", None,
                                   "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        if self.cfg.draining_marker and path.startswith("/v1") and scope["method"] == "POST" and \
+        if self.cfg.draining_marker and path.startswith(WORK_PATHS) and scope["method"] == "POST" and \
                 os.path.exists(self.cfg.draining_marker):
             return error_response(503, "the server is shutting down", None, "draining", {"Retry-After": "5"})
         return None

@@ -16,6 +16,10 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
      p.ResponseObject),
     ("post", "/v1/embeddings", "Create embeddings (the last token's final hidden state, L2-normalized)",
      p.EmbeddingRequest, p.EmbeddingResponse),
+    *(("post", path, "Score text pairs: the cosine of their embeddings (vLLM's)", p.ScoreRequest, p.ScoreResponse)
+      for path in ("/score", "/v1/score")),
+    *(("post", path, "Rank documents by the cosine of their embeddings with a query (vLLM's, llama.cpp's)",
+       p.RerankRequest, p.RerankResponse) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     ("get", "/v1/models", "List the served model", None, p.ModelList),
     ("get", "/v1/models/{model}", "The served model by its id (404 for any other)", None, p.ModelCard),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse),

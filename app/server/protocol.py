@@ -687,6 +687,113 @@ class TokenizerInfoResponse(BaseModel):
     chat_template: str | None = None
 
 
+# --- vLLM's /score and /rerank (app/server/scores.py): the cosine of two texts' embeddings -----------------------
+
+MAX_SCORED_TEXTS = 2048  # texts in one request, both sides together (as /v1/embeddings' inputs)
+
+
+def _some_texts(value: Any) -> Any:
+    if isinstance(value, list) and not 0 < len(value) <= MAX_SCORED_TEXTS:
+        raise ValueError(f"give 1 to {MAX_SCORED_TEXTS} texts, not {len(value)}")
+    return value
+
+
+ScoredTexts = Annotated[str | Annotated[list[str], FIRST_ERROR], BeforeValidator(_some_texts)]
+# vLLM's names for a score request's two sides: the first pair of these that the request gives
+SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+
+
+class ScoringFields(_Body, PromptTruncation):
+    model: str | None = None
+    # vLLM's: keep only a query's / a document's first tokens (0: all of them)
+    max_tokens_per_query: Annotated[int, Field(ge=0, le=1 << 30)] = 0
+    max_tokens_per_doc: Annotated[int, Field(ge=0, le=1 << 30)] = 0
+    use_activation: bool | None = None  # vLLM's, for a classifier's scores: a cosine has no activation to apply
+
+    @model_validator(mode="after")
+    def _no_template(self):
+        """vLLM's `instruction` and `chat_template_kwargs` go to a cross-encoder's score template; a cosine of
+        embeddings has none: a 400 rather than a score that ignored them."""
+        refuse_unsupported(self.model_extra, {"instruction": (None, ""), "chat_template_kwargs": (None, {})})
+        return self
+
+
+class ScoreRequest(ScoringFields):
+    """vLLM's /score: each pair's score; a single text on the first side is paired with every one on the second."""
+
+    text_1: ScoredTexts | None = None
+    text_2: ScoredTexts | None = None
+    queries: ScoredTexts | None = None
+    documents: ScoredTexts | None = None
+    items: ScoredTexts | None = None
+    data_1: ScoredTexts | None = None
+    data_2: ScoredTexts | None = None
+
+    @model_validator(mode="after")
+    def _one_pair_of_sides(self):
+        first, second = self.side_names()
+        if len(self.side(first)) > 1 and len(self.side(first)) != len(self.side(second)):
+            raise ValueError(f"{first} holds {len(self.side(first))} texts and {second} {len(self.side(second))}: "
+                             f"give one {first} for every {second}, or a single one for all of them")
+        return self
+
+    def side_names(self) -> tuple[str, str]:
+        for first, second in SCORE_SIDES:
+            if getattr(self, first) is not None and getattr(self, second) is not None:
+                return first, second
+        raise ValueError("give the two sides to score: text_1 and text_2 (or queries and documents)")
+
+    def side(self, name: str) -> list[str]:
+        value = getattr(self, name)
+        return [value] if isinstance(value, str) else value
+
+
+class RerankRequest(ScoringFields):
+    """vLLM's and llama.cpp's /rerank (Jina's and Cohere's shape): the documents by their score against the query."""
+
+    query: str
+    documents: ScoredTexts
+    top_n: Annotated[int, Field(ge=0)] = 0  # the best n (0: all of them)
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: ScoreUsage
+    results: list[RerankResult]
+
+
 # --- the Responses API (POST /v1/responses), answered by the chat machinery ------------------------------------
 
 

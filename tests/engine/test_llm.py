@@ -222,6 +222,21 @@ def test_embeddings_are_transformers_last_hidden_states_normalized(llm, transfor
     assert float(torch.tensor(embedded[0]) @ torch.tensor(embedded[1])) < 0.99
 
 
+def test_scores_are_the_cosines_of_transformers_embeddings(llm, transformers_model):
+    """LLM.score (vLLM's, for an embedding model): each pair's cosine of the two texts' last-token final hidden
+    states, as transformers computes them; one text against many, or one to one; uneven sides are a ValueError."""
+    texts = ["The cat sat on the mat.", "A cat was sitting on a rug.", "Stock markets fell sharply today."]
+    with torch.no_grad():
+        hidden = [transformers_model(torch.tensor([llm.tokenizer(t).input_ids]),
+                                     output_hidden_states=True).hidden_states[-1][0, -1] for t in texts]
+    want = [[float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for b in hidden] for a in hidden]
+    assert llm.score(texts[0], texts[1:]) == pytest.approx(want[0][1:], abs=2e-3)
+    assert llm.score(texts[:2], [texts[2], texts[0]]) == pytest.approx([want[0][2], want[1][0]], abs=2e-3)
+    assert want[0][1] > want[0][2]  # (the paraphrase nearer than the unrelated text, in the reference too)
+    with pytest.raises(ValueError, match="2 with 3"):
+        llm.score(texts[:2], texts)
+
+
 def test_mean_and_first_token_pooling_through_chunks_and_preemption(llm, transformers_model, tmp_path):
     """model.pooling "mean" (here read from a GGUF copy whose `llama.pooling_type` says 1, llama.cpp's mean) and
     "cls": each prompt's embedding is the mean (or the first) of transformers' final hidden states of every prompt

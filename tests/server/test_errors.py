@@ -348,7 +348,8 @@ def test_api_key_is_required_when_configured(keyed):
 KEYED_ROUTES = [("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
                 ("GET", "/openapi.json", None), ("GET", "/version", None), ("GET", "/v1/models", None),
                 ("GET", "/v1/models/smollm2", None), ("GET", "/metrics", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1}),
-                ("POST", "/v1/embeddings", {"input": "Hi"}), ("GET", "/load", None)]
+                ("POST", "/v1/embeddings", {"input": "Hi"}), ("GET", "/load", None),
+                ("POST", "/score", {"text_1": "Hi", "text_2": "Ho"}), ("POST", "/rerank", {"query": "Hi", "documents": "Ho"})]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), KEYED_ROUTES, ids=[r[1] for r in KEYED_ROUTES])

@@ -22,7 +22,8 @@ async def echo(request: Request) -> JSONResponse:
 
 def client(**settings) -> TestClient:
     cfg = FrontendConfig("m", "/nowhere", "gguf", 64, "ipc:///nowhere", **settings)
-    routes = [Route(path, echo, methods=["GET", "POST"]) for path in ("/health", "/metrics", "/tokenize", "/v1/x")]
+    routes = [Route(path, echo, methods=["GET", "POST"])
+              for path in ("/health", "/metrics", "/tokenize", "/v1/x", "/v2/rerank", "/score", "/rerank")]
     app = Starlette(routes=routes, middleware=[Middleware(Gate, cfg=cfg)], exception_handlers={APIError: _api_error})
     return TestClient(app)
 
@@ -54,3 +55,17 @@ def test_a_server_error_carries_the_requests_id_back_too():
                     exception_handlers={APIError: _api_error, Exception: _server_error})
     answer = TestClient(app, raise_server_exceptions=False).post("/v1/x", headers={"X-Request-Id": "t-500"})
     assert answer.status_code == 500 and answer.headers["x-request-id"] == "t-500"
+
+
+def test_a_draining_server_refuses_new_work_and_still_answers_the_rest(tmp_path):
+    """Once the drain marker exists, a POST that would start engine work (/v1/..., /v2/rerank, /score, /rerank) is
+    a 503 with Retry-After; probes and /tokenize still answer."""
+    marker = tmp_path / "draining"
+    c = client(draining_marker=str(marker))
+    assert c.post("/score").status_code == 200
+    marker.touch()
+    for path in ("/v1/x", "/v2/rerank", "/score", "/rerank"):
+        answer = c.post(path)
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "5", path
+        assert answer.json()["error"]["code"] == "draining"
+    assert c.get("/health").status_code == c.post("/tokenize").status_code == 200
