@@ -112,5 +112,5 @@ def _layout(deployment, api_key: str | None, path: Path) -> Layout:
         max_connections=s.max_connections, tokenizer_dir=str(path / "tokenizer"), draining_marker=str(path / "draining"),
         shutdown_grace=s.shutdown_grace,
         started_marker=str(path / "started"),
-        metrics_dir=str(path / "metrics"))
+        metrics_dir=str(path / "metrics"), responses_store=s.responses_store, responses_dir=str(path / "responses"))
     return Layout(replicas, frontend, plan.frontend_cpus, s.host, s.port, s.workers, s.shutdown_grace, spec.runtime)

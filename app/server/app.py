@@ -31,6 +31,7 @@ from app.server.generation import LIVE, ShuttingDown
 from app.server.metrics import EngineCollector, Metrics, render
 from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
 from app.server.reasoning import opens_thinking
+from app.server.response_store import ResponseStore
 from app.server.tools import ToolPlan, conversation as tool_conversation, plan as plan_tools
 from app.server.tokenizer import AsyncTokenizer
 
@@ -59,6 +60,7 @@ class Context:
         self.metrics = Metrics(cfg.served_name)
         self.collector = EngineCollector(cfg.served_name, self.engine)
         self.created = int(time.time())
+        self.responses = ResponseStore(cfg.responses_dir, cfg.responses_store)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_name:
@@ -331,6 +333,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id:path}", responses.stored, methods=["GET", "DELETE"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         *(Route(path, scores.score, methods=["POST"]) for path in ("/score", "/v1/score")),
         *(Route(path, scores.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),

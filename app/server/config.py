@@ -33,6 +33,8 @@ class FrontendConfig:
     shutdown_grace: float = 30.0  # server.shutdown_grace: from that file's creation, in-flight requests' time left
     started_marker: str | None = None  # ... and this one once every replica has been ready together
     metrics_dir: str | None = None
+    responses_store: int = 0  # server.responses_store: responses kept, in responses_dir (ResponseStore)
+    responses_dir: str | None = None
 
     def dumps(self) -> str:
         return json.dumps(asdict(self))

@@ -12,7 +12,8 @@ from app.server import protocol as p
 ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("post", "/v1/completions", "Create a completion", p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse),
-    ("post", "/v1/responses", "Create a response (OpenAI's Responses API, stateless)", p.ResponsesRequest,
+    ("post", "/v1/responses", "Create a response (OpenAI's Responses API)", p.ResponsesRequest, p.ResponseObject),
+    ("get", "/v1/responses/{response_id}", "A stored response (server.responses_store); DELETE drops it", None,
      p.ResponseObject),
     ("post", "/v1/embeddings", "Create embeddings (the last token's final hidden state, L2-normalized)",
      p.EmbeddingRequest, p.EmbeddingResponse),

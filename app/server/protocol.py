@@ -904,8 +904,8 @@ INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "fi
 
 
 class ResponsesRequest(_Body):
-    """OpenAI's Responses API, stateless: the conversation comes whole with each request (`store` is answered false,
-    as vLLM does without its store; `previous_response_id` is a 400)."""
+    """OpenAI's Responses API: the conversation comes whole with each request, or continues a stored response's
+    (`previous_response_id`, where server.responses_store keeps them: responses.py)."""
 
     model: str | None = None
     input: Annotated[list[InputItem], Field(min_length=1, fail_fast=True)]  # a string is one user message
@@ -920,7 +920,7 @@ class ResponsesRequest(_Body):
     text: TextOptions | None = None
     truncation: Literal["disabled", "auto"] | None = None  # "auto" drops nothing here: a too long input is a 400
     store: bool = True
-    previous_response_id: str | None = None
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     conversation: Any = None
     prompt: Any = None
     background: bool = False
@@ -946,12 +946,12 @@ class ResponsesRequest(_Body):
                                               "return_tokens_as_token_ids": (False, None)})
         return self
 
-    @field_validator("previous_response_id", "conversation", "prompt")
+    @field_validator("conversation", "prompt")
     @classmethod
     def _stateless(cls, value):
         if value is not None:  # answering without what they name would be answering another question
-            raise ValueError("not supported: this server keeps no responses, conversations or prompts; send the "
-                             "conversation in input")
+            raise ValueError("not supported: this server keeps no conversations or prompts; send the conversation "
+                             "in input (or continue a stored response with previous_response_id)")
         return value
 
     @field_validator("include")
@@ -972,7 +972,7 @@ class ResponsesRequest(_Body):
     @classmethod
     def _foreground(cls, value: bool) -> bool:
         if value:
-            raise ValueError("not supported: this server answers in the request (there is no GET /v1/responses/{id})")
+            raise ValueError("not supported: this server answers in the request")
         return value
 
     def chat_fields(self) -> dict:

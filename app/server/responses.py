@@ -2,7 +2,10 @@
 
 A request becomes a chat completion request (`ResponsesRequest.chat_fields`): the same template, tool plan, grammar
 and readers run it, and the answer's fields (thinking, text, tool calls) become the Responses API's output items,
-whole or as its stream of typed events. Stateless: one answer a request (no `n`), nothing stored.
+whole or as its stream of typed events; one answer a request (no `n`). Where server.responses_store keeps them
+(response_store.py), a response asked with `store: true` is kept with the conversation that led to it:
+`previous_response_id` continues it (its input items and output come before the request's own, as OpenAI's do; its
+instructions do not), `GET /v1/responses/{id}` reads it back and `DELETE` drops it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ async def responses(request: Request) -> Response:
     ctx = request.app.state.ctx
     body: ResponsesRequest = await read_body(request, ResponsesRequest)
     ctx.check_model(body.model)
+    conversation = await _continued(ctx, body)
     try:
         chat = ChatCompletionRequest.model_validate(body.chat_fields())
     except ValidationError as exc:
@@ -34,9 +38,9 @@ async def responses(request: Request) -> Response:
         gen, forced, reader = await start_chat(ctx, chat)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    answer = _Answer(gen, body, ctx.served_name)
+    answer = _Answer(gen, body, ctx.served_name, conversation if body.store and ctx.responses.enabled else None)
     if body.stream:
-        return StreamingResponse(_encode(answer, reader()), media_type="text/event-stream",
+        return StreamingResponse(_encode(answer, reader(), ctx.responses), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     await collect(gen, request)
     seq = gen.sequences[0]
@@ -46,7 +50,46 @@ async def responses(request: Request) -> Response:
     calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields.get("tool_calls") or ()]
     answer.finished(seq.text.finish_reason.value if seq.text.finish_reason else None)
     logprobs = answer.logprobs(seq.text.token_ids, seq.text.logprobs)
-    return JSONResponse(answer.response(answer.items(reasoning, text, calls, logprobs)))
+    response = answer.response(answer.items(reasoning, text, calls, logprobs))
+    await answer.keep(ctx.responses, response)
+    return JSONResponse(response)
+
+
+async def stored(request: Request) -> Response:
+    """GET /v1/responses/{id}: a stored response as it was answered; DELETE: drop it (OpenAI's answers)."""
+    ctx = request.app.state.ctx
+    response_id = request.path_params["response_id"]
+    record = await ctx.responses.get(response_id) if ctx.responses.enabled else None
+    if record is None:
+        kept = "" if ctx.responses.enabled else " (server.responses_store is 0: this server keeps no responses)"
+        raise APIError(404, f"Response with id '{response_id}' not found{kept}.", "response_id", "not_found")
+    if request.method == "DELETE":
+        await ctx.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return JSONResponse(record["response"])
+
+
+async def _continued(ctx, body: ResponsesRequest) -> list[dict]:
+    """The input items the answer reads, as JSON (what a stored response keeps): where `previous_response_id` names
+    a stored response, its conversation and output come first (and join `body.input`)."""
+    own = [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.input]
+    if body.previous_response_id is None:
+        return own
+    if not ctx.responses.enabled:
+        raise APIError(400, "previous_response_id: this server keeps no responses (server.responses_store is 0); "
+                            "send the whole conversation in input", "previous_response_id", "invalid_value")
+    record = await ctx.responses.get(body.previous_response_id)
+    if record is None:  # (OpenAI's answer)
+        raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found.",
+                       "previous_response_id", "previous_response_not_found")
+    earlier = record["conversation"] + record["response"]["output"]
+    try:
+        body.input = ResponsesRequest.model_validate({"input": earlier}).input + body.input
+    except ValidationError as exc:  # (a function call that max_output_tokens cut: its arguments are no JSON)
+        reason = from_validation_error(exc).message
+        raise APIError(400, f"previous_response_id: response '{body.previous_response_id}' cannot be continued: "
+                            f"{reason}", "previous_response_id", "invalid_value") from None
+    return earlier + own
 
 
 def _in_responses_terms(error: APIError) -> APIError:
@@ -67,8 +110,9 @@ def _in_responses_terms(error: APIError) -> APIError:
 class _Answer:
     """One response: its ids, its output items as they are made, and the response object around them."""
 
-    def __init__(self, gen: Generation, body: ResponsesRequest, model: str):
+    def __init__(self, gen: Generation, body: ResponsesRequest, model: str, conversation: list[dict] | None = None):
         self.gen, self.body, self.model = gen, body, model
+        self.conversation = conversation  # None: not to be stored
         self.id = body.request_id or f"resp_{gen.id}"
         self.created = int(time.time())
         self.status, self.incomplete = "in_progress", None
@@ -94,8 +138,8 @@ class _Answer:
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
             "error": None, "incomplete_details": self.incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
-            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
-            "reasoning": None, "store": False,
+            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+            "reasoning": None, "store": self.conversation is not None,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text is not None and body.text.format is not None else {"type": "text"}},
@@ -105,6 +149,11 @@ class _Answer:
             "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
         }
+
+    async def keep(self, store, response: dict) -> None:
+        """Store a finished response where it was asked to be (and the server keeps responses)."""
+        if self.conversation is not None and response["status"] in ("completed", "incomplete"):
+            await store.put(response, self.conversation)
 
     def logprobs(self, token_ids: list[int], logprobs) -> list[dict]:
         """The tokens' logprobs in the Responses API's shape (chat's: token, bytes, logprob, top_logprobs), where
@@ -247,11 +296,13 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict:
             "status": "completed"}
 
 
-async def _encode(answer: _Answer, reader: AnswerReader) -> AsyncIterator[bytes]:
+async def _encode(answer: _Answer, reader: AnswerReader, store=None) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI sends the Responses API's: `event: <type>` and `data: <json>`; a failure is an
-    `error` event, then `response.failed`."""
+    `error` event, then `response.failed`. The last event's response is the one stored."""
     try:
         async for event in answer.events(reader):
+            if event["type"] in ("response.completed", "response.incomplete"):
+                await answer.keep(store, event["response"])
             yield _sse(event)
     except Exception as exc:  # whatever happens, the client gets an error event (the chat stream's rules)
         error = stream_error(exc)

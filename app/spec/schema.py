@@ -278,6 +278,12 @@ class ServerSpec(Section):
     max_connections: int = Field(default=1000, ge=1, le=100_000)
     """Open connections per HTTP worker; past it, the oldest connection still sending headers is closed to make
     room, or else the new one."""
+    responses_store: int = Field(default=0, ge=0, le=1_000_000)
+    """Responses the Responses API keeps (those asked with `store: true`, OpenAI's default), the newest, so that
+    `previous_response_id` continues their conversation and `GET /v1/responses/{id}` reads them back; shared by the
+    HTTP workers, in the run directory under $TMPDIR for as long as the server runs (mind a tmpfs's size: a response
+    keeps its whole conversation). 0 (the default, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE): none is kept,
+    `store` is answered false and `previous_response_id` is a 400."""
 
     @field_validator("max_body_size")
     @classmethod

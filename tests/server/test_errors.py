@@ -137,7 +137,8 @@ CASES = [
         {"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, 400, "invalid_value",
      "tool_choice"),
     ("regex-too-big-to-run", "POST", "/v1/completions", {"prompt": "x", "structured_outputs": {
-        "regex": "a{1000000}"}}, 400, "invalid_value", "too many expressions"),
+        "regex": "a{1000000}"}}, 400, "invalid_value",  # llguidance's limit, or first (a slow CPU) the trial's budget
+     ("too many expressions", "too complex a grammar to serve")),
     ("schema-without-end", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                             "response_format": {"type": "json_schema", "json_schema": {
                                                                 "name": "t", "schema": {"type": "array",
@@ -242,7 +243,8 @@ def test_bad_request_gets_its_status_and_error_json(appliance, method, path, bod
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert text in error["message"] and error["code"] == code
+    texts = (text,) if isinstance(text, str) else text
+    assert any(t in error["message"] for t in texts) and error["code"] == code, error
     assert isinstance(error["type"], str) and error["type"]
 
 
