@@ -109,6 +109,13 @@ class Context:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0-{self.vocab_size - 1})", param,
                            "invalid_value")
 
+    def room_asked(self, requested: int | None, min_tokens: int = 0) -> int:
+        """The tokens a request asks the context to leave its completion (what truncate_prompt_tokens -1 leaves):
+        `requested` (None: the sampling defaults' max_tokens), at least min_tokens and one."""
+        if requested is None:
+            requested = self.sampling_defaults.get("max_tokens")
+        return max(1, min_tokens, requested or 0)
+
     def output_limit(self, ids: list[int], requested: int | None, param: str, prompt_param: str,
                      min_tokens: int = 0) -> int:
         """How many tokens a sequence may generate: what was `requested` (None: the sampling defaults' max_tokens,
@@ -260,8 +267,8 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     message = "no such route" if exc.status_code == 404 else exc.detail
     path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."  # (not 100 KB back)
-    return error_response(exc.status_code, f"{message}: {request.method} {path}", None,
-                          "not_found" if exc.status_code == 404 else None)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(exc.status_code, f"{message}: {request.method} {path}", None, code)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

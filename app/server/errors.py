@@ -18,6 +18,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+class FieldError(ValueError):
+    """A body's problem that a check of the whole body finds (pydantic gives such errors no location): it names the
+    field for the error's `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The JSON of an error, as an answer or as a stream's last event."""
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"), "param": param,
@@ -38,6 +47,10 @@ def from_validation_error(error: ValidationError) -> APIError:
     first = error.errors()[0]
     param = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p))
     message = first["msg"].removeprefix("Value error, ")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # (its message names the field already)
+        param = ".".join(filter(None, (param, cause.param)))
+        return APIError(400, message, param, "invalid_value")
     return APIError(400, f"{param}: {message}" if param else message, param or None, "invalid_value")
 
 

@@ -117,7 +117,8 @@ async def completions(request: Request) -> Response:
     ctx.check_model(body.model)
     texts = await ctx.prompt_ids(body.prompt, add_special_tokens=body.add_special_tokens is not False,
                                  bounded=body.truncate_prompt_tokens is None)
-    prompts = [body.truncated(ids, ctx.max_model_len) for ids in texts]
+    room = ctx.room_asked(body.max_tokens, body.min_tokens)
+    prompts = [body.truncated(ids, ctx.max_model_len, room) for ids in texts]
     if len(prompts) * body.n > MAX_SEQUENCES:
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than {MAX_SEQUENCES} sequences", "n",
                        "invalid_value")
@@ -188,7 +189,8 @@ async def _beam_chat(ctx, request: Request, body: ChatCompletionRequest) -> dict
     prompt = await ctx.chat_prompt(body.messages, body, None, add_special_tokens=bool(body.add_special_tokens),
                                    bounded=body.truncate_prompt_tokens is None)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    return await beam.chat_answer(ctx, request, body, body.truncated(prompt.ids, ctx.max_model_len), param)
+    room = ctx.room_asked(getattr(body, param), body.min_tokens)
+    return await beam.chat_answer(ctx, request, body, body.truncated(prompt.ids, ctx.max_model_len, room), param)
 
 
 async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, ToolPlan | None,
@@ -199,7 +201,8 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
     tools = plan_tools(body, ctx.text.tool_format, structured, ctx.text.special_tags)
     prompt = await ctx.chat_prompt(body.messages, body, tools, add_special_tokens=bool(body.add_special_tokens),
                                    bounded=body.truncate_prompt_tokens is None)
-    ids = body.truncated(prompt.ids, ctx.max_model_len)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    ids = body.truncated(prompt.ids, ctx.max_model_len, ctx.room_asked(requested, body.min_tokens))
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
     constraint = forced.constraint if forced else None
@@ -302,7 +305,7 @@ async def _generation(ctx, body: SamplingFields, logprobs: int | None, prefix: s
         params = _sampling_params(body, logprobs, bias, grammar, keep, ctx.end_token_ids, prompt_logprobs,
                                   ctx.sampling_defaults, bad_words)
     except ValueError as exc:
-        raise APIError(400, str(exc), None, "invalid_value") from None
+        raise _clash(exc) from None
     return Generation(ctx.engine, ctx.metrics, ctx.tokenizer, params, ctx.eos_token_id, prefix,
                       client_id=body.request_id)
 
@@ -338,7 +341,7 @@ def add_prompt(gen: Generation, ids: list[int], n: int, max_tokens: int) -> None
     try:
         gen.add_prompt(ids, n, max_tokens)
     except ValueError as exc:  # parameters that clash with each other, e.g. min_tokens > max_tokens
-        raise APIError(400, str(exc), None, "invalid_value") from None
+        raise _clash(exc) from None
     except EngineUnavailable as exc:  # no replica is ready to take it
         raise _api_error(exc) from None
 
@@ -372,6 +375,12 @@ async def collect(gen: Generation, request: Request) -> list[Event]:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _clash(exc: ValueError) -> APIError:
+    """SamplingParams' refusal as a 400: its messages begin with the parameter they are about."""
+    first = str(exc).split(" ", 1)[0]
+    return APIError(400, str(exc), first if first.isidentifier() else None, "invalid_value")
 
 
 def _api_error(exc: EngineRejected | EngineUnavailable) -> APIError:

@@ -53,8 +53,8 @@ def openapi_document(version: str) -> dict:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
         paths[path] = {method: operation}
     for path, summary in PLAIN:
-        paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"},
-                                                                 "503": _error("Not ready")}}}
+        operation = {"summary": summary, "responses": {"200": {"description": "OK"}, "503": _error("Not ready")}}
+        paths[path] = {method: operation for method in (("get", "post") if path == "/ping" else ("get",))}
     return {"openapi": "3.1.0", "info": {"title": "CPU LLM appliance (OpenAI-compatible)", "version": version},
             "paths": paths, "components": {"schemas": schemas.get("$defs", {})}}
 

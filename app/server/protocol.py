@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag,
                       field_validator, model_validator)
 
-from app.server.errors import APIError
+from app.server.errors import APIError, FieldError
 
 # A list whose validation stops at its first bad item: pydantic would otherwise make an error of every one (a
 # /detokenize body of 800,000 strings: 2.5 s of the event loop for a 400), all but the first never shown
@@ -193,7 +193,7 @@ VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 def _not_zero(value: int) -> int:
     if value == 0:
-        raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: the model's context length)")
+        raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)")
     return value
 
 
@@ -202,9 +202,10 @@ class PromptTruncation(BaseModel):
 
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 30), AfterValidator(_not_zero)] | None = None
 
-    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's ids as kept: its last k (-1: the last max_model_len), cut on the left (vLLM's side)."""
-        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+    def truncated(self, ids: list[int], max_model_len: int, room: int = 1) -> list[int]:
+        """The prompt's ids as kept: its last k, cut on the left (vLLM's side); -1: the last that leave the context
+        `room` tokens (a completion's max_tokens; an embedding's input is computed as a one-token completion)."""
+        keep = max(1, max_model_len - room) if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
         return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
@@ -213,7 +214,7 @@ def refuse_unsupported(extra: dict[str, Any] | None, fields: dict[str, tuple[Any
     for name, off in fields.items():
         if name in (extra or {}):
             if extra[name] not in off:
-                raise ValueError(f"{name} is not supported by this server")
+                raise FieldError(name, f"{name} is not supported by this server")
 
 
 class SamplingFields(_Body, PromptTruncation):
@@ -293,14 +294,14 @@ class SamplingFields(_Body, PromptTruncation):
     def _unsupported(self):
         old = sorted(k for k, v in (self.model_extra or {}).items() if k.startswith("guided_") and v is not None)
         if old:  # vLLM's earlier names: ignoring them would answer unconstrained
-            raise ValueError(f"{old[0]} is not supported; use structured_outputs (vLLM's current name) or "
+            raise FieldError(old[0], f"{old[0]} is not supported; use structured_outputs (vLLM's current name) or "
                              "response_format")
         refuse_unsupported(self.model_extra, VLLM_UNSUPPORTED)
         if self.structured_outputs is not None and self.response_format is not None and \
                 self.response_format.type != "text":
-            raise ValueError("give response_format or structured_outputs, not both")
+            raise FieldError("structured_outputs", "give response_format or structured_outputs, not both")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise FieldError("stream_options", "stream_options is only allowed with stream: true")
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -333,13 +334,13 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _completion_checks(self):
         if self.suffix:
-            raise ValueError("suffix is not supported by this server")
+            raise FieldError("suffix", "suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (or be left out)")
+            raise FieldError("best_of", "best_of must equal n (or be left out)")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "prompt must not be empty")
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 is only allowed with echo: true (the prompt returned, with its logprobs "
+            raise FieldError("max_tokens", "max_tokens 0 is only allowed with echo: true (the prompt returned, with its logprobs "
                              "where logprobs is set, and nothing generated)")
         return self
 
@@ -457,14 +458,14 @@ class ChatTemplateFields(BaseModel):
     @model_validator(mode="after")
     def _template_checks(self):
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message continues the last message, add_generation_prompt starts a new "
+            raise FieldError("continue_final_message", "continue_final_message continues the last message, add_generation_prompt starts a new "
                              "one: set add_generation_prompt to false with it")
         own = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
         if own:
-            raise ValueError(f"chat_template_kwargs may not set {own[0]!r}: the server sets it")
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {own[0]!r}: the server sets it")
         if self.chat_template_kwargs and (nesting(self.chat_template_kwargs) > MAX_NESTING or
                                           len(json.dumps(self.chat_template_kwargs)) > MAX_GRAMMAR_CHARS):
-            raise ValueError(f"chat_template_kwargs may hold up to {MAX_GRAMMAR_CHARS} characters, nested up to "
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs may hold up to {MAX_GRAMMAR_CHARS} characters, nested up to "
                              f"{MAX_NESTING} levels")
         return self
 
@@ -504,7 +505,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
     @model_validator(mode="after")
     def _chat_checks(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
     def echoed(self) -> str:
@@ -526,7 +527,7 @@ class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError("messages", "give exactly one of prompt or messages")
         return self
 
 
@@ -733,7 +734,7 @@ class ScoreRequest(ScoringFields):
     def _one_pair_of_sides(self):
         first, second = self.side_names()
         if len(self.side(first)) > 1 and len(self.side(first)) != len(self.side(second)):
-            raise ValueError(f"{first} holds {len(self.side(first))} texts and {second} {len(self.side(second))}: "
+            raise FieldError(second, f"{first} holds {len(self.side(first))} texts and {second} {len(self.side(second))}: "
                              f"give one {first} for every {second}, or a single one for all of them")
         return self
 
@@ -741,7 +742,7 @@ class ScoreRequest(ScoringFields):
         for first, second in SCORE_SIDES:
             if getattr(self, first) is not None and getattr(self, second) is not None:
                 return first, second
-        raise ValueError("give the two sides to score: text_1 and text_2 (or queries and documents)")
+        raise FieldError("text_2", "give the two sides to score: text_1 and text_2 (or queries and documents)")
 
     def side(self, name: str) -> list[str]:
         value = getattr(self, name)

@@ -38,7 +38,8 @@ async def responses(request: Request) -> Response:
         gen, forced, reader = await start_chat(ctx, chat)
     except APIError as exc:
         raise _in_responses_terms(exc) from None
-    answer = _Answer(gen, body, ctx.served_name, conversation if body.store and ctx.responses.enabled else None)
+    answer = _Answer(gen, body, ctx.served_name, conversation if body.store and ctx.responses.enabled else None,
+                     ctx.sampling_defaults.get("max_tokens"))
     if body.stream:
         return StreamingResponse(_encode(answer, reader(), ctx.responses), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -110,9 +111,12 @@ def _in_responses_terms(error: APIError) -> APIError:
 class _Answer:
     """One response: its ids, its output items as they are made, and the response object around them."""
 
-    def __init__(self, gen: Generation, body: ResponsesRequest, model: str, conversation: list[dict] | None = None):
+    def __init__(self, gen: Generation, body: ResponsesRequest, model: str, conversation: list[dict] | None = None,
+                 default_max_tokens: int | None = None):
         self.gen, self.body, self.model = gen, body, model
         self.conversation = conversation  # None: not to be stored
+        # what the response reports is what ran: the spec's or the model's defaults where the body left a field out
+        self.max_output_tokens = body.max_output_tokens if body.max_output_tokens is not None else default_max_tokens
         self.id = body.request_id or f"resp_{gen.id}"
         self.created = int(time.time())
         self.status, self.incomplete = "in_progress", None
@@ -137,15 +141,15 @@ class _Answer:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
             "error": None, "incomplete_details": self.incomplete, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
+            "max_output_tokens": self.max_output_tokens, "model": self.model, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "reasoning": None, "store": self.conversation is not None,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "temperature": self.gen.params.temperature if body.temperature is None else body.temperature,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text is not None and body.text.format is not None else {"type": "text"}},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
-            "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs,
+            "top_p": self.gen.params.top_p if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs,
             "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
         }

@@ -37,7 +37,7 @@ CASES = [
      "context_length_exceeded", "8192"),
     ("unknown-model", "POST", C, {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found", "`gpt-9` does not exist"),
     ("unknown-route", "GET", "/v1/nothing", None, 404, "not_found", "no such route"),
-    ("wrong-method", "GET", C, None, 405, None, "Method Not Allowed"),
+    ("wrong-method", "GET", C, None, 405, "method_not_allowed", "Method Not Allowed"),
     ("body-too-large", "POST", C, b"{" + b" " * (5 << 20) + b"}", 413, "body_too_large", "larger than"),
     ("logprobs-too-many", "POST", C, {"prompt": "x", "logprobs": 30}, 400, "invalid_value", "logprobs"),
     ("top-logprobs-alone", "POST", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "invalid_value",
@@ -285,7 +285,12 @@ def test_messages_do_not_echo_huge_paths_or_pythons_hints(appliance):
 @pytest.mark.parametrize(("body", "param"), [({"prompt": "x", "stream": "maybe"}, "stream"),
                                             ({"prompt": "x", "stream_options": {"include_usage": "maybe"}},
                                              "stream_options.include_usage"),
-                                            ({"prompt": "x", "temperature": "hot"}, "temperature")])
+                                            ({"prompt": "x", "temperature": "hot"}, "temperature"),
+                                            ({"prompt": "x", "suffix": "y"}, "suffix"),
+                                            ({"prompt": "x", "best_of": 3}, "best_of"),
+                                            ({"prompt": "x", "stream_options": {"include_usage": True}},
+                                             "stream_options"),
+                                            ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, "min_tokens")])
 def test_param_names_the_field_path(appliance, body, param):
     assert httpx.post(appliance.url + C, json=body).json()["error"]["param"] == param
 
@@ -413,6 +418,23 @@ def test_a_completion_longer_than_the_context_leaves_is_cut_to_it(short):
                         ({"prompt": prompt, "max_tokens": 50, "min_tokens": 10}, "min_tokens")):
         error = httpx.post(short.url + C, json=body, timeout=60).json()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+
+
+def test_truncating_to_the_context_leaves_the_room_the_request_asks(short):
+    """truncate_prompt_tokens -1 keeps as many of the prompt's last tokens as the context holds with the room the
+    request asks for: a completion's max_tokens (its default where left out: the completion runs whole), an
+    embedding's one token, never a 400 for the prompt's length."""
+    prompt = list(range(1000, 1200))  # 200 tokens, for a 96-token context
+    for body, kept in (({"max_tokens": 10}, 86), ({}, 80), ({"max_tokens": 30, "min_tokens": 20}, 66)):
+        answer = httpx.post(short.url + C, timeout=60, json={"prompt": prompt, "truncate_prompt_tokens": -1,
+                                                             "ignore_eos": True, **body})
+        usage = answer.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (kept, 96 - kept), answer.text
+    chat = httpx.post(short.url + CHAT, timeout=60, json={"messages": [{"role": "user", "content": "word " * 300}],
+                                                          "max_completion_tokens": 5, "truncate_prompt_tokens": -1})
+    assert chat.json()["usage"]["prompt_tokens"] == 91, chat.text
+    embedded = httpx.post(short.url + "/v1/embeddings", timeout=60, json={"input": prompt, "truncate_prompt_tokens": -1})
+    assert embedded.json()["usage"]["prompt_tokens"] == 95, embedded.text
 
 
 def test_schemathesis_finds_no_server_error(short):

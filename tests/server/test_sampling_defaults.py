@@ -27,6 +27,12 @@ def test_requests_that_leave_sampling_out_get_the_models_and_the_specs_defaults(
                              timeout=60).json()
         assert len({c["message"]["content"] for c in sampled["choices"]}) > 1  # the request's own win
         assert sampled["usage"]["completion_tokens"] == 4 * 12
+        response = httpx.post(app.url + "/v1/responses", json={"input": "Name three colours."}, timeout=60).json()
+        assert (response["temperature"], response["top_p"], response["max_output_tokens"]) == (0.0, 1.0, 6)
+        assert response["usage"]["output_tokens"] <= 6  # (what the response reports is what ran)
+        own = httpx.post(app.url + "/v1/responses", json={"input": "Hi", "temperature": 0.7, "max_output_tokens": 2},
+                         timeout=60).json()
+        assert (own["temperature"], own["max_output_tokens"]) == (0.7, 2)
         completion = httpx.post(app.url + "/v1/completions", json={"prompt": "Once upon", "ignore_eos": True},
                                 timeout=60).json()
         assert completion["usage"]["completion_tokens"] == 16  # a completion's own default (OpenAI's, vLLM's)

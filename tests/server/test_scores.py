@@ -77,11 +77,11 @@ def test_truncation_keeps_the_first_or_last_tokens(appliance):
 
 
 @pytest.mark.parametrize(("path", "body", "param", "message"), [
-    ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, None, "text_1 holds 2 texts and text_2 4"),
-    ("/score", {"text_1": TEXTS[0]}, None, "give the two sides to score"),
+    ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_2", "text_1 holds 2 texts and text_2 4"),
+    ("/score", {"text_1": TEXTS[0]}, "text_2", "give the two sides to score"),
     ("/score", {"queries": TEXTS[0], "documents": []}, "documents", "give 1 to 2048 texts, not 0"),
     ("/score", {"text_1": "a", "text_2": ["b"] * 2048}, "text_2", "up to 2048 texts"),
-    ("/score", {"text_1": "a", "text_2": "b", "instruction": "Rank by relevance"}, None, "instruction is not"),
+    ("/score", {"text_1": "a", "text_2": "b", "instruction": "Rank by relevance"}, "instruction", "instruction is not"),
     ("/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": 8192}, "max_tokens_per_doc", "less than"),
     ("/rerank", {"documents": ["b"]}, "query", "query"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n"),

@@ -7,6 +7,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+from app.engine.params import SamplingParams
 from app.server.engine_client import EngineUnavailable
 from app.server.generation import Event
 from app.server.openai_api import AnswerReader
@@ -42,10 +43,11 @@ def test_input_items_become_the_chat_conversation():
 
 
 class _Generation:
-    """What `_Answer` reads of a Generation: its id, its one sequence, and its events (then, optionally, a failure)."""
+    """What `_Answer` reads of a Generation: its id, its parameters, its one sequence, and its events (then,
+    optionally, a failure)."""
 
     def __init__(self, pieces: list[str], reason: str | None, failure: Exception | None = None):
-        self.id = "abc"
+        self.id, self.params = "abc", SamplingParams()
         self.sequences = [SimpleNamespace(prompt_ids=[1, 2, 3], text=SimpleNamespace(token_ids=[7] * len(pieces)))]
         self.pieces, self.reason, self.failure = pieces, reason, failure
 
