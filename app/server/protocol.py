@@ -904,6 +904,12 @@ INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content", "fi
               "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 
 
+# chat's sampling fields (OpenAI's older ones and vLLM's) that the Responses API lacks but vLLM's takes, or clients
+# send out of habit: passed on to the chat request, which validates them (a bad one is a 400 naming it)
+CHAT_SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                        "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias")
+
+
 class ResponsesRequest(_Body):
     """OpenAI's Responses API: the conversation comes whole with each request, or continues a stored response's
     (`previous_response_id`, where server.responses_store keeps them: responses.py)."""
@@ -944,7 +950,8 @@ class ResponsesRequest(_Body):
                                               "use_beam_search": (False, None), "length_penalty": (1, None),
                                               "bad_words": ([], None), "include_stop_str_in_output": (False, None),
                                               "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
-                                              "return_tokens_as_token_ids": (False, None)})
+                                              "return_tokens_as_token_ids": (False, None),
+                                              "n": (1, None), "best_of": (1, None)})  # (one output: no choices)
         return self
 
     @field_validator("conversation", "prompt")
@@ -1011,6 +1018,7 @@ class ResponsesRequest(_Body):
         fields: dict = {"model": self.model, "messages": messages, "stream": self.stream,
                         "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                         "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}
+        fields.update({k: v for k, v in (self.model_extra or {}).items() if k in CHAT_SAMPLING_EXTRAS})
         if self.logprobs:
             fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:

@@ -80,6 +80,8 @@ def _type(field: FieldInfo) -> str:
         inner = FieldInfo.from_annotation(args[0])
         inner.metadata = inner.metadata or field.metadata
         return _type(inner)
+    if len(args) > 1:  # a union: each member spelled, e.g. integer or "auto"
+        return " or ".join(_type(FieldInfo.from_annotation(arg)) for arg in args)
     names = {int: "integer", str: "string", bool: "true/false", float: "number"}
     if annotation in names:
         return names[annotation]

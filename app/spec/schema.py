@@ -235,7 +235,7 @@ class ApiKeySpec(Section):
     """Where the API key comes from: exactly one of value, file or env."""
 
     value: str | None = Field(default=None, min_length=8)
-    """The key itself (prefer `file` or `env` so it stays out of the spec)."""
+    """The key itself, 8 characters or more (prefer `file` or `env` so it stays out of the spec)."""
     file: str | None = Field(default=None, min_length=1)
     """A file holding the key (a mounted secret), surrounding whitespace ignored."""
     env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -122,6 +122,8 @@ CASES = [
      "invalid_value", "prompt_logprobs"),
     ("prompt-logprobs-21", "POST", C, {"prompt": "x", "prompt_logprobs": 21}, 400, "invalid_value", "prompt_logprobs"),
     ("responses-empty-input", "POST", "/v1/responses", {"input": []}, 400, "invalid_value", "input"),
+    ("responses-n", "POST", "/v1/responses", {"input": "x", "n": 2}, 400, "invalid_value", "n"),
+    ("responses-bad-stop", "POST", "/v1/responses", {"input": "x", "stop": 7}, 400, "invalid_value", "stop"),
     ("responses-previous-id", "POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400,
      "invalid_value", "previous_response_id"),
     ("responses-background", "POST", "/v1/responses", {"input": "x", "background": True}, 400, "invalid_value",

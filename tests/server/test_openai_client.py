@@ -769,6 +769,21 @@ def test_responses_api_gives_the_texts_logprobs_as_chat_does(client):
         client.responses.create(model=MODEL, input=question, include=["message.output_text.everything"])
 
 
+def test_responses_api_takes_chats_sampling_fields(client):
+    """Chat's sampling fields the Responses API lacks (stop, seed, top_k, penalties, ...) act as they do in chat,
+    rather than being dropped without a word: a stop string cuts the answer where chat's does."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.responses.create(model=MODEL, input=question, temperature=0, max_output_tokens=40)
+    word = whole.output_text.split()[2]  # a word inside the answer
+    extra = {"stop": [word], "top_k": 5, "seed": 3, "frequency_penalty": 0.5}
+    chat = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=40,
+                                          extra_body=extra)
+    answer = client.responses.create(model=MODEL, input=question, temperature=0, max_output_tokens=40,
+                                     extra_body=extra)
+    assert answer.output_text == chat.choices[0].message.content and word not in answer.output_text
+    assert len(answer.output_text) < len(whole.output_text) and answer.status == "completed"
+
+
 def test_responses_api_calls_functions_and_reads_their_outputs(client):
     """Function tools in the Responses API's flat shape: a forced call comes back as a function_call item (streamed
     through the SDK's own accumulator too), and its output sent back as a function_call_output item is read."""
