@@ -127,6 +127,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.layers < 1:
         parser.error(f"--layers must be at least 1, not {args.layers}")
+    if args.chunk < 1 or min([*(args.context or []), *(args.decode_context or []), args.decode_batch]) < 1:
+        parser.error("--chunk, --context, --decode-context and --decode-batch must be at least 1")
+    short = [c for c in args.context or [] if c < args.chunk]
+    if short and not args.no_prefill:  # the chunk's queries are the context's last tokens
+        parser.error(f"--context {short[0]} is shorter than --chunk {args.chunk} (the new queries are the context's "
+                     f"last tokens): give --chunk {short[0]} or less")
     cpus = sorted(os.sched_getaffinity(0))
     kv = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     cache = f" ({args.kv_dtype} cache)" if args.kv_dtype else ""

@@ -241,6 +241,27 @@ async def health(request: Request) -> Response:
     return error_response(503, f"the engine is {engine.state()}", None, engine.state())
 
 
+# vLLM's /invocations (SageMaker's one route): the first field of these that the body holds picks the endpoint
+INVOCATIONS = (("messages", openai_api.chat_completions), ("prompt", openai_api.completions),
+               ("input", embeddings.embeddings), ("text_1", scores.score), ("queries", scores.score),
+               ("documents", scores.rerank))
+
+
+async def invocations(request: Request) -> Response:
+    """vLLM's /invocations: a chat, completion, embedding, score or rerank request, told apart by its fields."""
+    try:
+        data = openai_api.parse_json(await request.body())
+    except APIError:  # (not JSON, or compressed: the chat endpoint's reading says what is wrong with it)
+        data = None
+    if not isinstance(data, dict):
+        return await openai_api.chat_completions(request)
+    for field, endpoint in INVOCATIONS:
+        if data.get(field) is not None:
+            return await endpoint(request)
+    raise APIError(400, "an /invocations body holds messages (chat), prompt (completions), input (embeddings), "
+                        "text_1 and text_2 or queries (score), or query and documents (rerank)", None, "invalid_value")
+
+
 async def load(request: Request) -> Response:
     """vLLM's /load: the requests this HTTP worker is answering (their generations under way), for a load balancer."""
     return JSONResponse({"server_load": len(LIVE)})
@@ -344,6 +365,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         *(Route(path, scores.score, methods=["POST"]) for path in ("/score", "/v1/score")),
         *(Route(path, scores.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        Route("/invocations", invocations, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -13,7 +13,7 @@ from app.server.config import FrontendConfig
 from app.server.errors import APIError, error_response
 
 # The routes that start work in an engine: refused once the server drains (POST)
-WORK_PATHS = ("/v1/", "/v2/", "/score", "/rerank")
+WORK_PATHS = ("/v1/", "/v2/", "/score", "/rerank", "/invocations")
 
 
 class Gate:

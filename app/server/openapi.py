@@ -28,6 +28,9 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("get", "/tokenizer_info", "The served tokenizer: class, special tokens, chat template (vLLM's)", None,
      p.TokenizerInfoResponse),
 ]
+INVOKED = [(p.ChatCompletionRequest, p.ChatCompletionResponse), (p.CompletionRequest, p.CompletionResponse),
+           (p.EmbeddingRequest, p.EmbeddingResponse), (p.ScoreRequest, p.ScoreResponse),
+           (p.RerankRequest, p.RerankResponse)]  # /invocations: any of these, told apart by their fields
 PLAIN = [("/version", "The server's version"), ("/health", "200 when every engine is ready, else 503"),
          ("/ping", "/health under vLLM's other name (GET or POST)"),
          ("/load", "vLLM's: {\"server_load\": the requests this HTTP worker is answering}"),
@@ -41,22 +44,31 @@ def openapi_document(version: str) -> dict:
                                     ref_template="#/components/schemas/{model}")
     paths: dict = {}
     for method, path, summary, request, response in ENDPOINTS:
-        operation = {"summary": summary, "responses": {
-            "200": {"description": "OK", "content": {"application/json": {"schema": _ref(response)}}},
-            "400": _error("Bad request"), "401": _error("Missing or wrong API key"), "404": _error("Unknown model"),
-            "413": _error("Body too large"), "415": _error("Compressed body"), "429": _error("Waiting queue full"),
-            "503": _error("Not ready")}}
+        operation = {"summary": summary, "responses": _responses(_ref(response))}
         if "{" in path:
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for name in re.findall(r"{(\w+)}", path)]
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
         paths[path] = {method: operation}
+    paths["/invocations"] = {"post": {
+        "summary": "vLLM's (SageMaker's) one route: a chat, completion, embedding, score or rerank request, told "
+                   "apart by its fields (messages, prompt, input, text_1 or queries, documents)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "anyOf": [_ref(request) for request, _ in INVOKED]}}}},
+        "responses": _responses({"anyOf": [_ref(response) for _, response in INVOKED]})}}
     for path, summary in PLAIN:
         operation = {"summary": summary, "responses": {"200": {"description": "OK"}, "503": _error("Not ready")}}
         paths[path] = {method: operation for method in (("get", "post") if path == "/ping" else ("get",))}
     return {"openapi": "3.1.0", "info": {"title": "CPU LLM appliance (OpenAI-compatible)", "version": version},
             "paths": paths, "components": {"schemas": schemas.get("$defs", {})}}
+
+
+def _responses(answer: dict) -> dict:
+    return {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}},
+            "400": _error("Bad request"), "401": _error("Missing or wrong API key"), "404": _error("Unknown model"),
+            "413": _error("Body too large"), "415": _error("Compressed body"), "429": _error("Waiting queue full"),
+            "503": _error("Not ready")}
 
 
 def _ref(model) -> dict:

@@ -92,3 +92,27 @@ def test_bad_score_requests_are_400s_that_name_the_field(appliance, path, body, 
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_invocations_answers_each_request_as_its_own_endpoint(appliance):
+    """vLLM's /invocations (SageMaker's one route) tells a request apart by its fields and answers it as the
+    endpoint it is for would; a body of none of them, or not JSON, is a 400."""
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8, "temperature": 0}
+    same = [
+        ("/v1/chat/completions", chat, lambda a: a["choices"][0]["message"]["content"]),
+        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0},
+         lambda a: a["choices"][0]["text"]),
+        ("/v1/embeddings", {"input": TEXTS[:2]}, lambda a: [x for d in a["data"] for x in d["embedding"]]),
+        ("/score", {"text_1": TEXTS[0], "text_2": TEXTS[1:3]}, lambda a: [d["score"] for d in a["data"]]),
+        ("/rerank", {"query": TEXTS[0], "documents": TEXTS[1:]},
+         lambda a: [x for r in a["results"] for x in (r["index"], r["relevance_score"])]),
+    ]
+    for path, body, read in same:
+        direct, invoked = _post(appliance, path, body), _post(appliance, "/invocations", body)
+        assert direct.status_code == invoked.status_code == 200, (path, invoked.text)
+        want = read(direct.json())
+        assert read(invoked.json()) == (want if isinstance(want, str) else pytest.approx(want, abs=1e-4)), path
+    unknown = _post(appliance, "/invocations", {"text": "hello"})
+    assert unknown.status_code == 400 and "messages (chat)" in unknown.json()["error"]["message"]
+    broken = httpx.post(appliance.url + "/invocations", content=b"{not json", timeout=60)
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"
