@@ -22,13 +22,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+def formatter(fmt: str, process_name: str) -> logging.Formatter:
+    """runtime.log_format's lines: "json", one object each, or "text"."""
+    if fmt == "json":
+        return JsonFormatter(process_name)
+    return logging.Formatter(f"%(asctime)s {process_name} %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+
+
+def gunicorn_logging(level: str, fmt: str) -> dict:
+    """gunicorn's logconfig_dict: its own lines (its master's, and its workers' "gunicorn.error" and "uvicorn.error")
+    in the appliance's format, not gunicorn's."""
+    handler = {"class": "logging.StreamHandler", "formatter": "appliance", "stream": "ext://sys.stderr"}
+    return {"formatters": {"appliance": {"()": "app.logs.formatter", "fmt": fmt, "process_name": "http"}},
+            "handlers": {"console": handler}, "root": {"level": level.upper(), "handlers": ["console"]},
+            "loggers": {"gunicorn.error": {"level": level.upper(), "handlers": ["console"], "propagate": False}}}
+
+
 def configure_logging(level: str = "info", fmt: str = "text", process_name: str = "appliance") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter(process_name))
-    else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {process_name} %(levelname)s %(name)s: %(message)s",
-                                               "%H:%M:%S"))
+    handler.setFormatter(formatter(fmt, process_name))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,6 +1,12 @@
 """gunicorn's settings for the frontend (the bootstrap passes bind, workers and timeouts on top)."""
 
+import os
+
+from app.logs import gunicorn_logging
+
 worker_class = "app.server.worker.ApplianceWorker"
+logconfig_dict = gunicorn_logging(os.environ.get("APPLIANCE_LOG_LEVEL", "info"),
+                                  os.environ.get("APPLIANCE_LOG_FORMAT", "text"))
 # Workers load a tokenizer at start; give them time before gunicorn declares them dead.
 timeout = 120
 keepalive = 5

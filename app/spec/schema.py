@@ -313,7 +313,8 @@ class RuntimeSpec(Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Least severe log level printed."""
     log_format: Literal["text", "json"] = "text"
-    """Log lines as readable text or as one JSON object per line."""
+    """Log lines as readable text or as one JSON object per line (`time`, `level`, `process`, `logger`, `message`;
+    every process's lines, gunicorn's and uvicorn's own included)."""
 
 
 class Spec(Section):

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import Appliance
+from tests.server.conftest import BASE_SPEC, Appliance
 
 
 def _stream(app: Appliance, out: dict, max_tokens: int = 48) -> None:
@@ -151,3 +151,21 @@ def test_the_model_is_listed_only_once_the_engine_can_serve(tmp_path):
         assert done.status_code == 200, done.text
     finally:
         app.stop()
+
+
+def test_json_logs_are_one_object_a_line_from_every_process(tmp_path):
+    """runtime.log_format: json holds for every line a run writes: the bootstrap's, the engine's, and gunicorn's and
+    uvicorn's own (their master's and workers'), from start to a drained stop."""
+    app = Appliance(tmp_path, spec=BASE_SPEC + "runtime:\n  log_format: json\n").wait_ready()
+    assert app.stop() == 0, app.logs()[-3000:]
+    lines = app.logs().splitlines()
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
+    loggers = {e["logger"] for e in entries}
+    assert {"gunicorn.error", "uvicorn.error"} <= loggers, loggers
+    assert any(e["message"].startswith("Starting gunicorn") and e["process"] == "http" for e in entries)
+    assert {e["level"] for e in entries} <= {"debug", "info", "warning", "error", "critical"}
