@@ -227,8 +227,10 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from app.benchmark.serve import Workload, plot, run
+    from app.benchmark.serve import Workload, plot, require_matplotlib, run
 
+    if args.plot:
+        require_matplotlib()
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     model = args.model
     if model is None:

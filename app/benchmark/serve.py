@@ -235,9 +235,19 @@ def read_results(path: Path) -> list[dict]:
              "request_rate": float(rate) if rate not in (None, "inf") else float("inf")}]
 
 
+def require_matplotlib() -> None:
+    """A clear exit where the plots' library is missing (checked before a benchmark runs, not after)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("a plot needs matplotlib: pip install 'llm-appliance[bench]' (from the repository: "
+                         "pip install -e '.[bench]')") from None
+
+
 def plot(results: list[dict], path: Path, title: str = "") -> None:
     """Median TPOT and TTFT against output throughput, one line per server (label), one point per
     concurrency level: down and to the right is better."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
