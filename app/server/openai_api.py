@@ -263,8 +263,9 @@ def chat_message(seq, tools: ToolPlan | None, reader: AnswerReader, echoed: str 
     if "tool_calls" in fields:
         message["tool_calls"] = reader.tools.calls()  # whole calls: no stream `index`
         reason = tools.finish_reason(reason, reader.tools)
-    if ("tool_calls" in fields or "reasoning" in fields) and not message["content"]:
-        message["content"] = None  # as vLLM: calls or reasoning alone, no content
+    block_only = reader.reasoning is not None and reader.reasoning.block_only
+    if ("tool_calls" in fields or "reasoning" in fields or block_only) and not message["content"]:
+        message["content"] = None  # as vLLM: calls or a thinking block alone (even an empty one), no content
     if echoed:
         message["content"] = echoed + (message["content"] or "")
     return {"message": message, "finish_reason": reason, "stop_reason": seq.text.stop_reason}

@@ -76,6 +76,11 @@ class ReasoningReader:
             self._after_close = not text
         return reasoning, text
 
+    @property
+    def block_only(self) -> bool:
+        """The answer so far is a thinking block (ended or not, empty or not) and no content: its content is null."""
+        return self.thinking or self._after_close
+
     def end(self) -> tuple[str, str]:
         held, self._held = self._held, ""
         if self.thinking:  # cut inside the block (max_tokens, a stop string)

@@ -91,3 +91,20 @@ def test_a_thinking_answer_with_hermes_calls_splits_the_same_at_every_piece_boun
         assert fields["content"] == "Let me check.\n"
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in fields["tool_calls"]] == [
             ("get_weather", '{"city": "Paris"}')] and reader.tools.closed
+
+
+@pytest.mark.parametrize("thinking, text, content", [
+    (False, "<think>\n\n</think>\n\n", None),  # an empty block closed, nothing after: null, as vLLM
+    (True, "  ", None),  # the prompt opened the block; the answer ended (EOS) inside it with nothing in it
+    (False, "<think>Hmm.</think>", None),
+    (False, "<think>Hmm.</think>Paris.", "Paris."),
+    (False, "", ""),  # no block: an empty answer is empty text
+    (False, "  \n", "  \n"),
+])
+def test_a_thinking_block_with_no_answer_after_it_has_null_content(thinking, text, content):
+    from types import SimpleNamespace
+
+    from app.server.openai_api import AnswerReader, chat_message
+
+    seq = SimpleNamespace(text=SimpleNamespace(text=text, finish_reason=None, stop_reason=None))
+    assert chat_message(seq, None, AnswerReader(None, thinking))["message"]["content"] == content
