@@ -83,14 +83,15 @@ async def _continued(ctx, body: ResponsesRequest) -> list[dict]:
     if record is None:  # (OpenAI's answer)
         raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found.",
                        "previous_response_id", "previous_response_not_found")
-    earlier = record["conversation"] + record["response"]["output"]
     try:
-        body.input = ResponsesRequest.model_validate({"input": earlier}).input + body.input
+        earlier = ResponsesRequest.model_validate({"input": record["conversation"] + record["response"]["output"]})
     except ValidationError as exc:  # (a function call that max_output_tokens cut: its arguments are no JSON)
         reason = from_validation_error(exc).message
         raise APIError(400, f"previous_response_id: response '{body.previous_response_id}' cannot be continued: "
                             f"{reason}", "previous_response_id", "invalid_value") from None
-    return earlier + own
+    body.input = earlier.input + body.input
+    # kept as validated: what the answer reads, without the output's logprobs and ids (each turn keeps the chain)
+    return [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in earlier.input] + own
 
 
 def _in_responses_terms(error: APIError) -> APIError:
