@@ -910,6 +910,13 @@ CHAT_SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "frequency_penalty", "presence
                         "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias")
 
 
+# chat's fields that the Responses API has under other names: where a 400 for the one sent points
+RESPONSES_NAMES = {"max_tokens": "use max_output_tokens", "max_completion_tokens": "use max_output_tokens",
+                   "response_format": "use text.format", "structured_outputs": "use text.format",
+                   "guided_": "use text.format", "messages": "use input (and instructions)",
+                   "logprobs": 'use include: ["message.output_text.logprobs"] and top_logprobs'}
+
+
 class ResponsesRequest(_Body):
     """OpenAI's Responses API: the conversation comes whole with each request, or continues a stored response's
     (`previous_response_id`, where server.responses_store keeps them: responses.py)."""
@@ -952,6 +959,15 @@ class ResponsesRequest(_Body):
                                               "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
                                               "return_tokens_as_token_ids": (False, None),
                                               "n": (1, None), "best_of": (1, None)})  # (one output: no choices)
+        chats = {name: info.default for name, info in ChatCompletionRequest.model_fields.items()
+                 if name not in ResponsesRequest.model_fields and name not in CHAT_SAMPLING_EXTRAS
+                 and name != "stream_options"}  # (which changes no answer: usage comes in response.completed)
+        for name, value in (self.model_extra or {}).items():
+            if (name in chats and value not in (None, chats[name])) or (name.startswith("guided_") and value is not None):
+                instead = next((theirs for ours, theirs in RESPONSES_NAMES.items() if name.startswith(ours)),
+                               "the Responses API has no such field")
+                raise FieldError(name, f"{name} is a chat completions field, which /v1/responses does not follow "
+                                       f"(ignoring it would answer another request): {instead}")
         return self
 
     @field_validator("conversation", "prompt")
