@@ -243,23 +243,19 @@ async def health(request: Request) -> Response:
 
 # vLLM's /invocations (SageMaker's one route): the first field of these that the body holds picks the endpoint
 INVOCATIONS = (("messages", openai_api.chat_completions), ("prompt", openai_api.completions),
-               ("input", embeddings.embeddings), ("text_1", scores.score), ("queries", scores.score),
-               ("documents", scores.rerank))
+               ("input", embeddings.embeddings), ("text_1", scores.score), ("data_1", scores.score),
+               ("queries", scores.score), ("documents", scores.rerank))
 
 
 async def invocations(request: Request) -> Response:
     """vLLM's /invocations: a chat, completion, embedding, score or rerank request, told apart by its fields."""
-    try:
-        data = openai_api.parse_json(await request.body())
-    except APIError:  # (not JSON, or compressed: the chat endpoint's reading says what is wrong with it)
-        data = None
-    if not isinstance(data, dict):
-        return await openai_api.chat_completions(request)
+    data = await openai_api.read_json(request)  # (the endpoint reads it again from request.state)
     for field, endpoint in INVOCATIONS:
         if data.get(field) is not None:
             return await endpoint(request)
     raise APIError(400, "an /invocations body holds messages (chat), prompt (completions), input (embeddings), "
-                        "text_1 and text_2 or queries (score), or query and documents (rerank)", None, "invalid_value")
+                        "text_1 and text_2, data_1 and data_2 or queries (score), or query and documents (rerank)",
+                   None, "invalid_value")
 
 
 async def load(request: Request) -> Response:

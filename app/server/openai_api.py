@@ -35,6 +35,20 @@ MAX_SEQUENCES = 64  # prompts x n in one request: more would let one client fill
 
 async def read_body(request: Request, model):
     """The body as `model`; anything JSON or the tokenizer cannot take is a 400 that names the problem."""
+    data = await read_json(request)
+    header = request.headers.get("x-request-id")
+    if header and "request_id" in model.model_fields:  # vLLM's: the header wins over the body's request_id
+        data["request_id"] = header
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def read_json(request: Request) -> dict:
+    """The body's JSON object (read once a request: kept in request.state); what is no JSON object is a 4xx."""
+    if getattr(request.state, "json", None) is not None:
+        return request.state.json
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise APIError(415, f"Content-Encoding {encoding[:40]!r} is not supported: send the body uncompressed", None,
@@ -52,13 +66,8 @@ async def read_body(request: Request, model):
     if where is not None:
         raise APIError(400, f"{where or 'the body'}: a string holds a lone UTF-16 surrogate (such as \\ud800), "
                             f"which is not Unicode text", where or None, "invalid_json")
-    header = request.headers.get("x-request-id")
-    if header and "request_id" in model.model_fields:  # vLLM's: the header wins over the body's request_id
-        data["request_id"] = header
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    request.state.json = data
+    return data
 
 
 def parse_json(raw: bytes):

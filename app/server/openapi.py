@@ -13,8 +13,8 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("post", "/v1/completions", "Create a completion", p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse),
     ("post", "/v1/responses", "Create a response (OpenAI's Responses API)", p.ResponsesRequest, p.ResponseObject),
-    ("get", "/v1/responses/{response_id}", "A stored response (server.responses_store); DELETE drops it", None,
-     p.ResponseObject),
+    ("get", "/v1/responses/{response_id}", "A stored response (server.responses_store)", None, p.ResponseObject),
+    ("delete", "/v1/responses/{response_id}", "Drop a stored response", None, p.ResponseDeleted),
     ("post", "/v1/embeddings", "Create embeddings (the last token's final hidden state, L2-normalized)",
      p.EmbeddingRequest, p.EmbeddingResponse),
     *(("post", path, "Score text pairs: the cosine of their embeddings (vLLM's)", p.ScoreRequest, p.ScoreResponse)
@@ -50,10 +50,10 @@ def openapi_document(version: str) -> dict:
                                        for name in re.findall(r"{(\w+)}", path)]
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-        paths[path] = {method: operation}
+        paths.setdefault(path, {})[method] = operation
     paths["/invocations"] = {"post": {
         "summary": "vLLM's (SageMaker's) one route: a chat, completion, embedding, score or rerank request, told "
-                   "apart by its fields (messages, prompt, input, text_1 or queries, documents)",
+                   "apart by its fields (messages, prompt, input, text_1, data_1 or queries, documents)",
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "anyOf": [_ref(request) for request, _ in INVOKED]}}}},
         "responses": _responses({"anyOf": [_ref(response) for _, response in INVOKED]})}}

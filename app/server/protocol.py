@@ -1054,6 +1054,14 @@ class ResponsesRequest(_Body):
         return fields
 
 
+class ResponseDeleted(BaseModel):
+    """DELETE /v1/responses/{id}: OpenAI's answer."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     output_tokens: int

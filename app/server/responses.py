@@ -22,7 +22,7 @@ from app.server.errors import APIError, from_validation_error
 from app.server.generation import Generation
 from app.server.openai_api import (AnswerReader, chat_logprobs, chat_message, collect, read_body, sse_json,
                                    start_chat, stream_error)
-from app.server.protocol import ChatCompletionRequest, ResponsesRequest
+from app.server.protocol import ChatCompletionRequest, ResponseDeleted, ResponsesRequest
 
 
 async def responses(request: Request) -> Response:
@@ -66,7 +66,7 @@ async def stored(request: Request) -> Response:
         raise APIError(404, f"Response with id '{response_id}' not found{kept}.", "response_id", "not_found")
     if request.method == "DELETE":
         await ctx.responses.delete(response_id)
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(ResponseDeleted(id=response_id).model_dump())
     return JSONResponse(record["response"])
 
 

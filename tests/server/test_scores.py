@@ -116,3 +116,8 @@ def test_invocations_answers_each_request_as_its_own_endpoint(appliance):
     assert unknown.status_code == 400 and "messages (chat)" in unknown.json()["error"]["message"]
     broken = httpx.post(appliance.url + "/invocations", content=b"{not json", timeout=60)
     assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"
+    packed = httpx.post(appliance.url + "/invocations", content=b"x", headers={"Content-Encoding": "gzip"})
+    assert packed.status_code == 415, packed.text
+    data = _post(appliance, "/invocations", {"data_1": TEXTS[0], "data_2": TEXTS[1]}).json()["data"][0]["score"]
+    text = _post(appliance, "/score", {"text_1": TEXTS[0], "text_2": TEXTS[1]}).json()["data"][0]["score"]
+    assert data == pytest.approx(text, abs=1e-4)
