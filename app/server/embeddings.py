@@ -72,9 +72,10 @@ async def embed(ctx, request: Request, prompts: list[list[int]]) -> list[list[fl
     return vectors
 
 
-def check_context(ctx, prompts: list[list[int]], param: str) -> None:
-    """A 400 before any input runs where one is too long (the engine computes an input as a one-token completion)."""
-    for i, ids in enumerate(prompts):
+def check_context(ctx, prompts: list[list[int]], param: str, first: int = 0) -> None:
+    """A 400 before any input runs where one is too long (the engine computes an input as a one-token completion);
+    `first`: the index in `param` of prompts[0]."""
+    for i, ids in enumerate(prompts, first):
         if len(ids) >= ctx.max_model_len:
             raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} tokens. However, {param} "
                                 f"{i} has {len(ids)} tokens: an embedding's input may have up to "

@@ -1,8 +1,8 @@
 """The gunicorn entry point of a frontend worker: `app.server.main:create_app_from_env()`.
 
 The bootstrap hands the workers their settings as JSON in APPLIANCE_FRONTEND_CONFIG, an environment
-variable rather than a file, so the API key never touches a disk; this is the one place the
-frontend reads the environment.
+variable rather than a file, so the API key never touches a disk; this is where the frontend reads
+the environment (and gunicorn_conf.py, for the log level and format of gunicorn's own lines).
 """
 
 from __future__ import annotations

@@ -734,15 +734,19 @@ class ScoreRequest(ScoringFields):
     def _one_pair_of_sides(self):
         first, second = self.side_names()
         if len(self.side(first)) > 1 and len(self.side(first)) != len(self.side(second)):
-            raise FieldError(second, f"{first} holds {len(self.side(first))} texts and {second} {len(self.side(second))}: "
-                             f"give one {first} for every {second}, or a single one for all of them")
+            raise FieldError(second, f"{first} holds {len(self.side(first))} texts and {second} "
+                                     f"{len(self.side(second))}: give one {first} for every {second}, or a single "
+                                     f"one for all of them")
         return self
 
     def side_names(self) -> tuple[str, str]:
-        for first, second in SCORE_SIDES:
-            if getattr(self, first) is not None and getattr(self, second) is not None:
-                return first, second
-        raise FieldError("text_2", "give the two sides to score: text_1 and text_2 (or queries and documents)")
+        given = [pair for pair in SCORE_SIDES if all(getattr(self, name) is not None for name in pair)]
+        if len(given) > 1:  # (scoring one pair and dropping the other would answer half the request)
+            raise FieldError(given[1][1], f"give one pair of sides to score, not both ({', '.join(given[0])}) and "
+                                          f"({', '.join(given[1])})")
+        if not given:
+            raise FieldError("text_2", "give the two sides to score: text_1 and text_2 (or queries and documents)")
+        return given[0]
 
     def side(self, name: str) -> list[str]:
         value = getattr(self, name)

@@ -70,9 +70,9 @@ async def _scores(ctx, request: Request, body: ScoringFields, queries: list[str]
     ids = {}  # each different (text, limit) computed once
     for texts, limit, name in ((queries, body.max_tokens_per_query, names[0]),
                                (documents, body.max_tokens_per_doc, names[1])):
-        for text in texts:
+        for i, text in enumerate(texts):
             if (text, limit) not in ids:
-                ids[text, limit] = await _prompt(ctx, body, text, limit, name)
+                ids[text, limit] = await _prompt(ctx, body, text, limit, name, i)
     keys = list(ids)
     vectors = dict(zip(keys, np.asarray(await embed(ctx, request, [ids[k] for k in keys]), dtype=np.float64),
                        strict=True))
@@ -84,13 +84,13 @@ async def _scores(ctx, request: Request, body: ScoringFields, queries: list[str]
     return scores, tokens
 
 
-async def _prompt(ctx, body: ScoringFields, text: str, limit: int, name: str) -> list[int]:
+async def _prompt(ctx, body: ScoringFields, text: str, limit: int, name: str, index: int) -> list[int]:
     """A text's token ids as scored: its first `limit` tokens where a limit is set, the last truncate_prompt_tokens
     where that is; a 400 naming `name` where it is longer than the context."""
     bounded = body.truncate_prompt_tokens is None and not limit
     ids = (await ctx.prompt_ids(text, name, bounded=bounded))[0]
     ids = body.truncated(await _first_tokens(ctx, text, ids, limit, name), ctx.max_model_len)
-    check_context(ctx, [ids], name)
+    check_context(ctx, [ids], name, index)
     return ids
 
 

@@ -79,6 +79,7 @@ def test_truncation_keeps_the_first_or_last_tokens(appliance):
 @pytest.mark.parametrize(("path", "body", "param", "message"), [
     ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_2", "text_1 holds 2 texts and text_2 4"),
     ("/score", {"text_1": TEXTS[0]}, "text_2", "give the two sides to score"),
+    ("/score", {"text_1": "a", "text_2": "b", "queries": "c", "documents": ["d"]}, "documents", "one pair of sides"),
     ("/score", {"queries": TEXTS[0], "documents": []}, "documents", "give 1 to 2048 texts, not 0"),
     ("/score", {"text_1": "a", "text_2": ["b"] * 2048}, "text_2", "up to 2048 texts"),
     ("/score", {"text_1": "a", "text_2": "b", "instruction": "Rank by relevance"}, "instruction", "instruction is not"),
@@ -86,6 +87,7 @@ def test_truncation_keeps_the_first_or_last_tokens(appliance):
     ("/rerank", {"documents": ["b"]}, "query", "query"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n"),
     ("/rerank", {"query": "a " * 9000, "documents": ["b"]}, "query", "maximum context length"),
+    ("/rerank", {"query": "a", "documents": ["b", "a " * 9000]}, "documents", "documents 1 has"),
 ])
 def test_bad_score_requests_are_400s_that_name_the_field(appliance, path, body, param, message):
     answer = _post(appliance, path, body)
