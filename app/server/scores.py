@@ -57,8 +57,8 @@ async def rerank(request: Request) -> Response:
 
 async def _scores(ctx, request: Request, body: ScoringFields, queries: list[str], documents: list[str],
                   names: tuple[str, str]) -> tuple[list[float], int]:
-    """The cosine of each pair's embeddings (one query for every document, or one each), and the tokens read (as
-    every text given, a query paired with many once; vLLM counts a query once a pair)."""
+    """The cosine of each pair's embeddings (one query for every document, or one each), and the tokens read
+    (every text given, a query paired with many once; vLLM counts a query once a pair)."""
     if len(queries) + len(documents) > MAX_SCORED_TEXTS:
         raise APIError(400, f"a request may score up to {MAX_SCORED_TEXTS} texts, {names[0]} and {names[1]} "
                             f"together; this one has {len(queries) + len(documents)}", names[1], "invalid_value")
