@@ -116,7 +116,8 @@ class LLM:
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[float]:
         """vLLM's `LLM.score` for an embedding model: the cosine of each pair's embeddings (`embed`), a single text
-        of `data_1` paired with every one of `data_2`, else one to one."""
+        of `data_1` paired with every one of `data_2`, else one to one. The scores themselves, as floats (vLLM's
+        returns ScoringRequestOutput objects, each score at `.outputs.score`)."""
         firsts = [data_1] if isinstance(data_1, str) else list(data_1)
         seconds = [data_2] if isinstance(data_2, str) else list(data_2)
         if not firsts or not seconds or len(firsts) not in (1, len(seconds)):
