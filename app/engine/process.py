@@ -40,7 +40,10 @@ def run_engine(launches: list[RankLaunch]) -> None:
     from app.parallel.worker import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # a SIGKILLed supervisor leaves no engine behind (SIGTERM: its workers stop too)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the bootstrap, which drains first
+    # Ctrl-C goes to the bootstrap, which drains first; SIGHUP too, which reloads the spec (a signal sent to the
+    # whole process group, or a closed terminal's, would otherwise kill the engine under a server that goes on)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean exit: finalizers run, nothing leaks
     launch = launches[0]
     configure_logging(launch.log_level, launch.log_format, launch.name)

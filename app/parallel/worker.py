@@ -68,7 +68,8 @@ def run_worker(launch: RankLaunch, group_name: str, bind: bool = True) -> None:
     from app.logs import configure_logging, thread_lock_for_progress_bars
 
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the bootstrap's signals, as the engine's: app/engine/process.py)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     configure_logging(launch.log_level, launch.log_format, launch.name)
     thread_lock_for_progress_bars()

@@ -3,6 +3,7 @@ request fails) or drains and restarts the only engine (dp=1)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -111,6 +112,12 @@ def test_dp1_reload_drains_restarts_and_serves_again(tmp_path):
         app.process.send_signal(signal.SIGHUP)
         tail = _wait_for_log(app, "still serving with the previous spec", mark, timeout=60)
         assert "the HTTP frontend's settings (max_connections)" in tail and _engine_pids(app) == before
+        # a SIGHUP sent to the whole process group (kill -HUP -PGID, a closed terminal) reaches the engine too: the
+        # bootstrap's to act on, the engine goes on
+        os.kill(before[0], signal.SIGHUP)
+        time.sleep(1)
+        assert app.process.poll() is None and httpx.get(app.url + "/health", timeout=5).status_code == 200
+        assert "engine process exited" not in app.logs(), app.logs()[-3000:]
         app.spec_path.write_text(BASE_SPEC + SEQS.format(16))
         mark = len(app.logs())
         app.process.send_signal(signal.SIGHUP)
