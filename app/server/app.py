@@ -29,7 +29,8 @@ from app.server.errors import APIError, error_response, from_api_error
 from app.server.gate import Gate
 from app.server.generation import LIVE, ShuttingDown
 from app.server.metrics import EngineCollector, Metrics, render
-from app.server.protocol import ChatMessage, ChatTemplateFields, DetokenizeRequest, TokenizeRequest
+from app.server.protocol import (ApplyTemplateRequest, ChatMessage, ChatTemplateFields, DetokenizeRequest,
+                                 TokenizeRequest)
 from app.server.reasoning import opens_thinking
 from app.server.response_store import ResponseStore
 from app.server.tools import ToolPlan, conversation as tool_conversation, plan as plan_tools
@@ -86,16 +87,22 @@ class Context:
                           bounded: bool = True) -> ChatPrompt:
         """The rendered conversation's ids: the template writes the special tokens (vLLM's add_special_tokens adds
         the tokenizer's too, such as a BOS); `bounded` as prompt_ids'."""
-        knows_tools = self.text.template_knows_tools
-        conversation = tool_conversation(messages, tools, knows_tools, self.text.tool_format,
-                                         self.text.template_knows_developer)
-        template_tools = tools.template_tools() if tools is not None and knows_tools else None
-        text = await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools,
-                                           bounded)
+        text = await self.render_chat(messages, rendering, tools, bounded)
         ids = await self.text.encode(text, "messages", add_special_tokens, bounded)
         self._check_ids(ids, "messages")
         prefill = messages[-1].text() if rendering.continue_final_message and messages else None
         return ChatPrompt(ids, self.text.thinks and opens_thinking(text, prefill))
+
+    async def render_chat(self, messages: list[ChatMessage], rendering: ChatTemplateFields,
+                          tools: ToolPlan | None = None, bounded: bool = True) -> str:
+        """The conversation as the chat template writes it (with the tools it renders, in the tool format's
+        history)."""
+        knows_tools = self.text.template_knows_tools
+        conversation = tool_conversation(messages, tools, knows_tools, self.text.tool_format,
+                                         self.text.template_knows_developer)
+        template_tools = tools.template_tools() if tools is not None and knows_tools else None
+        return await self.text.render_chat(conversation, rendering.template_options(), "messages", template_tools,
+                                           bounded)
 
     def check_token_ids(self, ids: list[int] | None, param: str) -> None:
         """Token ids a request names besides its prompt (`stop_token_ids`, `logit_bias`'s keys); none is fine."""
@@ -186,6 +193,15 @@ async def tokenize(request: Request) -> Response:
     if body.return_token_strs:  # vLLM's: the tokenizer's own pieces ("Ġworld"), not decoded text
         answer["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
     return JSONResponse(answer)
+
+
+async def apply_template(request: Request) -> Response:
+    """llama.cpp's /apply-template: the conversation as the chat template renders it for a chat request with the
+    same fields, run through nothing."""
+    ctx = request.app.state.ctx
+    body: ApplyTemplateRequest = await openai_api.read_body(request, ApplyTemplateRequest)
+    ctx.check_model(body.model)
+    return JSONResponse({"prompt": await ctx.render_chat(body.messages, body, plan_tools(body, ctx.text.tool_format))})
 
 
 async def detokenize(request: Request) -> Response:
@@ -366,6 +382,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -25,6 +25,8 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
     ("get", "/v1/models/{model}", "The served model by its id (404 for any other)", None, p.ModelCard),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", p.TokenizeRequest, p.TokenizeResponse),
     ("post", "/detokenize", "Turn token ids back into text", p.DetokenizeRequest, p.DetokenizeResponse),
+    ("post", "/apply-template", "The conversation as the chat template renders it (llama.cpp's)",
+     p.ApplyTemplateRequest, p.ApplyTemplateResponse),
     ("get", "/tokenizer_info", "The served tokenizer: class, special tokens, chat template (vLLM's)", None,
      p.TokenizerInfoResponse),
 ]

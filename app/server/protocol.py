@@ -531,6 +531,17 @@ class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
         return self
 
 
+class ApplyTemplateRequest(_Body, ChatTemplateFields, ToolFields):
+    """llama.cpp's /apply-template: a chat request's conversation (and its template fields, tools) to render."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], FIRST_ERROR, Field(min_length=1)]
+
+
+class ApplyTemplateResponse(BaseModel):
+    prompt: str
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds

@@ -923,6 +923,14 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
         messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     ids = httpx.post(appliance.url + "/tokenize", json={"prompt": rendered, "add_special_tokens": False}).json()
     assert ids["tokens"] == chat["tokens"]
+    # llama.cpp's /apply-template: the same rendering, as text; its chat fields as chat's
+    applied = httpx.post(appliance.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert applied.json() == {"prompt": rendered}
+    bare = httpx.post(appliance.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                "add_generation_prompt": False}).json()["prompt"]
+    assert rendered.startswith(bare) and len(bare) < len(rendered)
+    empty = httpx.post(appliance.url + "/apply-template", json={"messages": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
 
 
 def test_metrics_use_vllm_names(appliance, client):
