@@ -84,8 +84,11 @@ def test_qwen3_moe_follows_transformers_with_its_experts_kept_quantized(qwen3_mo
     # the native stack routes quantized experts under quantized activations; float32 ones take the Python layers
     native = ours.model._native_stack(ours.model.new_kv_cache(16, 16)) is not None
     assert native == (kind != "F32" and activations == "int16")
-    follow(ours.model, reference, PROMPTS)
-    follow(ours.model, reference, PROMPTS[:1])  # one sequence: a decode step of one token (MoE's own path)
+    # int16 activations round each row to 16 bits: 1e-3 of the largest logit (measured: just over 1e-4 of it on the
+    # Q8_0 experts against transformers 5.24; the dense models' int16 tests allow 2e-2 absolute); float32 1e-4
+    tolerance = 1e-4 if activations == "float" else 1e-3
+    follow(ours.model, reference, PROMPTS, tolerance=tolerance)
+    follow(ours.model, reference, PROMPTS[:1], tolerance=tolerance)  # one sequence: one decode token (MoE's path)
 
 
 def test_a_step_of_prompt_and_decode_rows_routes_each_as_it_runs_alone(qwen3_moe):
