@@ -46,7 +46,7 @@ def openapi_document(version: str) -> dict:
                                     ref_template="#/components/schemas/{model}")
     paths: dict = {}
     for method, path, summary, request, response in ENDPOINTS:
-        operation = {"summary": summary, "responses": _responses(_ref(response))}
+        operation = {"summary": summary, "responses": _responses(_ref(response), "response_id" in path)}
         if "{" in path:
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
                                        for name in re.findall(r"{(\w+)}", path)]
@@ -66,9 +66,10 @@ def openapi_document(version: str) -> dict:
             "paths": paths, "components": {"schemas": schemas.get("$defs", {})}}
 
 
-def _responses(answer: dict) -> dict:
+def _responses(answer: dict, by_id: bool = False) -> dict:
     return {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}},
-            "400": _error("Bad request"), "401": _error("Missing or wrong API key"), "404": _error("Unknown model"),
+            "400": _error("Bad request"), "401": _error("Missing or wrong API key"),
+            "404": _error("No response stored with this id" if by_id else "Unknown model"),
             "413": _error("Body too large"), "415": _error("Compressed body"), "429": _error("Waiting queue full"),
             "503": _error("Not ready")}
 

@@ -188,7 +188,10 @@ class StructuredOutputs(BaseModel):
 VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logits_processors": ([], None),
     "prompt_embeds": (None,), "spaces_between_special_tokens": (True, None),
+    # OpenAI's deprecated names of tools and tool_choice (vLLM ignores them: the answer would call nothing)
+    "functions": (None, []), "function_call": (None, "none", "auto"),
 }
+UNSUPPORTED_HINTS = {"functions": "use tools", "function_call": "use tool_choice"}
 
 
 def _not_zero(value: int) -> int:
@@ -214,7 +217,8 @@ def refuse_unsupported(extra: dict[str, Any] | None, fields: dict[str, tuple[Any
     for name, off in fields.items():
         if name in (extra or {}):
             if extra[name] not in off:
-                raise FieldError(name, f"{name} is not supported by this server")
+                hint = f" ({UNSUPPORTED_HINTS[name]})" if name in UNSUPPORTED_HINTS else ""
+                raise FieldError(name, f"{name} is not supported by this server{hint}")
 
 
 class SamplingFields(_Body, PromptTruncation):
@@ -520,7 +524,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, ToolFields):
 class TokenizeRequest(_Body, ChatTemplateFields, ToolFields):
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], FIRST_ERROR] | None = None
+    messages: Annotated[list[ChatMessage], FIRST_ERROR, Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False  # vLLM's: the tokens' pieces too, as `token_strs`
 

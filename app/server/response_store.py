@@ -79,7 +79,10 @@ class ResponseStore:
     def _delete(self, response_id: str) -> bool:
         if self._read(response_id) is None:
             return False
-        self._path(response_id).unlink(missing_ok=True)
+        try:
+            self._path(response_id).unlink()
+        except FileNotFoundError:  # (another request deleted it first: only one of them says it did)
+            return False
         return True
 
     def _drop_oldest(self, newest: Path) -> None:

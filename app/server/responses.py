@@ -65,7 +65,8 @@ async def stored(request: Request) -> Response:
         kept = "" if ctx.responses.enabled else " (server.responses_store is 0: this server keeps no responses)"
         raise APIError(404, f"Response with id '{response_id}' not found{kept}.", "response_id", "not_found")
     if request.method == "DELETE":
-        await ctx.responses.delete(response_id)
+        if not await ctx.responses.delete(response_id):  # (deleted by another request meanwhile)
+            raise APIError(404, f"Response with id '{response_id}' not found.", "response_id", "not_found")
         return JSONResponse(ResponseDeleted(id=response_id).model_dump())
     return JSONResponse(record["response"])
 
@@ -174,8 +175,8 @@ class _Answer:
         out = []
         if reasoning:
             out.append(_reasoning_item(self._item_id("rs"), reasoning))
-        if text:
-            out.append(_message_item(self._item_id("msg"), text, logprobs))
+        if text or not (reasoning or calls):  # (an empty answer is an empty message, as OpenAI's: never no output)
+            out.append(_message_item(self._item_id("msg"), text or "", logprobs))
         out += [_call_item(self._item_id("fc"), call_id, name, arguments) for call_id, name, arguments in calls]
         if out and self.status == "incomplete":
             out[-1]["status"] = "incomplete"  # the item the cut ended
@@ -225,6 +226,10 @@ class _Answer:
                                       delta=text, **extra)
             if last:
                 self.finished(event.finish_reason)
+                if item is None and not output:  # nothing written: an empty message, as the whole answer has
+                    item = self._open("text", "", len(output), calls)
+                    for e in item.pop("opening"):
+                        yield e
                 if item is not None and item["kind"] == "text":
                     item["logprobs"] += pending  # the end token's
                 for e in self._close(item, output, "incomplete" if self.status == "incomplete" else "completed"):

@@ -88,7 +88,12 @@ async def _prompt(ctx, body: ScoringFields, text: str, limit: int, name: str, in
     """A text's token ids as scored: its first `limit` tokens where a limit is set, the last truncate_prompt_tokens
     where that is; a 400 naming `name` where it is longer than the context."""
     bounded = body.truncate_prompt_tokens is None and not limit
-    ids = (await ctx.prompt_ids(text, name, bounded=bounded))[0]
+    try:
+        ids = (await ctx.prompt_ids(text, name, bounded=bounded))[0]
+    except APIError as error:
+        if error.code != "empty_prompt":
+            raise
+        raise APIError(400, f"{name} {index} is empty: there is nothing to score", name, "empty_prompt") from None
     ids = body.truncated(await _first_tokens(ctx, text, ids, limit, name), ctx.max_model_len)
     check_context(ctx, [ids], name, index)
     return ids

@@ -88,6 +88,7 @@ def test_truncation_keeps_the_first_or_last_tokens(appliance):
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n"),
     ("/rerank", {"query": "a " * 9000, "documents": ["b"]}, "query", "maximum context length"),
     ("/rerank", {"query": "a", "documents": ["b", "a " * 9000]}, "documents", "documents 1 has"),
+    ("/rerank", {"query": "a", "documents": ["b", "c", ""]}, "documents", "documents 2 is empty"),
 ])
 def test_bad_score_requests_are_400s_that_name_the_field(appliance, path, body, param, message):
     answer = _post(appliance, path, body)

@@ -89,3 +89,16 @@ def test_a_stream_that_fails_ends_with_an_error_and_response_failed():
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "engine_unavailable" and "died" in events[-2]["message"]
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"]
+
+
+def test_an_empty_answer_is_one_empty_message_whole_and_streamed():
+    """A response whose answer has no text (its first token ended it) holds one message with "" (OpenAI's shape):
+    clients read output[0], and a continuation renders an assistant turn."""
+    events = _stream(_Generation([""], "stop"))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["content"][0]["text"]) for i in done] == [("message", "")]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["output"] == done
+    answer = _Answer(_Generation([], "stop"), ResponsesRequest.model_validate({"input": "x"}), "m")
+    assert [i["type"] for i in answer.items(None, "", [])] == ["message"]
+    assert [i["type"] for i in answer.items("thought", None, [])] == ["reasoning"]  # (thinking only: no message)
