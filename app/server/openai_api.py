@@ -198,7 +198,7 @@ async def _beam_chat(ctx, request: Request, body: ChatCompletionRequest) -> dict
     prompt = await ctx.chat_prompt(body.messages, body, None, add_special_tokens=bool(body.add_special_tokens),
                                    bounded=body.truncate_prompt_tokens is None)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    room = ctx.room_asked(getattr(body, param), body.min_tokens)
+    room = ctx.room_asked(body.output_limit(), body.min_tokens)
     return await beam.chat_answer(ctx, request, body, body.truncated(prompt.ids, ctx.max_model_len, room), param)
 
 
@@ -210,8 +210,7 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
     tools = plan_tools(body, ctx.text.tool_format, structured, ctx.text.special_tags)
     prompt = await ctx.chat_prompt(body.messages, body, tools, add_special_tokens=bool(body.add_special_tokens),
                                    bounded=body.truncate_prompt_tokens is None)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ids = body.truncated(prompt.ids, ctx.max_model_len, ctx.room_asked(requested, body.min_tokens))
+    ids = body.truncated(prompt.ids, ctx.max_model_len, ctx.room_asked(body.output_limit(), body.min_tokens))
     top = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools if tools is not None and tools.forced else None
     constraint = forced.constraint if forced else None

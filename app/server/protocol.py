@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag,
@@ -344,8 +345,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt", "prompt must not be empty")
         if self.max_tokens == 0 and not self.echo:
-            raise FieldError("max_tokens", "max_tokens 0 is only allowed with echo: true (the prompt returned, with its logprobs "
-                             "where logprobs is set, and nothing generated)")
+            raise FieldError("max_tokens", "max_tokens 0 is only allowed with echo: true (the prompt returned, with "
+                                           "its logprobs where logprobs is set, and nothing generated)")
         return self
 
 
@@ -462,15 +463,16 @@ class ChatTemplateFields(BaseModel):
     @model_validator(mode="after")
     def _template_checks(self):
         if self.continue_final_message and self.add_generation_prompt:
-            raise FieldError("continue_final_message", "continue_final_message continues the last message, add_generation_prompt starts a new "
-                             "one: set add_generation_prompt to false with it")
+            raise FieldError("continue_final_message", "continue_final_message continues the last message, "
+                                                       "add_generation_prompt starts a new one: set "
+                                                       "add_generation_prompt to false with it")
         own = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_OWN)
         if own:
             raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {own[0]!r}: the server sets it")
         if self.chat_template_kwargs and (nesting(self.chat_template_kwargs) > MAX_NESTING or
                                           len(json.dumps(self.chat_template_kwargs)) > MAX_GRAMMAR_CHARS):
-            raise FieldError("chat_template_kwargs", f"chat_template_kwargs may hold up to {MAX_GRAMMAR_CHARS} characters, nested up to "
-                             f"{MAX_NESTING} levels")
+            raise FieldError("chat_template_kwargs", f"chat_template_kwargs may hold up to {MAX_GRAMMAR_CHARS} "
+                                                     f"characters, nested up to {MAX_NESTING} levels")
         return self
 
     def template_options(self) -> dict[str, Any]:
@@ -936,6 +938,15 @@ RESPONSES_NAMES = {"max_tokens": "use max_output_tokens", "max_completion_tokens
                    "logprobs": 'use include: ["message.output_text.logprobs"] and top_logprobs'}
 
 
+@cache
+def _chat_only_defaults() -> dict[str, Any]:
+    """Chat's fields that /v1/responses neither has nor passes on, with chat's defaults (set otherwise: a 400);
+    stream_options is none of them: it changes no answer (the usage comes in response.completed)."""
+    return {name: info.default for name, info in ChatCompletionRequest.model_fields.items()
+            if name not in ResponsesRequest.model_fields and name not in CHAT_SAMPLING_EXTRAS
+            and name != "stream_options"}
+
+
 class ResponsesRequest(_Body):
     """OpenAI's Responses API: the conversation comes whole with each request, or continues a stored response's
     (`previous_response_id`, where server.responses_store keeps them: responses.py)."""
@@ -978,11 +989,9 @@ class ResponsesRequest(_Body):
                                               "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
                                               "return_tokens_as_token_ids": (False, None),
                                               "n": (1, None), "best_of": (1, None)})  # (one output: no choices)
-        chats = {name: info.default for name, info in ChatCompletionRequest.model_fields.items()
-                 if name not in ResponsesRequest.model_fields and name not in CHAT_SAMPLING_EXTRAS
-                 and name != "stream_options"}  # (which changes no answer: usage comes in response.completed)
+        chats = _chat_only_defaults()
         for name, value in (self.model_extra or {}).items():
-            if (name in chats and value not in (None, chats[name])) or (name.startswith("guided_") and value is not None):
+            if name in chats and value not in (None, chats[name]) or name.startswith("guided_") and value is not None:
                 instead = next((theirs for ours, theirs in RESPONSES_NAMES.items() if name.startswith(ours)),
                                "the Responses API has no such field")
                 raise FieldError(name, f"{name} is a chat completions field, which /v1/responses does not follow "

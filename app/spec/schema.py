@@ -283,8 +283,8 @@ class ServerSpec(Section):
     `previous_response_id` continues their conversation and `GET /v1/responses/{id}` reads them back; shared by the
     HTTP workers, in the run directory under $TMPDIR for as long as the server runs (mind a tmpfs's size: a response
     keeps its whole conversation; one that cannot be written is answered anyway, with a warning in the log). From
-    100 up, the oldest go after 1% more were stored. 0 (the default, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE): none is kept,
-    `store` is answered false and `previous_response_id` is a 400."""
+    100 up, the oldest go after 1% more were stored. 0 (the default, as vLLM without
+    VLLM_ENABLE_RESPONSES_API_STORE): none is kept, `store` is answered false and `previous_response_id` is a 400."""
 
     @field_validator("max_body_size")
     @classmethod
