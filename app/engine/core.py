@@ -47,6 +47,7 @@ class TokenDelta:
     # with the first token: seconds it waited to be scheduled, then until its first token (vLLM's queue and prefill
     # times, on the engine's clock)
     timings: tuple[float, float] | None = None
+    cached_tokens: int | None = None  # with the first token: Request.num_cached_tokens
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ class EngineCore:
                                          produced[request_id] + j + 1,
                                          result.prompt_logprobs.get(request_id) if j == 0 else None,
                                          result.embeddings.get(request_id) if j == 0 else None,
-                                         timings if j == 0 else None))
+                                         timings if j == 0 else None,
+                                         request.num_cached_tokens if first and j == 0 else None))
         return deltas
 
     def _failed_grammars(self) -> list[TokenDelta]:

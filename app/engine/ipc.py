@@ -38,6 +38,7 @@ class Delta(msgspec.Struct, array_like=True, frozen=True):
     prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
     embedding: list[float] | None = None  # with the first token of a request that asked for its embedding
     timings: tuple[float, float] | None = None  # with the first token: seconds queued, then to that token (engine's)
+    cached_tokens: int | None = None  # with the first token: prompt tokens found in the prefix cache
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):

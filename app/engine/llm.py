@@ -43,6 +43,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then each next one's given those before it
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None  # SamplingParams.embed: the prompt's embedding
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's)
 
 
 Prompt = str | Sequence[int]
@@ -168,6 +169,7 @@ class LLM:
         for output, p in zip(outputs, params, strict=True):
             output.prompt_logprobs = sequences[f"{output.request_id}-0"].prompt_logprobs
             output.embedding = sequences[f"{output.request_id}-0"].embedding
+            output.num_cached_tokens = sequences[f"{output.request_id}-0"].cached_tokens
             for i in range(p.n):
                 seq = sequences[f"{output.request_id}-{i}"]
                 reason = seq.finish_reason.value if seq.finish_reason else None
@@ -185,6 +187,8 @@ class LLM:
                     seq.prompt_logprobs = delta.prompt_logprobs
                 if delta.embedding is not None:
                     seq.embedding = delta.embedding
+                if delta.cached_tokens is not None:
+                    seq.cached_tokens = delta.cached_tokens
                 if seq.take(delta.token_id, delta.logprobs, delta.finish_reason) and delta.finish_reason is None:
                     self.core.abort(delta.request_id, FinishReason.STOP)  # a stop string matched
 

@@ -88,6 +88,7 @@ class SequenceText:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs, once they came
     embedding: list[float] | None = None  # SamplingParams.embed, once it came
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache (known with its first token)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string matched, or the stop token id (not EOS) that ended
 

@@ -315,7 +315,7 @@ class EngineServer:
                 d.request_id, d.token_id, lp.logprob if lp else None, [tuple(t) for t in lp.top] if lp else None,
                 d.finish_reason.value if d.finish_reason else None, d.num_prompt_tokens, d.num_output_tokens,
                 None if prompt is None else [None if p is None else (p.logprob, list(p.top), p.rank) for p in prompt],
-                d.embedding, d.timings))
+                d.embedding, d.timings, d.cached_tokens))
             if d.finish_reason is not None:
                 del self.owner[d.request_id]
         for worker, batch in by_worker.items():

@@ -39,6 +39,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     scheduled: float | None = None  # when a step first took it in (time.monotonic(), as `arrival`)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when a step first took it in (vLLM's)
 
     @property
     def num_tokens(self) -> int:

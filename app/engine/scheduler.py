@@ -351,7 +351,7 @@ class Scheduler:
                 self.kv.count_prefix(request, hit)
             request.num_computed_tokens, request.status = hit.num_tokens, Status.RUNNING
             if request.scheduled is None:
-                request.scheduled = time.monotonic()
+                request.scheduled, request.num_cached_tokens = time.monotonic(), hit.num_tokens
             self.running.append(request)
             self.peak_running = max(self.peak_running, len(self.running))
             chosen.append((request, count))

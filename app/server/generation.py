@@ -197,6 +197,8 @@ class Generation:
                 choice.text.prompt_logprobs = scored
         if delta.embedding is not None:
             text.embedding = delta.embedding
+        if delta.cached_tokens is not None:
+            text.cached_tokens = delta.cached_tokens
         lp = TokenLogprobs(delta.logprob, tuple(delta.top or ())) if delta.logprob is not None else None
         before_tokens, before_lp = len(text.token_ids), len(text.logprobs)
         finished = text.take(delta.token_id, lp, FinishReason(delta.finish_reason) if delta.finish_reason else None)
@@ -225,6 +227,11 @@ class Generation:
                 "stop" if self.params.embed and reason != "abort" else reason, engine, now - self.started,
                 len(seq.prompt_ids) if seq.first_of_prompt else 0, seq.tokens if self._generates else 0,
                 not self.params.embed, seq.first_token_at, seq.last_token_at, seq.timings))
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, over the request's prompts (each counted with its first choice, as
+        its prompt tokens are: later choices share its blocks)."""
+        return sum(s.text.cached_tokens for s in self.sequences if s.first_of_prompt)
 
     def _choices_of(self, first: Sequence) -> list[Sequence]:
         """The n choices of `first`'s prompt (itself the first)."""

@@ -412,7 +412,8 @@ def _usage(gen: Generation, events: list[Event] | None = None) -> dict:
     prompt_tokens = sum(prompts.values())
     completion_tokens = 0 if gen.prompt_only else sum(len(s.text.token_ids) for s in gen.sequences)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens()}}
 
 
 # --- streaming ---

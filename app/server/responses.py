@@ -136,7 +136,7 @@ class _Answer:
         usage = None
         if done:
             prompt, generated = len(seq.prompt_ids), len(seq.text.token_ids)
-            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": seq.text.cached_tokens},
                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt + generated}
         tool_choice = body.tool_choice if body.tool_choice is not None else "auto"

@@ -288,6 +288,11 @@ def test_n_choices_score_their_prompt_once_and_share_its_blocks(llm):
     for a, b in zip(one.prompt_logprobs[1:], four.prompt_logprobs[1:], strict=True):
         assert b.logprob == pytest.approx(a.logprob, abs=1e-4) and [t for t, _ in b.top] == [t for t, _ in a.top]
     assert len(four.outputs) == 4
+    # a request's own count, as vLLM's RequestOutput.num_cached_tokens: whole blocks, none with prompt logprobs (the
+    # first choice computes the prompt whole) and the prompt's once for its n choices
+    assert one.num_cached_tokens == four.num_cached_tokens == 0
+    again = llm.generate(SCORED[1], SamplingParams(n=2, temperature=0, max_tokens=2))[0]
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // kv.block_size * kv.block_size > 0
 
 
 def test_prompt_logprobs_through_chunks_and_preemption(llm):

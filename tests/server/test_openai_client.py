@@ -53,6 +53,26 @@ def test_chat_and_its_stream_agree(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: a prompt asked again finds every whole block of it cached
+    but the one holding its last token (whose logits are computed); streamed, the last chunk says the same; a
+    completion's n choices count their prompt once."""
+    messages = [{"role": "user", "content": "Count the prefix blocks of this question, asked twice: " + "abc " * 40}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    first = client.chat.completions.create(**kwargs).usage
+    again = client.chat.completions.create(**kwargs).usage
+    block = 16  # the test spec's kv_cache.block_size (the default)
+    assert first.prompt_tokens == again.prompt_tokens > 5 * block
+    assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block
+    assert first.prompt_tokens_details.cached_tokens < again.prompt_tokens_details.cached_tokens
+    streamed = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+    prompt = "Two choices share this prompt, which is counted once: " + "xyz " * 40
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    two = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2, temperature=0.8, seed=1).usage
+    assert two.prompt_tokens_details.cached_tokens == (two.prompt_tokens - 1) // block * block > 0
+
+
 def test_continuous_usage_stats_count_every_chunk(client):
     """vLLM's continuous_usage_stats: each chunk's usage counts the tokens so far, the last one all of them."""
     for stream in (client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,

@@ -46,6 +46,8 @@ def test_a_continuation_is_the_conversation_sent_whole(kept):
     alone = _ask(kept, input=whole, store=False)
     assert alone.store is False
     assert chain[2].usage.input_tokens == alone.usage.input_tokens
+    # the same tokens again: every whole block of them but the last token's came from the prefix cache
+    assert alone.usage.input_tokens_details.cached_tokens == (alone.usage.input_tokens - 1) // 16 * 16 > 0
     assert chain[2].output_text == alone.output_text
 
 

@@ -48,7 +48,8 @@ class _Generation:
 
     def __init__(self, pieces: list[str], reason: str | None, failure: Exception | None = None):
         self.id, self.params = "abc", SamplingParams()
-        self.sequences = [SimpleNamespace(prompt_ids=[1, 2, 3], text=SimpleNamespace(token_ids=[7] * len(pieces)))]
+        text = SimpleNamespace(token_ids=[7] * len(pieces), cached_tokens=0)
+        self.sequences = [SimpleNamespace(prompt_ids=[1, 2, 3], text=text)]
         self.pieces, self.reason, self.failure = pieces, reason, failure
 
     async def events(self):
