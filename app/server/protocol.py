@@ -459,9 +459,16 @@ class ChatTemplateFields(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open: the model continues it (a "prefill")
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (Qwen3's enable_thinking)
+    # vLLM's: texts for a retrieval-augmented template (Command R's, Granite's), each a {"title", "text"}-like object
+    documents: Annotated[list[dict[str, str]], Field(max_length=1024)] | None = None
+    chat_template: str | None = None  # vLLM's per-request template: refused (below)
 
     @model_validator(mode="after")
     def _template_checks(self):
+        if self.chat_template is not None:
+            raise FieldError("chat_template", "a request's own chat template is not used: the server renders with the "
+                                              "model's (or the spec's model.chat_template), as vLLM does without "
+                                              "--trust-request-chat-template")
         if self.continue_final_message and self.add_generation_prompt:
             raise FieldError("continue_final_message", "continue_final_message continues the last message, "
                                                        "add_generation_prompt starts a new one: set "
@@ -477,7 +484,8 @@ class ChatTemplateFields(BaseModel):
 
     def template_options(self) -> dict[str, Any]:
         """apply_chat_template's keyword arguments besides the conversation and tools."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+        documents = {"documents": self.documents} if self.documents else {}
+        return {**(self.chat_template_kwargs or {}), **documents, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
 

@@ -108,8 +108,12 @@ class AsyncTokenizer:
         """The conversation rendered by the chat template (the prompt's text: `encode` it with add_special_tokens
         false); `options`: apply_chat_template's keyword arguments (add_generation_prompt, continue_final_message,
         the request's chat_template_kwargs); `bounded` as `encode`'s."""
+        documents = options.get("documents") or ()
+        if documents and self.template_variables is not None and "documents" not in self.template_variables:
+            raise APIError(400, "this model's chat template does not render documents", "documents", "invalid_value")
         if bounded:
-            self.check_length(sum(len(m["content"]) for m in conversation), param)
+            self.check_length(sum(len(m["content"]) for m in conversation) +
+                              sum(len(k) + len(v) for d in documents for k, v in d.items()), param)
         return await self._run(lambda: self._render(conversation, options, tools))
 
     async def decode(self, ids: list[int]) -> str:

@@ -431,6 +431,39 @@ def test_a_llama3_template_gets_one_call_object(tmp_path):
     assert app.stop() == 0, app.logs()[-3000:]
 
 
+RAG_TEMPLATE = """{%- if documents %}<|im_start|>system
+Documents:
+{% for d in documents %}[{{ d.title }}] {{ d.text }}
+{% endfor %}<|im_end|>
+{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_documents_reach_a_template_that_renders_them(tmp_path):
+    """vLLM's `documents` (Command R's and Granite's retrieval templates): given to the chat template, so the rendered
+    prompt holds them; chat reads that same prompt (its usage counts /tokenize's tokens)."""
+    from tests.server.conftest import Appliance
+
+    template = tmp_path / "rag.jinja"
+    template.write_text(RAG_TEMPLATE)
+    app = Appliance(tmp_path, sets=(f"model.chat_template={template}",)).wait_ready()
+    messages = [{"role": "user", "content": "What is the code?"}]
+    documents = [{"title": "Vault", "text": "The code is 4417."}, {"title": "Door", "text": "It is blue."}]
+    rendered = httpx.post(app.url + "/apply-template", json={"messages": messages, "documents": documents}).json()
+    assert rendered["prompt"].startswith("<|im_start|>system\nDocuments:\n[Vault] The code is 4417.\n[Door] It is")
+    plain = httpx.post(app.url + "/apply-template", json={"messages": messages}).json()
+    assert "Documents" not in plain["prompt"] and plain["prompt"].endswith("<|im_start|>assistant\n")
+    counted = httpx.post(app.url + "/tokenize", json={"messages": messages, "documents": documents}).json()["count"]
+    client = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"documents": documents})
+    assert answer.usage.prompt_tokens == counted > len(httpx.post(app.url + "/tokenize", json={
+        "messages": messages}).json()["tokens"])
+    assert app.stop() == 0, app.logs()[-3000:]
+
+
 def test_a_qwen3_coder_template_gets_auto_calls_read_out_of_its_xml(tmp_path):
     """With a chat template that asks for calls as Qwen3-Coder's and Qwen3.5's do (XML in <tool_call> tags,
     tests/qwen_xml_chat_template.jinja), the history's calls are rendered in it, and "auto" is not held: SmolLM2,
