@@ -74,6 +74,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # seconds from this beat on that the engine may go unheard and is not lost for it: a build that holds the GIL
     # (llguidance's tokenizer, right after ready), which the heartbeat thread needs
     quiet_for: float = 0.0
+    max_num_seqs: int = 0  # the sequences it runs at once (llama.cpp's /props counts them as slots)
 
 
 ToEngine = AddRequest | Abort

@@ -329,7 +329,8 @@ class EngineServer:
             self.drain_started is None, stats.running, stats.waiting, stats.kv_usage,
             kv.num_blocks - kv.num_free_blocks(), kv.num_blocks, kv.queries, kv.hits,
             self.core.scheduler.num_preemptions, self.core.scheduler.num_draft_tokens,
-            self.core.scheduler.num_accepted_tokens, self.drain_started is not None, os.getpid()))
+            self.core.scheduler.num_accepted_tokens, self.drain_started is not None, os.getpid(),
+            max_num_seqs=self.core.scheduler.cfg.max_num_seqs))
 
     def _send(self, worker: bytes, message) -> None:
         import zmq

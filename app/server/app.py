@@ -227,12 +227,36 @@ async def tokenizer_info(request: Request) -> Response:
 
     flags = {name: getattr(tok, name) for name in ("add_bos_token", "add_eos_token")
              if isinstance(getattr(tok, name, None), bool)}
-    template = ctx.text.chat_template or getattr(tok, "chat_template", None)
     return JSONResponse({"tokenizer_class": type(tok).__name__,
                          **{name: text(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")},
                          "additional_special_tokens": [str(t) for t in getattr(tok, "additional_special_tokens", [])],
-                         **flags, "model_max_length": ctx.max_model_len,
-                         "chat_template": template if isinstance(template, str) else None})
+                         **flags, "model_max_length": ctx.max_model_len, "chat_template": _chat_template(ctx)})
+
+
+def _chat_template(ctx: Context) -> str | None:
+    """The chat template in use (the spec's, or the model's own) as text; None where there is none as one text."""
+    template = ctx.text.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+async def props(request: Request) -> Response:
+    """llama.cpp's /props, which its web UI and some clients read for the context size and the chat template: the
+    served model, `default_generation_settings` (`n_ctx` and the sampling defaults a request that leaves a field
+    out gets), the sequences run at once (`total_slots`), the template and its BOS / EOS tokens."""
+    ctx = request.app.state.ctx
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, **ctx.sampling_defaults}
+    n_predict = defaults.pop("max_tokens", -1)  # (-1: llama.cpp's "no cap but the context")
+    params = {**defaults, "n_predict": n_predict, "seed": -1, "stop": []}
+    tokens = {name: str(getattr(ctx.tokenizer, name, None) or "") for name in ("bos_token", "eos_token")}
+    slots = sum(r.stats.max_num_seqs for r in ctx.engine.replicas)  # (each replica's, from its heartbeats)
+    return JSONResponse({"default_generation_settings": {"n_ctx": ctx.max_model_len, "params": params},
+                         "total_slots": slots, "model_alias": ctx.served_name,
+                         "model_path": Path(ctx.cfg.model_path).name,
+                         "modalities": {"vision": False, "video": False, "audio": False},
+                         "endpoint_slots": False, "endpoint_props": True, "endpoint_metrics": True,
+                         "chat_template": _chat_template(ctx) or "", **tokens,
+                         "build_info": f"appliance {VERSION}", "is_sleeping": False})
 
 
 async def version(request: Request) -> Response:
@@ -384,6 +408,7 @@ def create_app(cfg: FrontendConfig, tokenizer=None) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+        Route("/props", props, methods=["GET"]),  # llama.cpp's
         Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's probe): /health

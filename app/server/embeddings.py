@@ -13,6 +13,8 @@ no trained embedding model: its vectors serve retrieval less well than a model m
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 
 import numpy as np
 from starlette.requests import Request
@@ -47,7 +49,8 @@ async def embeddings(request: Request) -> Response:
         data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
                 for i, vector in enumerate(vectors)]
         tokens = sum(len(ids) for ids in prompts)
-        return {"object": "list", "data": data, "model": ctx.served_name,
+        return {"id": f"embd-{body.request_id or uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "data": data, "model": ctx.served_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return await json_answer(ctx, answer, len(prompts) > BIG_ANSWER)

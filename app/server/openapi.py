@@ -29,6 +29,8 @@ ENDPOINTS = [  # (method, path, summary, request model, response model)
      p.ApplyTemplateRequest, p.ApplyTemplateResponse),
     ("get", "/tokenizer_info", "The served tokenizer: class, special tokens, chat template (vLLM's)", None,
      p.TokenizerInfoResponse),
+    ("get", "/props", "Context size, sampling defaults, slots and chat template (llama.cpp's)", None,
+     p.PropsResponse),
 ]
 INVOKED = [(p.ChatCompletionRequest, p.ChatCompletionResponse), (p.CompletionRequest, p.CompletionResponse),
            (p.EmbeddingRequest, p.EmbeddingResponse), (p.ScoreRequest, p.ScoreResponse),

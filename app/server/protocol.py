@@ -111,6 +111,8 @@ class StreamOptions(_Nullable):
 # Structured outputs' grammars are compiled (frontend and engine) and walked every step: bounded, as OpenAI bounds
 # its schemas, so that one request cannot hold up the others (a 200 KB grammar once slowed a stream 25-fold).
 MAX_GRAMMAR_CHARS = 65_536
+# vLLM's request_id (a body field, or the X-Request-Id header, which wins): the response's id is "<kind>-<request_id>"
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 def _bounded_schema(schema):
@@ -270,7 +272,7 @@ class SamplingFields(_Body, PromptTruncation):
     return_tokens_as_token_ids: bool = False
     # vLLM's: the response's id is "<cmpl or chatcmpl>-<request_id>" (the X-Request-Id header's, where sent); the
     # engine's own ids stay unique whatever clients send
-    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
 
     @field_validator("stop")
     @classmethod
@@ -673,6 +675,7 @@ class EmbeddingRequest(_Body, PromptTruncation):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None  # only the model's own size (no Matryoshka model here)
     user: str | None = None
+    request_id: RequestId | None = None  # the answer's id: "embd-<request_id>" (vLLM's)
 
     @field_validator("input")
     @classmethod
@@ -696,10 +699,27 @@ class EmbeddingUsage(BaseModel):
 
 
 class EmbeddingResponse(BaseModel):
+    id: str  # vLLM's (OpenAI's answer has none): "embd-<request_id>"
     object: Literal["list"] = "list"
+    created: int
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+
+
+class PropsResponse(BaseModel):
+    """llama.cpp's /props: the context size and sampling defaults (`default_generation_settings`: `n_ctx`, `params`),
+    the sequences run at once (`total_slots`), the served model, its chat template and BOS / EOS tokens."""
+
+    default_generation_settings: dict[str, Any]
+    total_slots: int
+    model_alias: str
+    model_path: str
+    modalities: dict[str, bool]
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    build_info: str
 
 
 class TokenizerInfoResponse(BaseModel):
@@ -740,6 +760,7 @@ class ScoringFields(_Body, PromptTruncation):
     max_tokens_per_query: Annotated[int, Field(ge=0, le=1 << 30)] = 0
     max_tokens_per_doc: Annotated[int, Field(ge=0, le=1 << 30)] = 0
     use_activation: bool | None = None  # vLLM's, for a classifier's scores: a cosine has no activation to apply
+    request_id: RequestId | None = None  # the answer's id: "score-<request_id>", "rerank-<request_id>" (vLLM's)
 
     @model_validator(mode="after")
     def _no_template(self):
@@ -986,7 +1007,7 @@ class ResponsesRequest(_Body):
     include: Annotated[list[str], Field(max_length=16)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # vLLM's: the response's id, as given (an X-Request-Id header wins, as on the other endpoints); default resp_<id>
-    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    request_id: RequestId | None = None
 
     @field_validator("input", mode="before")
     @classmethod

@@ -34,8 +34,8 @@ async def score(request: Request) -> Response:
     first, second = body.side_names()
     scores, tokens = await _scores(ctx, request, body, body.side(first), body.side(second), (first, second))
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                         "model": ctx.served_name, "data": data,
+    return JSONResponse({"id": f"score-{body.request_id or uuid.uuid4().hex}", "object": "list",
+                         "created": int(time.time()), "model": ctx.served_name, "data": data,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}})
 
 
@@ -49,7 +49,7 @@ async def rerank(request: Request) -> Response:
 
     def answer() -> dict:
         results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in order]
-        return {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.served_name, "results": results,
+        return {"id": f"rerank-{body.request_id or uuid.uuid4().hex}", "model": ctx.served_name, "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return await json_answer(ctx, answer, len(order) > BIG_ANSWER)

@@ -88,10 +88,11 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(dp2):
     shared = (tokens // 16 - 1) * 16  # whole blocks of the prefix every follower finds cached
     hits_before = _per_engine(dp2, "vllm:prefix_cache_hits_total")
     queries = _per_engine(dp2, "vllm:prefix_cache_queries_total")
-    served_by = []
+    served_by, cached = [], []
     for i in range(6):  # one after another, through whichever gunicorn worker takes each
-        httpx.post(dp2.url + "/v1/completions", json={"prompt": prefix + f" Question {i}: who?", "max_tokens": 2},
-                   timeout=120).raise_for_status()
+        answer = httpx.post(dp2.url + "/v1/completions", json={"prompt": prefix + f" Question {i}: who?",
+                                                                "max_tokens": 2}, timeout=120)
+        cached.append(answer.raise_for_status().json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         after = _counter_settles(dp2, "vllm:prefix_cache_queries_total", queries)
         served_by.append(_grew(after, queries))  # the replica that looked its prompt up
         queries = {e: max(after.get(e, 0.0), queries.get(e, 0.0)) for e in after.keys() | queries.keys()}
@@ -99,6 +100,8 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(dp2):
     gained = {e: hits[e] - hits_before.get(e, 0) for e in hits}
     assert len({tuple(s) for s in served_by}) == 1 and len(served_by[0]) == 1, (served_by, gained)
     assert gained[served_by[0][0]] >= 5 * shared, (served_by, gained)  # the 5 followers hit the first one's blocks
+    assert min(cached[1:]) >= shared and cached[0] < shared, cached  # each request's own count says the same
+    assert httpx.get(dp2.url + "/props").json()["total_slots"] == 2 * 64  # (llama.cpp's: both replicas' sequences)
 
 
 def test_both_replicas_serve_concurrent_load_with_offline_outputs(dp2, offline):

@@ -909,6 +909,14 @@ def test_the_clients_request_id_is_the_responses_id(appliance):
     chat = httpx.post(appliance.url + "/v1/chat/completions", headers={"X-Request-Id": "from-header"},
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "abc"})
     assert chat.json()["id"] == "chatcmpl-from-header"
+    # the pooling endpoints name theirs as vLLM's do: embd-, score-, rerank-
+    pooled = {"/v1/embeddings": ({"input": "Hi"}, "embd"), "/score": ({"text_1": "a", "text_2": "b"}, "score"),
+              "/rerank": ({"query": "a", "documents": ["b", "c"]}, "rerank")}
+    for path, (fields, kind) in pooled.items():
+        assert httpx.post(appliance.url + path, json=fields, headers={"X-Request-Id": "p-1"}).json()["id"] == \
+            f"{kind}-p-1"
+        assert httpx.post(appliance.url + path, json={**fields, "request_id": "p-2"}).json()["id"] == f"{kind}-p-2"
+        assert httpx.post(appliance.url + path, json=fields).json()["id"].startswith(f"{kind}-")
 
     async def both():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -976,7 +984,14 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
         messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     ids = httpx.post(appliance.url + "/tokenize", json={"prompt": rendered, "add_special_tokens": False}).json()
     assert ids["tokens"] == chat["tokens"]
-    # llama.cpp's /apply-template: the same rendering, as text; its chat fields as chat's
+    # llama.cpp's /props: the same context and template, the scheduler's sequences as slots
+    props = httpx.get(appliance.url + "/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == info["model_max_length"]
+    assert props["chat_template"] == info["chat_template"] and props["eos_token"] == info["eos_token"]
+    assert props["total_slots"] == 64 and props["model_alias"] == MODEL  # (the default scheduler.max_num_seqs)
+    assert props["model_path"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and "/" not in props["model_path"]
+    params = props["default_generation_settings"]["params"]
+    assert {"temperature", "top_p", "top_k", "n_predict"} <= set(params) and "max_tokens" not in params
     applied = httpx.post(appliance.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert applied.json() == {"prompt": rendered}
     bare = httpx.post(appliance.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}],
