@@ -246,8 +246,10 @@ async def props(request: Request) -> Response:
     ctx = request.app.state.ctx
     defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, **ctx.sampling_defaults}
-    n_predict = defaults.pop("max_tokens", -1)  # (-1: llama.cpp's "no cap but the context")
-    params = {**defaults, "n_predict": n_predict, "seed": -1, "stop": []}
+    # under llama.cpp's names; n_predict -1: no cap but the context (chat's default; a completion's is 16)
+    params = {{"repetition_penalty": "repeat_penalty", "max_tokens": "n_predict"}.get(name, name): value
+              for name, value in defaults.items()}
+    params = {"n_predict": -1, **params, "seed": -1, "stop": []}
     tokens = {name: str(getattr(ctx.tokenizer, name, None) or "") for name in ("bos_token", "eos_token")}
     slots = sum(r.stats.max_num_seqs for r in ctx.engine.replicas)  # (each replica's, from its heartbeats)
     return JSONResponse({"default_generation_settings": {"n_ctx": ctx.max_model_len, "params": params},

@@ -720,6 +720,10 @@ class PropsResponse(BaseModel):
     bos_token: str
     eos_token: str
     build_info: str
+    endpoint_slots: bool  # false: llama.cpp's /slots is not served
+    endpoint_props: bool
+    endpoint_metrics: bool
+    is_sleeping: bool
 
 
 class TokenizerInfoResponse(BaseModel):

@@ -37,6 +37,12 @@ class AsyncTokenizer:
         # writes them into a system message otherwise), and which chat_template_kwargs it can use
         template = chat_template or getattr(tokenizer, "chat_template", None)
         self.template_variables = template_variables(template)
+        # of a tokenizer's named templates, what those that render a conversation read (transformers picks "tool_use"
+        # where tools are given, else "default": Command R's "rag" never renders here), by whether tools are given
+        named = template if isinstance(template, dict) else {}
+        self.rendering_variables = {with_tools: template_variables(named.get("tool_use" if with_tools else "default")
+                                                                   or named.get("default"))
+                                    if named else self.template_variables for with_tools in (False, True)}
         self.tool_format = tool_format(template, self.template_knows_tools)
         # whether the template has a "developer" role of its own; if not, those messages become system ones (vLLM's
         # way: OpenAI's newer clients send the developer role where older ones sent system)
@@ -109,7 +115,8 @@ class AsyncTokenizer:
         false); `options`: apply_chat_template's keyword arguments (add_generation_prompt, continue_final_message,
         the request's chat_template_kwargs); `bounded` as `encode`'s."""
         documents = options.get("documents") or ()
-        if documents and self.template_variables is not None and "documents" not in self.template_variables:
+        reads = self.rendering_variables[tools is not None]
+        if documents and reads is not None and "documents" not in reads:
             raise APIError(400, "this model's chat template does not render documents", "documents", "invalid_value")
         if bounded:
             self.check_length(sum(len(m["content"]) for m in conversation) +

@@ -991,7 +991,9 @@ def test_models_tokenize_detokenize_version_openapi(appliance, client):
     assert props["total_slots"] == 64 and props["model_alias"] == MODEL  # (the default scheduler.max_num_seqs)
     assert props["model_path"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and "/" not in props["model_path"]
     params = props["default_generation_settings"]["params"]
-    assert {"temperature", "top_p", "top_k", "n_predict"} <= set(params) and "max_tokens" not in params
+    assert {"temperature", "top_p", "top_k", "repeat_penalty", "n_predict"} <= set(params)
+    assert "max_tokens" not in params and "repetition_penalty" not in params  # (llama.cpp's names)
+    assert set(props) == set(spec["components"]["schemas"]["PropsResponse"]["properties"])  # (the OpenAPI document's)
     applied = httpx.post(appliance.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert applied.json() == {"prompt": rendered}
     bare = httpx.post(appliance.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}],

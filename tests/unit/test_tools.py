@@ -282,6 +282,34 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_calls_as_object
     assert own.tokenizer.chat_template and not own.template_knows_tools
 
 
+def test_documents_go_to_the_named_template_that_renders_and_are_refused_where_it_does_not_read_them(tmp_path):
+    """A tokenizer's named templates (Command R's default / tool_use / rag): transformers renders "tool_use" where
+    tools are given, else "default", never "rag" here; `documents` are a 400 where the one that renders does not
+    read them, though another of the names does."""
+    import asyncio
+
+    from app.model.source import resolve_source
+    from app.model.tokenizer import load_exported, tokenizer_json
+    from app.server.tokenizer import AsyncTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json(resolve_source(ModelSpec())), encoding="utf-8")
+    hf = load_exported(tmp_path)
+    said = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    hf.chat_template = {"default": said, "rag": "{% for d in documents %}<{{ d.text }}>{% endfor %}" + said,
+                        "tool_use": "{% for d in documents %}[{{ d.text }}]{% endfor %}{{ tools | length }}" + said}
+    text = AsyncTokenizer(hf, 8192, None)
+    options = ChatCompletionRequest.model_validate({"messages": ASK, "documents": [{"text": "D"}]}).template_options()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    try:
+        with pytest.raises(APIError) as refused:
+            asyncio.run(text.render_chat([{"role": "user", "content": "x"}], options, "messages"))
+        rendered = asyncio.run(text.render_chat([{"role": "user", "content": "x"}], options, "messages", tools))
+    finally:
+        text.close()
+    assert refused.value.status == 400 and refused.value.param == "documents"
+    assert rendered == "[D]1x"
+
+
 def test_deep_schemas_and_template_kwargs_are_refused_before_any_walk_of_them():
     deep = {"type": "string"}
     for _ in range(400):  # deeper than any recursion over it would survive
