@@ -85,6 +85,7 @@ class SequenceText:
     checked: int = 0  # no stop string may end in text[:checked], that of the first min_tokens tokens
     sent: int = 0
     token_ids: list[int] = field(default_factory=list)
+    text_ends: list[int] = field(default_factory=list)  # len(text) once each of token_ids was added (stop cuts aside)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs, once they came
     embedding: list[float] | None = None  # SamplingParams.embed, once it came
@@ -122,9 +123,11 @@ class SequenceText:
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if hidden:
+            self.text_ends.append(len(self.text))
             return False
         start = len(self.text)
         self.text += self.detokenizer.add(token_id)
+        self.text_ends.append(len(self.text))
         if len(self.token_ids) <= self.min_tokens:
             self.checked = len(self.text)
             return False

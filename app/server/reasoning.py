@@ -16,6 +16,7 @@ tool choice) the answer is the grammar's and is not split.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -97,6 +98,22 @@ class ReasoningReader:
             return ""
         out, self._space, self._said = self._space + body, "" if last else text[len(body):], True
         return out
+
+
+def thinking_tokens(text: str, text_ends: list[int], opened: bool) -> int:
+    """How many of an answer's tokens wrote its thinking block, tags included (the Responses API's
+    `reasoning_tokens`): those up to the one that completed `</think>`, or all of them where the block never closed.
+    `text_ends[i]`: the answer's length in characters once its token i was added; `opened`: the prompt opened the
+    block (opens_thinking), else only an answer that starts with `<think>` has one."""
+    start = len(text) - len(text.lstrip())
+    if not opened:
+        if not text.startswith(OPEN, start):
+            return 0
+        start += len(OPEN)
+    close = text.find(CLOSE, start)
+    if close < 0:
+        return len(text_ends)
+    return min(bisect.bisect_left(text_ends, close + len(CLOSE)) + 1, len(text_ends))
 
 
 def tag_start(text: str, tag: str, start: int = 0) -> int:

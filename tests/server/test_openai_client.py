@@ -569,6 +569,10 @@ def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
                                              stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+    # OpenAI's reasoning_tokens: those that wrote the block, whole or streamed, fewer than the whole answer's
+    thought_tokens = answer.usage.output_tokens_details.reasoning_tokens
+    assert 0 < thought_tokens < answer.usage.output_tokens
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == thought_tokens
 
 
 def test_continue_final_message_prefills_the_answer(appliance, client):

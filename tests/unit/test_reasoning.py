@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from app.server.reasoning import ReasoningReader, opens_thinking, template_thinks
+from app.server.reasoning import ReasoningReader, opens_thinking, template_thinks, thinking_tokens
 
 ANSWERS = [  # (the prompt left a block open, the answer, its reasoning, its content)
     (False, "\n<think>\nHmm, France.\n</think>\n\nParis.", "Hmm, France.", "Paris."),
@@ -108,3 +108,22 @@ def test_a_thinking_block_with_no_answer_after_it_has_null_content(thinking, tex
 
     seq = SimpleNamespace(text=SimpleNamespace(text=text, finish_reason=None, stop_reason=None))
     assert chat_message(seq, None, AnswerReader(None, thinking))["message"]["content"] == content
+
+
+def _ends(pieces: list[str]) -> tuple[str, list[int]]:
+    return "".join(pieces), [sum(map(len, pieces[:i + 1])) for i in range(len(pieces))]
+
+
+@pytest.mark.parametrize(("opened", "pieces", "count"), [
+    (False, ["<think>", "a", " b", "</think>", "\n\n", "Rome", "<|im_end|>"], 4),  # the tags count
+    (False, ["\n", "<th", "ink>", "a", "</th", "ink>", "Rome"], 6),  # a tag over two tokens, after whitespace
+    (False, ["a", "</think>", "Rome"], 0),  # no block opened: the tag is content
+    (True, ["a", " b", "</think>", "Rome"], 3),  # the prompt opened it
+    (True, ["a", " b", "</think>", ""], 3),  # an end token after the close adds no text: not the block's
+    (True, ["a", " b", " c"], 3),  # cut inside the block: all of it
+    (True, ["a</think>Ro", "me"], 1),  # a token across the close counts with the block
+    (False, ["Rome", "."], 0),
+])
+def test_thinking_tokens_count_those_up_to_the_closing_tag(opened, pieces, count):
+    text, ends = _ends(pieces)
+    assert thinking_tokens(text, ends, opened) == count

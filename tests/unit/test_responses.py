@@ -48,7 +48,8 @@ class _Generation:
 
     def __init__(self, pieces: list[str], reason: str | None, failure: Exception | None = None):
         self.id, self.params = "abc", SamplingParams()
-        text = SimpleNamespace(token_ids=[7] * len(pieces), cached_tokens=0)
+        ends = [sum(len(p) for p in pieces[:i + 1]) for i in range(len(pieces))]
+        text = SimpleNamespace(token_ids=[7] * len(pieces), cached_tokens=0, text="".join(pieces), text_ends=ends)
         self.sequences = [SimpleNamespace(prompt_ids=[1, 2, 3], text=text)]
         self.pieces, self.reason, self.failure = pieces, reason, failure
 
@@ -83,6 +84,7 @@ def test_a_stream_of_thinking_then_text_and_its_cut():
     assert done[0]["content"][0]["text"] == "I know it." and done[1]["content"][0]["text"] == "Paris is"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Paris is"
     assert events[-1]["response"]["output"] == done and events[-1]["response"]["usage"]["output_tokens"] == 4
+    assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == 2  # (up to </think>)
 
 
 def test_a_stream_that_fails_ends_with_an_error_and_response_failed():
