@@ -74,6 +74,7 @@ class Generation:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is not shown (nor counted)
     client_id: str | None = None  # the client's request id (vLLM's request_id, X-Request-Id): the response's id
+    thinking: bool | None = None  # chat's: the prompt opened a thinking block (None: no block is split from answers)
     _interrupted: Exception | None = field(default=None, init=False, repr=False)
 
     def add_prompt(self, prompt_ids: list[int], n: int, max_tokens: int | None) -> None:

@@ -225,6 +225,7 @@ async def start_chat(ctx, body: ChatCompletionRequest) -> tuple[Generation, Tool
         raise (await _tool_error(ctx, forced, exc) if forced and exc.param == "tools" else exc) from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     add_prompt(gen, ids, body.n, ctx.output_limit(ids, body.output_limit(), param, "messages", body.min_tokens))
+    gen.thinking = thinking
     await start_generation(gen)
     return gen, forced, lambda: AnswerReader(forced, thinking)
 
@@ -417,9 +418,13 @@ def _usage(gen: Generation, events: list[Event] | None = None) -> dict:
     prompts = {id(s.prompt_ids): len(s.prompt_ids) for s in gen.sequences}
     prompt_tokens = sum(prompts.values())
     completion_tokens = 0 if gen.prompt_only else sum(len(s.text.token_ids) for s in gen.sequences)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens()}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens()}}
+    if gen.thinking is not None:  # a thinking model's chat: the tokens that wrote its blocks, every choice's (OpenAI's)
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+            thinking_tokens(s.text.text, s.text.text_ends, gen.thinking) for s in gen.sequences)}
+    return usage
 
 
 # --- streaming ---

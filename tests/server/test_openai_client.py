@@ -65,6 +65,7 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
     assert first.prompt_tokens == again.prompt_tokens > 5 * block
     assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block
     assert first.prompt_tokens_details.cached_tokens < again.prompt_tokens_details.cached_tokens
+    assert again.completion_tokens_details is None  # (SmolLM2's template has no thinking block)
     streamed = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
     prompt = "Two choices share this prompt, which is counted once: " + "xyz " * 40
@@ -540,6 +541,7 @@ def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
     opened = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"open_thinking": True}})
     reasoning, content = _thought(opened.choices[0].message)
     assert "Paris" in reasoning and content is None  # SmolLM2 never closes the block: all of it is reasoning
+    assert opened.usage.completion_tokens_details.reasoning_tokens == opened.usage.completion_tokens > 0
     prefilled = qwen_like.chat.completions.create(**{**ask, "messages": [*shown[-1:], {
         "role": "assistant", "content": "<think>\nThe user asks"}]}, extra_body={
         "continue_final_message": True, "add_generation_prompt": False}).choices[0].message
@@ -550,6 +552,7 @@ def test_a_thinking_block_comes_back_apart_from_the_answer(qwen_like):
     closed = qwen_like.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     reasoning, content = _thought(closed.choices[0].message)
     assert reasoning is None and "Paris" in content
+    assert closed.usage.completion_tokens_details.reasoning_tokens == 0
     forced = qwen_like.chat.completions.create(**{**ask, "max_tokens": 120}, tools=TOOLS, tool_choice="required",
                                                extra_body={"chat_template_kwargs": {"open_thinking": True}}).choices[0]
     assert forced.finish_reason == "tool_calls" and _thought(forced.message) == (None, None)
