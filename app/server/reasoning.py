@@ -17,6 +17,7 @@ tool choice) the answer is the grammar's and is not split.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -100,7 +101,7 @@ class ReasoningReader:
         return out
 
 
-def thinking_tokens(text: str, text_ends: list[int], opened: bool) -> int:
+def thinking_tokens(text: str, text_ends: Sequence[int], opened: bool) -> int:
     """How many of an answer's tokens wrote its thinking block, tags included (the Responses API's
     `reasoning_tokens`): those up to the one that completed `</think>`, or all of them where the block never closed.
     `text_ends[i]`: the answer's length in characters once its token i was added; `opened`: the prompt opened the

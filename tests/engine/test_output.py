@@ -112,6 +112,7 @@ def test_hidden_stop_token_is_kept_in_ids_but_not_in_text(tokenizer):
     seq.add(tokenizer("Hi", add_special_tokens=False).input_ids[0], None)
     seq.add(eos, None, hidden=True)
     assert seq.token_ids[-1] == eos and seq.text == "Hi"
+    assert list(seq.text_ends) == [2, 2]  # each token's end in the text, the hidden one's too (thinking_tokens)
 
 
 class _Pieces:
