@@ -21,6 +21,7 @@ from app.engine.params import SamplingParams
 from app.engine.request import FinishReason
 from app.server.engine_client import ACCEPTED, EngineClient, EngineUnavailable
 from app.server.metrics import Finished, Metrics
+from app.server.reasoning import thinking_tokens
 from app.server.router import EngineRouter
 
 # The generations whose answers are under way (started, events not all read): server.shutdown_grace ends them
@@ -233,6 +234,13 @@ class Generation:
         """Prompt tokens the prefix cache held, over the request's prompts (each counted with its first choice, as
         its prompt tokens are: later choices share its blocks)."""
         return sum(s.text.cached_tokens for s in self.sequences if s.first_of_prompt)
+
+    def reasoning_tokens(self) -> int | None:
+        """Output tokens that wrote the answers' thinking blocks, every choice's (None: no block is split from them;
+        reasoning.thinking_tokens)."""
+        if self.thinking is None:
+            return None
+        return sum(thinking_tokens(s.text.text, s.text.text_ends, self.thinking) for s in self.sequences)
 
     def _choices_of(self, first: Sequence) -> list[Sequence]:
         """The n choices of `first`'s prompt (itself the first)."""

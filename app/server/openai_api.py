@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from app.engine.output import SequenceText
 from app.engine.params import SamplingParams
 from app.server.engine_client import EngineRejected, EngineUnavailable
 from app.server import beam
@@ -27,7 +26,7 @@ from app.server.beam import check_beam_request
 from app.server.errors import APIError, error_body, from_validation_error
 from app.server.generation import Event, Generation, ShuttingDown
 from app.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, json_value
-from app.server.reasoning import ReasoningReader, thinking_tokens
+from app.server.reasoning import ReasoningReader
 from app.server.tools import ToolPlan, parameters_schema
 from app.server.tools import plan as plan_tools
 
@@ -246,12 +245,7 @@ class AnswerReader:
 
     def __init__(self, tools: ToolPlan | None, thinking: bool | None):
         self.reasoning = ReasoningReader(thinking) if thinking is not None else None
-        self.opened = thinking  # (None: no thinking block is split from the answer)
         self.tools = tools.reader() if tools is not None else None
-
-    def reasoning_tokens(self, text: SequenceText) -> int:
-        """The answer's tokens that wrote its thinking block (0 where none is split from it)."""
-        return 0 if self.opened is None else thinking_tokens(text.text, text.text_ends, self.opened)
 
     def feed(self, text: str, last: bool) -> dict:
         reasoning, calls = "", []
@@ -421,9 +415,9 @@ def _usage(gen: Generation, events: list[Event] | None = None) -> dict:
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens,
              "prompt_tokens_details": {"cached_tokens": gen.cached_tokens()}}
-    if gen.thinking is not None:  # a thinking model's chat: the tokens that wrote its blocks, every choice's (OpenAI's)
-        usage["completion_tokens_details"] = {"reasoning_tokens": sum(
-            thinking_tokens(s.text.text, s.text.text_ends, gen.thinking) for s in gen.sequences)}
+    reasoning = gen.reasoning_tokens()
+    if reasoning is not None:  # a thinking model's chat: the tokens that wrote its blocks (OpenAI's)
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return usage
 
 

@@ -44,9 +44,8 @@ async def responses(request: Request) -> Response:
         return StreamingResponse(_encode(answer, reader(), ctx.responses), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     await collect(gen, request)
-    seq, read = gen.sequences[0], reader()
-    message = chat_message(seq, forced, read)
-    answer.reasoning_tokens = read.reasoning_tokens(seq.text)
+    seq = gen.sequences[0]
+    message = chat_message(seq, forced, reader())
     fields = message["message"]
     reasoning, text = fields.get("reasoning"), fields.get("content")
     calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in fields.get("tool_calls") or ()]
@@ -123,7 +122,6 @@ class _Answer:
         self.id = body.request_id or f"resp_{gen.id}"
         self.created = int(time.time())
         self.status, self.incomplete = "in_progress", None
-        self.reasoning_tokens = 0  # of the output, once it ended (AnswerReader.reasoning_tokens)
         self.sequence = 0
         self.output: list[dict] = []  # the items written whole so far (a stream's)
 
@@ -139,7 +137,8 @@ class _Answer:
         if done:
             prompt, generated = len(seq.prompt_ids), len(seq.text.token_ids)
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": seq.text.cached_tokens},
-                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                     "output_tokens": generated,
+                     "output_tokens_details": {"reasoning_tokens": self.gen.reasoning_tokens() or 0},
                      "total_tokens": prompt + generated}
         tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
         return {
@@ -228,7 +227,6 @@ class _Answer:
                                       delta=text, **extra)
             if last:
                 self.finished(event.finish_reason)
-                self.reasoning_tokens = reader.reasoning_tokens(self.gen.sequences[0].text)
                 if item is None and not output:  # nothing written: an empty message, as the whole answer has
                     item = self._open("text", "", len(output), calls)
                     for e in item.pop("opening"):

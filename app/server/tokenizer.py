@@ -39,10 +39,10 @@ class AsyncTokenizer:
         self.template_variables = template_variables(template)
         # of a tokenizer's named templates, what those that render a conversation read (transformers picks "tool_use"
         # where tools are given, else "default": Command R's "rag" never renders here), by whether tools are given
-        named = template if isinstance(template, dict) else {}
-        self.rendering_variables = {with_tools: template_variables(named.get("tool_use" if with_tools else "default")
-                                                                   or named.get("default"))
-                                    if named else self.template_variables for with_tools in (False, True)}
+        self.rendering_variables = {False: self.template_variables, True: self.template_variables}
+        if isinstance(template, dict):
+            self.rendering_variables = {False: template_variables(template.get("default")),
+                                        True: template_variables(template.get("tool_use") or template.get("default"))}
         self.tool_format = tool_format(template, self.template_knows_tools)
         # whether the template has a "developer" role of its own; if not, those messages become system ones (vLLM's
         # way: OpenAI's newer clients send the developer role where older ones sent system)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from app.engine.params import SamplingParams
 from app.server.engine_client import EngineUnavailable
-from app.server.generation import Event
+from app.server.generation import Event, Generation
 from app.server.openai_api import AnswerReader
 from app.server.protocol import ChatCompletionRequest, ResponsesRequest
 from app.server.responses import _Answer, _encode
@@ -44,7 +44,10 @@ def test_input_items_become_the_chat_conversation():
 
 class _Generation:
     """What `_Answer` reads of a Generation: its id, its parameters, its one sequence, and its events (then,
-    optionally, a failure)."""
+    optionally, a failure); its reasoning-token count is Generation's own."""
+
+    thinking: bool | None = None
+    reasoning_tokens = Generation.reasoning_tokens
 
     def __init__(self, pieces: list[str], reason: str | None, failure: Exception | None = None):
         self.id, self.params = "abc", SamplingParams()
@@ -61,6 +64,8 @@ class _Generation:
 
 
 def _stream(gen: _Generation, thinking: bool | None = None) -> list[dict]:
+    gen.thinking = thinking  # (as start_chat sets it)
+
     async def run():
         answer = _Answer(gen, ResponsesRequest.model_validate({"input": "x", "stream": True}), "m")
         return [chunk async for chunk in _encode(answer, AnswerReader(None, thinking))]
