@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from app.engine.kv_cache import KVCacheConfig
+from app.engine.resident import make_resident
 from app.engine.output import TokenLogprobs
 from app.engine.sampler import Sampler, SamplingState, new_state
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -53,6 +54,7 @@ class ModelRunner:
         self.model, self.block_size = model, kv.block_size
         self.grammars = Grammars(tokenizer_json, model.cfg.vocab_size)
         self.kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size, getattr(torch, kv.dtype) if kv.dtype else None)
+        make_resident(self.kv_cache)  # its pages, in idle CPU time, rather than in steps' first writes
         self.sampler = Sampler(model.cfg.vocab_size, seed)
         self.states: dict[str, SamplingState] = {}
         max_blocks = -(-model.cfg.max_position // kv.block_size)

@@ -131,6 +131,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                            _ref(slot_mapping, "slot_mapping", (torch.int64,), 1))
 
 
+def touch_kv_blocks(caches: Sequence[tuple[torch.Tensor, torch.Tensor]], first: int, last: int) -> None:
+    # caches: every layer's (key_cache, value_cache) as write_kv_cache takes them. Write-faults the pages of blocks
+    # [first, last) without changing a byte (safe beside a step that writes them); the GIL is released meanwhile.
+    _native.touch_kv_blocks([(_ref(k, "key_cache", CACHE_DTYPES, 4), _ref(v, "value_cache", CACHE_DTYPES, 4))
+                             for k, v in caches], first, last)
+
+
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, q_starts: torch.Tensor, scale: float,
                     out: torch.Tensor | None = None) -> torch.Tensor:

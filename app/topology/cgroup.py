@@ -155,6 +155,23 @@ def _memory_max(root: Root, cg: _Dir | None) -> tuple[int | None, str | None]:
     return best, source
 
 
+def memory_headroom(root: Root) -> int | None:
+    """Bytes this process's cgroup may still take: the least of (limit - usage) from its group up; None where no
+    group limits memory."""
+    cg = _controller_dir(root, _mounts(root), _groups(root), "memory")
+    if cg is None:
+        return None
+    limit_name, usage_name = ("memory.max", "memory.current") if cg.version == 2 else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    best = None
+    for directory in _ancestors(cg):
+        limit, usage = root.line(posixpath.join(directory, limit_name)), root.line(posixpath.join(directory, usage_name))
+        if limit and limit.isdigit() and int(limit) < UNLIMITED_V1 and usage and usage.isdigit():
+            headroom = max(int(limit) - int(usage), 0)
+            best = headroom if best is None else min(best, headroom)
+    return best
+
+
 def _cpu_quota(root: Root, cg: _Dir | None) -> tuple[float | None, str | None]:
     """The tightest CPU bandwidth limit on the way up, in CPUs: v2's `cpu.max` ("max 100000": none), v1's
     `cpu.cfs_quota_us` (-1: none) over `cpu.cfs_period_us`."""

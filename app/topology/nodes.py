@@ -105,6 +105,11 @@ def _claims(nodes: dict[int, NumaNode], online: tuple[int, ...]) -> tuple[dict[i
     return claims, notes
 
 
+def memory_available(root: Root) -> int:
+    """What the machine can hand out now (/proc/meminfo's MemAvailable), in bytes."""
+    return _meminfo(root.text("proc/meminfo") or "")[1]
+
+
 def _meminfo(text: str) -> tuple[int, int]:
     """(total, available) bytes from /proc/meminfo or a node's meminfo."""
     values = {m.group(1): int(m.group(2)) * 1024

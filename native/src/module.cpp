@@ -15,6 +15,8 @@
 #include <tuple>
 #include <vector>
 
+#include <unistd.h>
+
 #include "binding.h"
 #include "collective.h"
 #include "decoder.h"
@@ -155,6 +157,29 @@ void write_kv_cache(const Ref& k_r, const Ref& v_r, const Ref& kc_r, const Ref& 
                                       std::to_string(kc.dim(0) * B) + " slots");
   kernels().write_kv_cache({dt, k.ptr, v.ptr, kc.ptr, vc.ptr, s, tokens, H, D, B, kc.dim(0), k.st(0), v.st(0),
                             cache_type(kc)});
+}
+
+// Makes blocks [first, last) of every layer's caches resident: one write fault a page, taken now rather than in
+// a step's write_kv_cache. Each page gets an atomic OR of zero into its first byte, so no byte changes and a step's
+// store to the same byte meanwhile is kept (app/engine/resident.py runs this beside the engine's steps).
+void touch_kv_blocks(const std::vector<std::pair<Ref, Ref>>& caches, int64_t first, int64_t last) {
+  std::vector<std::pair<char*, int64_t>> ranges;  // (first byte, bytes) of each tensor's blocks
+  for (const auto& [k_r, v_r] : caches) {
+    T kc = tensor(k_r, "key_cache", 4), vc = tensor(v_r, "value_cache", 4);
+    kv_caches(kc, vc);
+    require(0 <= first && first <= last && last <= kc.dim(0), "touch_kv_blocks: blocks [" + std::to_string(first) +
+                                                                  ", " + std::to_string(last) + ") are outside [0, " +
+                                                                  std::to_string(kc.dim(0)) + ")");
+    const int64_t row = kc.st(0) * (kc.code == F32 ? 4 : 2);  // bytes a block (k and v alike)
+    for (const T* t : {&kc, &vc}) ranges.emplace_back(static_cast<char*>(t->ptr) + first * row, (last - first) * row);
+  }
+  py::gil_scoped_release release;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  for (auto [begin, bytes] : ranges) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(begin), end = start + bytes;
+    for (uintptr_t p = start; p < end; p = (p / page + 1) * page)
+      __atomic_fetch_or(reinterpret_cast<unsigned char*>(p), static_cast<unsigned char>(0), __ATOMIC_RELAXED);
+  }
 }
 
 void check_sequences(const T& tables, const T& lens, const T& starts, int64_t tq, int64_t blocks, int64_t B) {
@@ -540,6 +565,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("rotary_embedding", &rotary_embedding);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv_cache", &write_kv_cache);
+  m.def("touch_kv_blocks", &touch_kv_blocks);
   m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>());
   m.def("linear_f32_out", &linear_f32_out, py::call_guard<py::gil_scoped_release>());
   m.def("pack_quant", &pack_quant, py::call_guard<py::gil_scoped_release>());

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from app.spec.errors import SpecError
 from app.topology.capture import capture
+from app.topology.cgroup import memory_headroom
 from app.topology.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from app.topology.machine import read_topology
+from app.topology.root import Root
 from tests.conftest import TOPOLOGIES, run_cli, topology
 
 GiB = 1024**3
@@ -261,6 +263,37 @@ def test_cgroup_v2_limit_of_a_parent_binds_the_child(tmp_path):
     assert t.memory_limit == 2 * GiB and t.cgroup.memory_source.endswith("pod1/memory.max")
     assert t.allowed == (2, 3)
     assert t.nodes[0].mem_total == 8 * GiB and t.nodes[0].cpus == (0, 1, 2, 3)  # no NUMA: one node
+
+
+def test_memory_headroom_is_the_tightest_limit_less_its_usage(tmp_path):
+    _write(tmp_path, {
+        "proc/mounts": "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n",
+        "proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+        "sys/fs/cgroup/cgroup.controllers": "cpuset memory\n",
+        "sys/fs/cgroup/kubepods/memory.max": "max\n",
+        "sys/fs/cgroup/kubepods/memory.current": f"{40 * GiB}\n",
+        "sys/fs/cgroup/kubepods/pod1/memory.max": f"{6 * GiB}\n",
+        "sys/fs/cgroup/kubepods/pod1/memory.current": f"{5 * GiB}\n",  # (its other container: 4 GiB)
+        "sys/fs/cgroup/kubepods/pod1/ctr/memory.max": f"{4 * GiB}\n",
+        "sys/fs/cgroup/kubepods/pod1/ctr/memory.current": f"{1 * GiB}\n",
+    })
+    assert memory_headroom(Root(tmp_path)) == 1 * GiB  # the pod's 6 - 5, not the container's 4 - 1
+    (tmp_path / "sys/fs/cgroup/kubepods/pod1/memory.max").write_text("max\n")
+    assert memory_headroom(Root(tmp_path)) == 3 * GiB
+    (tmp_path / "sys/fs/cgroup/kubepods/pod1/ctr/memory.max").write_text("max\n")
+    assert memory_headroom(Root(tmp_path)) is None  # no limit on the way up
+
+
+def test_memory_headroom_of_cgroup_v1(tmp_path):
+    _write(tmp_path, {
+        "proc/mounts": "cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n",
+        "proc/self/cgroup": "5:memory:/docker/abc\n",
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # the root: unlimited
+        "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{30 * GiB}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{2 * GiB}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{GiB // 2}\n",
+    })
+    assert memory_headroom(Root(tmp_path)) == 3 * GiB // 2
 
 
 def test_hybrid_cgroup_prefers_v1_controllers_and_unescapes_mounts(tmp_path):
