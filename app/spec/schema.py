@@ -153,9 +153,9 @@ class KvCacheSpec(Section):
 
     memory: KvMemory = 0.2
     """KV memory per rank: a size ("4GiB") or a fraction of the rank's share of its node's memory. The engine
-    allocates it without touching it (start is not delayed), then maps its pages at idle CPU priority, so requests do
-    not take the page faults; it leaves the pages it cannot map with 512 MiB of memory to spare (an over-committed
-    plan) to be mapped as they are first written."""
+    allocates it without touching it (start is not delayed), then maps its pages at idle CPU priority, so that once
+    idle time has mapped it no step takes their page faults; pages it cannot map with 512 MiB of memory to spare (an
+    over-committed plan) are mapped as they are first written."""
     block_size: int = Field(default=16, ge=8, le=256, multiple_of=8)
     """Tokens per KV block (a multiple of 8)."""
     dtype: KvDtype = "auto"

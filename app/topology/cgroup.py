@@ -156,19 +156,28 @@ def _memory_max(root: Root, cg: _Dir | None) -> tuple[int | None, str | None]:
 
 
 def memory_headroom(root: Root) -> int | None:
-    """Bytes this process's cgroup may still take: the least of (limit - usage) from its group up; None where no
-    group limits memory."""
+    """Bytes this process's cgroup may still take: the least of (limit - usage) from its group up, where the limit is
+    v2's `memory.max` or `memory.high` (past which the group is throttled), v1's `memory.limit_in_bytes`, and the usage
+    leaves out inactive page cache (the kernel reclaims it first); None where no group limits memory."""
     cg = _controller_dir(root, _mounts(root), _groups(root), "memory")
     if cg is None:
         return None
-    limit_name, usage_name = ("memory.max", "memory.current") if cg.version == 2 else \
-        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    v2 = cg.version == 2
+    limits = ("memory.max", "memory.high") if v2 else ("memory.limit_in_bytes",)
+    usage_name, inactive_name = ("memory.current", "inactive_file") if v2 else ("memory.usage_in_bytes",
+                                                                                "total_inactive_file")
     best = None
     for directory in _ancestors(cg):
-        limit, usage = root.line(posixpath.join(directory, limit_name)), root.line(posixpath.join(directory, usage_name))
-        if limit and limit.isdigit() and int(limit) < UNLIMITED_V1 and usage and usage.isdigit():
-            headroom = max(int(limit) - int(usage), 0)
-            best = headroom if best is None else min(best, headroom)
+        values = [root.line(posixpath.join(directory, name)) or "" for name in limits]
+        limit = min((int(v) for v in values if v.isdigit() and int(v) < UNLIMITED_V1), default=None)
+        usage = root.line(posixpath.join(directory, usage_name)) or ""
+        if limit is None or not usage.isdigit():
+            continue
+        stat = root.text(posixpath.join(directory, "memory.stat")) or ""
+        inactive = next((int(n) for name, _, n in (line.partition(" ") for line in stat.splitlines())
+                         if name == inactive_name and n.strip().isdigit()), 0)
+        headroom = max(limit - max(int(usage) - inactive, 0), 0)
+        best = headroom if best is None else min(best, headroom)
     return best
 
 

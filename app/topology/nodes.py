@@ -105,9 +105,11 @@ def _claims(nodes: dict[int, NumaNode], online: tuple[int, ...]) -> tuple[dict[i
     return claims, notes
 
 
-def memory_available(root: Root) -> int:
-    """What the machine can hand out now (/proc/meminfo's MemAvailable), in bytes."""
-    return _meminfo(root.text("proc/meminfo") or "")[1]
+def memory_available(root: Root, nodes: tuple[int, ...] | None = None) -> int:
+    """What the machine (/proc/meminfo's MemAvailable), or these NUMA nodes together, can hand out now, in bytes."""
+    if nodes is None:
+        return _meminfo(root.text("proc/meminfo") or "")[1]
+    return sum(_meminfo(root.text(f"sys/devices/system/node/node{n}/meminfo") or "")[1] for n in nodes)
 
 
 def _meminfo(text: str) -> tuple[int, int]:

@@ -160,8 +160,10 @@ void write_kv_cache(const Ref& k_r, const Ref& v_r, const Ref& kc_r, const Ref& 
 }
 
 // Makes blocks [first, last) of every layer's caches resident: one write fault a page, taken now rather than in
-// a step's write_kv_cache. Each page gets an atomic OR of zero into its first byte, so no byte changes and a step's
-// store to the same byte meanwhile is kept (app/engine/resident.py runs this beside the engine's steps).
+// a step's write_kv_cache. Each page's first byte is compare-exchanged with itself (retried where a step's store
+// lands in between), so no byte changes and no store of a step is lost (app/engine/resident.py runs this beside the
+// engine's steps). A write, not a read: a read maps the shared zero page and the step's first write faults still;
+// and not an atomic OR of zero, which LLVM may lower to a fenced load for being idempotent.
 void touch_kv_blocks(const std::vector<std::pair<Ref, Ref>>& caches, int64_t first, int64_t last) {
   std::vector<std::pair<char*, int64_t>> ranges;  // (first byte, bytes) of each tensor's blocks
   for (const auto& [k_r, v_r] : caches) {
@@ -170,15 +172,20 @@ void touch_kv_blocks(const std::vector<std::pair<Ref, Ref>>& caches, int64_t fir
     require(0 <= first && first <= last && last <= kc.dim(0), "touch_kv_blocks: blocks [" + std::to_string(first) +
                                                                   ", " + std::to_string(last) + ") are outside [0, " +
                                                                   std::to_string(kc.dim(0)) + ")");
-    const int64_t row = kc.st(0) * (kc.code == F32 ? 4 : 2);  // bytes a block (k and v alike)
+    const int64_t element = cache_type(kc) == DType::f32 ? 4 : 2;  // float32; bfloat16, float16
+    const int64_t row = kc.dim(1) * kc.dim(2) * kc.dim(3) * element;  // bytes a block, k and v alike (contiguous)
     for (const T* t : {&kc, &vc}) ranges.emplace_back(static_cast<char*>(t->ptr) + first * row, (last - first) * row);
   }
   py::gil_scoped_release release;
   const int64_t page = sysconf(_SC_PAGESIZE);
   for (auto [begin, bytes] : ranges) {
     const uintptr_t start = reinterpret_cast<uintptr_t>(begin), end = start + bytes;
-    for (uintptr_t p = start; p < end; p = (p / page + 1) * page)
-      __atomic_fetch_or(reinterpret_cast<unsigned char*>(p), static_cast<unsigned char>(0), __ATOMIC_RELAXED);
+    for (uintptr_t p = start; p < end; p = (p / page + 1) * page) {
+      unsigned char* byte = reinterpret_cast<unsigned char*>(p);
+      unsigned char seen = 0;  // a fresh page's (a load first would fault twice: the zero page, then its copy)
+      while (!__atomic_compare_exchange_n(byte, &seen, seen, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+      }
+    }
   }
 }
 

@@ -8,6 +8,11 @@ import gc
 import logging
 import mmap
 import os
+import resource
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +61,25 @@ def test_touch_maps_exactly_the_pages_of_the_blocks_asked(dtype):
             assert resident_pages(t) == expected
 
 
+def test_a_write_after_the_touch_takes_no_page_fault():
+    # mincore counts a page mapped to the shared zero page (a read's fault) as resident; only a write maps its own
+    k, v = fresh_caches(1, 1000)[0]
+    per_page = PAGE // k.element_size()
+
+    def faults_writing(t: torch.Tensor) -> int:
+        flat = t.view(-1)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for i in range(0, flat.numel(), per_page * 8):  # one element in every 8th page, from this thread alone
+            flat[i] = 1.0
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+    faults_writing(torch.zeros_like(k))  # the indexing path's own first faults (21 here), not the cache's
+    pages = k[:500].numel() // per_page // 8  # written in each half
+    kernels.touch_kv_blocks([(k, v)], 0, 500)
+    assert faults_writing(k[:500]) < pages // 10  # touched: (next to) none
+    assert faults_writing(k[500:]) > pages // 2  # untouched: one a page written
+
+
 def test_touch_changes_no_value():
     k = torch.randn(12, HEADS, DIM, BLOCK).bfloat16()
     v = torch.randn(12, HEADS, BLOCK, DIM).bfloat16()
@@ -76,17 +100,20 @@ def test_touch_rejects_blocks_outside_the_cache_and_a_mismatched_pair():
 
 def test_the_thread_maps_the_whole_cache_and_keeps_what_a_step_writes_meanwhile(monkeypatch, caplog):
     monkeypatch.setattr(resident, "CHUNK_BYTES", 1 << 20)  # many calls, so the writes below land between and during
+    monkeypatch.setattr(resident, "_spare", lambda root, nodes: 1 << 50)
     layers, blocks = 4, 600
     caches = fresh_caches(layers, blocks)
     tokens = 64
     slots = torch.randperm(blocks * BLOCK)[:tokens]
     key, value = torch.randn(tokens, HEADS, DIM), torch.randn(tokens, HEADS, DIM)
+    writes = 0
     with caplog.at_level(logging.INFO, logger="app.engine"):
         thread = resident.make_resident(caches)
-        for k, v in caches:  # as a step does, while the thread runs
-            kernels.write_kv_cache(key, value, k, v, slots)
+        while thread.is_alive() or writes == 0:  # as steps do, while the thread runs (it drops the GIL as it touches)
+            for k, v in caches:
+                kernels.write_kv_cache(key, value, k, v, slots)
+            writes += 1
         thread.join(60)
-    assert not thread.is_alive()
     assert all(all(resident_pages(t)) for k, v in caches for t in (k, v))
     for k, v in caches:
         kb, vb = kernels.kv_cache_blocks(k, v)
@@ -102,7 +129,7 @@ def test_the_thread_stops_where_memory_runs_short(monkeypatch, caplog):
     block_bytes = sum(k.stride(0) * k.element_size() * 2 for k, _ in caches)
     step = (1 << 20) // block_bytes
     spare = iter([resident.SPARE_BYTES + (1 << 30), resident.SPARE_BYTES])  # one chunk's worth, then nothing
-    monkeypatch.setattr(resident, "_spare", lambda root: next(spare))
+    monkeypatch.setattr(resident, "_spare", lambda root, nodes: next(spare))
     with caplog.at_level(logging.INFO, logger="app.engine"):
         resident.make_resident(caches).join(60)
     k = caches[0][0]
@@ -114,20 +141,44 @@ def test_the_thread_stops_where_memory_runs_short(monkeypatch, caplog):
 
 def test_the_thread_stops_once_the_cache_is_gone(monkeypatch):
     monkeypatch.setattr(resident, "CHUNK_BYTES", 1 << 20)
-    gone = []
+    asked, failures = [], []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
 
-    def spare(root):  # before the second chunk: the runner, and so its cache, is dropped
-        if len(gone) == 1:
+    def spare(root, nodes):  # before the second chunk the runner, and so its cache, is dropped
+        if len(asked) == 1:
             caches.clear()
             gc.collect()
-        gone.append(1)
-        return 1 << 40
+        asked.append(1)
+        return 1 << 50
 
     monkeypatch.setattr(resident, "_spare", spare)
     caches = fresh_caches(2, 400)
     thread = resident.make_resident(caches)
     thread.join(60)
-    assert not thread.is_alive() and len(gone) == 2  # it asked for memory twice, then found no cache
+    # it had taken the second chunk's tensors before the drop: it touches them, then finds no cache for the third
+    assert not thread.is_alive() and len(asked) == 2 and not failures
+
+
+def test_the_thread_stops_at_exit(monkeypatch):
+    monkeypatch.setattr(resident, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(resident, "_spare", lambda root, nodes: 1 << 50)
+    monkeypatch.setattr(resident, "_stop", threading.Event())
+    resident._stop.set()  # what the exit hook sets before it waits for the thread
+    caches = fresh_caches(2, 400)
+    resident.make_resident(caches).join(60)
+    assert not any(p for k, v in caches for t in (k, v) for p in resident_pages(t))
+
+
+def test_an_exit_while_the_thread_touches_is_clean(tmp_path):
+    # a daemon thread inside a native call at finalization aborts the process (the GIL's release cannot unwind)
+    script = tmp_path / "exit.py"
+    script.write_text("import time\nimport torch\nfrom app.engine import resident\n"  # 1 GiB of fresh pages
+                      "caches = [(torch.empty(2048, 8, 128, 16, dtype=torch.bfloat16), "
+                      "torch.empty(2048, 8, 16, 128, dtype=torch.bfloat16)) for _ in range(4)]\n"
+                      "resident.make_resident(caches)\ntime.sleep(0.1)\n")  # (here: mid-way through, ~1 s in all)
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).parents[2])
+    assert child.returncode == 0, child.stderr
 
 
 def test_no_thread_for_an_empty_cache():

@@ -15,6 +15,7 @@ from app.topology.capture import capture
 from app.topology.cgroup import memory_headroom
 from app.topology.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from app.topology.machine import read_topology
+from app.topology.nodes import memory_available
 from app.topology.root import Root
 from tests.conftest import TOPOLOGIES, run_cli, topology
 
@@ -284,6 +285,32 @@ def test_memory_headroom_is_the_tightest_limit_less_its_usage(tmp_path):
     assert memory_headroom(Root(tmp_path)) is None  # no limit on the way up
 
 
+def test_memory_headroom_counts_memory_high_and_leaves_out_inactive_page_cache(tmp_path):
+    _write(tmp_path, {
+        "proc/mounts": "cgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n",
+        "proc/self/cgroup": "0::/ctr\n",
+        "sys/fs/cgroup/cgroup.controllers": "memory\n",
+        "sys/fs/cgroup/ctr/memory.max": f"{8 * GiB}\n",
+        "sys/fs/cgroup/ctr/memory.high": f"{6 * GiB}\n",  # throttled past this: the tighter one
+        "sys/fs/cgroup/ctr/memory.current": f"{5 * GiB}\n",
+        "sys/fs/cgroup/ctr/memory.stat": f"anon {2 * GiB}\nfile {3 * GiB}\ninactive_file {2 * GiB}\n",
+    })
+    assert memory_headroom(Root(tmp_path)) == 3 * GiB  # 6 - (5 - 2 of inactive file pages)
+
+
+def test_memory_available_of_the_machine_or_of_some_nodes(tmp_path):
+    _write(tmp_path, {
+        "proc/meminfo": "MemTotal:  16777216 kB\nMemFree:  1048576 kB\nMemAvailable:  8388608 kB\n",
+        "sys/devices/system/node/node0/meminfo": "Node 0 MemTotal:  8388608 kB\nNode 0 MemFree:  1048576 kB\n"
+                                                 "Node 0 FilePages:  2097152 kB\nNode 0 Shmem:  1048576 kB\n",
+        "sys/devices/system/node/node1/meminfo": "Node 1 MemTotal:  8388608 kB\nNode 1 MemFree:  3145728 kB\n",
+    })
+    root = Root(tmp_path)
+    assert memory_available(root) == 8 * GiB
+    assert memory_available(root, (0,)) == 2 * GiB  # free, plus file pages that are not shared memory
+    assert memory_available(root, (0, 1)) == 5 * GiB
+
+
 def test_memory_headroom_of_cgroup_v1(tmp_path):
     _write(tmp_path, {
         "proc/mounts": "cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n",
@@ -291,7 +318,8 @@ def test_memory_headroom_of_cgroup_v1(tmp_path):
         "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # the root: unlimited
         "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{30 * GiB}\n",
         "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{2 * GiB}\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{GiB // 2}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{GiB}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.stat": f"cache {GiB // 2}\ntotal_inactive_file {GiB // 2}\n",
     })
     assert memory_headroom(Root(tmp_path)) == 3 * GiB // 2
 
