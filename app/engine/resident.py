@@ -18,16 +18,14 @@ untouched are mapped as they are first written, as before. It stops too once the
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
-import platform
 import threading
 import time
 import weakref
 
 from app.model.layers import KVCache
-from app.topology.cgroup import memory_headroom
+from app.topology.cgroup import MemoryGroup, memory_group, memory_headroom
 from app.topology.nodes import memory_available
 from app.topology.root import Root
 from app.units import format_size
@@ -66,13 +64,14 @@ def _touch_all(refs: list[tuple[weakref.ref, weakref.ref]], num_blocks: int, blo
     from app import kernels
 
     _lowest_priority()
-    root, started, step, nodes = Root(), time.monotonic(), max(1, CHUNK_BYTES // block_bytes), _bound_nodes()
+    root, started, step = Root(), time.monotonic(), max(1, CHUNK_BYTES // block_bytes)
+    nodes, group = kernels.memory_nodes(), memory_group(root)  # (this thread's policy: bind_threads sets the pool's)
     for first in range(0, num_blocks, step):
         caches = [(k(), v()) for k, v in refs]
         if _stop.is_set() or any(k is None or v is None for k, v in caches):
             return  # the process is exiting, or the runner is gone and its cache with it
         last = min(num_blocks, first + step)
-        spare = _spare(root, nodes)
+        spare = _spare(root, nodes, group)
         if spare < (last - first) * block_bytes + SPARE_BYTES:
             log.info("KV cache: %s of %s mapped ahead of use; stopped there with %s of memory free%s (the rest is "
                      "mapped as it is first written)", format_size(first * block_bytes),
@@ -85,27 +84,10 @@ def _touch_all(refs: list[tuple[weakref.ref, weakref.ref]], num_blocks: int, blo
              format_size(num_blocks * block_bytes), time.monotonic() - started)
 
 
-def _spare(root: Root, nodes: tuple[int, ...] | None) -> int:
+def _spare(root: Root, nodes: tuple[int, ...] | None, group: MemoryGroup | None) -> int:
     """What the thread may still map: the machine's (or its bound nodes') available memory, within the cgroup's."""
-    available, headroom = memory_available(root, nodes), memory_headroom(root)
+    available, headroom = memory_available(root, nodes), None if group is None else memory_headroom(root, group)
     return available if headroom is None else min(available, headroom)
-
-
-def _bound_nodes() -> tuple[int, ...] | None:
-    """The NUMA nodes this thread's memory policy confines its pages to (bind_threads' MPOL_BIND, or an interleave),
-    from get_mempolicy(2); None where any node will do (or the call is unavailable)."""
-    number = {"x86_64": 239, "aarch64": 236}.get(platform.machine())
-    if number is None:
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    mode, mask = ctypes.c_int(), (ctypes.c_ulong * 16)()  # 1,024 nodes
-    if libc.syscall(ctypes.c_long(number), ctypes.byref(mode), mask, ctypes.c_ulong(1024), None, ctypes.c_ulong(0)):
-        return None
-    if mode.value not in (2, 3, 6):  # MPOL_BIND, MPOL_INTERLEAVE, MPOL_WEIGHTED_INTERLEAVE
-        return None
-    bits = ctypes.sizeof(ctypes.c_ulong) * 8
-    nodes = tuple(n for n in range(len(mask) * bits) if mask[n // bits] >> (n % bits) & 1)
-    return nodes or None
 
 
 def _lowest_priority() -> None:

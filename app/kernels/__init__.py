@@ -18,6 +18,7 @@ from app.kernels.ops import (
     kv_cache_blocks,
     kv_cache_from_blocks,
     linear_f32_out,
+    memory_nodes,
     paged_attention,
     pack_quant,
     packed_linear,
@@ -38,7 +39,7 @@ from app.kernels.ops import (
 
 __all__ = [
     "DecoderStack", "Experts", "add_rms_norm", "amx_row_chunks", "amx_status", "bf16_dot", "bf16_dot_ratio", "bind_threads", "compiled_isas", "convert_quant",
-    "dequantize", "describe", "int_mul_ratio", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "pack_quant", "packed_linear", "packed_rows",
+    "dequantize", "describe", "int_mul_ratio", "isa", "kv_cache_blocks", "kv_cache_from_blocks", "linear_f32_out", "memory_nodes", "pack_quant", "packed_linear", "packed_rows",
     "paged_attention", "rms_norm", "rotary_embedding",
     "silu_and_mul", "supported_isas", "touch_kv_blocks", "use_amx_tiles", "use_bf16_dot", "use_int_tiles", "use_isa", "wide_int_tiles", "widens_prompts", "write_kv_cache",
 ]

@@ -224,6 +224,12 @@ def bind_threads(cpus: Sequence[int], nodes: Sequence[int] = (), interleave: boo
     return report
 
 
+def memory_nodes() -> tuple[int, ...] | None:
+    """The NUMA nodes the calling thread's memory policy confines its new pages to (bind_threads' binding, an
+    interleave, or numactl's); None where any node will do."""
+    return tuple(_native.memory_nodes()) or None
+
+
 def isa() -> str:
     """The ISA whose kernels run now ("avx512bf16", "avx512", "avx2", "neon" or "portable")."""
     return _native.isa()

@@ -155,19 +155,35 @@ def _memory_max(root: Root, cg: _Dir | None) -> tuple[int | None, str | None]:
     return best, source
 
 
-def memory_headroom(root: Root) -> int | None:
-    """Bytes this process's cgroup may still take: the least of (limit - usage) from its group up, where the limit is
-    v2's `memory.max` or `memory.high` (past which the group is throttled), v1's `memory.limit_in_bytes`, and the usage
-    leaves out inactive page cache (the kernel reclaims it first); None where no group limits memory."""
+@dataclass(frozen=True)
+class MemoryGroup:
+    """This process's memory controller group: its directory and each parent's up to the mount, nearest first."""
+
+    version: int
+    directories: tuple[str, ...]
+
+
+def memory_group(root: Root) -> MemoryGroup | None:
+    """Where memory_headroom reads; None where no memory controller is mounted for this process. Found once, read
+    often: finding it reads proc/mounts and proc/self/cgroup."""
     cg = _controller_dir(root, _mounts(root), _groups(root), "memory")
-    if cg is None:
+    return None if cg is None else MemoryGroup(cg.version, tuple(_ancestors(cg)))
+
+
+def memory_headroom(root: Root, group: MemoryGroup | None = None) -> int | None:
+    """Bytes this process's cgroup (or `group`, from memory_group) may still take: the least of (limit - usage) from
+    its group up, where the limit is v2's `memory.max` or `memory.high` (past which the group is throttled), v1's
+    `memory.limit_in_bytes`, and the usage leaves out inactive page cache (the kernel reclaims it first); None where no
+    group limits memory."""
+    group = group or memory_group(root)
+    if group is None:
         return None
-    v2 = cg.version == 2
+    v2 = group.version == 2
     limits = ("memory.max", "memory.high") if v2 else ("memory.limit_in_bytes",)
     usage_name, inactive_name = ("memory.current", "inactive_file") if v2 else ("memory.usage_in_bytes",
                                                                                 "total_inactive_file")
     best = None
-    for directory in _ancestors(cg):
+    for directory in group.directories:
         values = [root.line(posixpath.join(directory, name)) or "" for name in limits]
         limit = min((int(v) for v in values if v.isdigit() and int(v) < UNLIMITED_V1), default=None)
         usage = root.line(posixpath.join(directory, usage_name)) or ""

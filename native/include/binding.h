@@ -10,4 +10,9 @@ namespace appliance {
 // to `nodes` (or interleaved over them). Returns a readable report of what was bound.
 std::string bind_threads(const std::vector<int>& cpus, const std::vector<int>& nodes, bool interleave);
 
+// The NUMA nodes the calling thread's memory policy confines its new pages to (bound or interleaved, as
+// bind_threads sets it, or as numactl --membind / --interleave started the process), ascending; empty where any
+// node will do (the default or a preferred policy) or the kernel has no get_mempolicy.
+std::vector<int> memory_nodes();
+
 }  // namespace appliance

@@ -86,6 +86,20 @@ class MemoryBinding {
 
 }  // namespace
 
+std::vector<int> memory_nodes() {
+  constexpr int kMaxNodes = 1024;  // at least the kernel's possible nodes, or get_mempolicy fails (EINVAL)
+  constexpr int kBind = 2, kInterleave = 3, kWeightedInterleave = 6;  // MPOL_* (numaif.h)
+  constexpr int kBits = 8 * sizeof(unsigned long);
+  unsigned long mask[kMaxNodes / kBits] = {};
+  int mode = -1;
+  if (syscall(SYS_get_mempolicy, &mode, mask, kMaxNodes, nullptr, 0) != 0) return {};
+  if (mode != kBind && mode != kInterleave && mode != kWeightedInterleave) return {};
+  std::vector<int> nodes;
+  for (int n = 0; n < kMaxNodes; ++n)
+    if (mask[n / kBits] >> (n % kBits) & 1) nodes.push_back(n);
+  return nodes;
+}
+
 std::string bind_threads(const std::vector<int>& cpus, const std::vector<int>& nodes, bool interleave) {
   const int n = static_cast<int>(cpus.size());
   std::vector<long> tids(n, 0);

@@ -584,6 +584,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("block_bytes", [](int qtype) { return quant_block_bytes(quant_type(qtype)); });
   m.def("converted_type", [](int from) { return static_cast<int>(converted_type(file_type(from))); });
   m.def("bind_threads", &bind, py::call_guard<py::gil_scoped_release>());
+  m.def("memory_nodes", &memory_nodes, py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(kernels().isa); });
   m.def("widens_prompts", [](std::optional<int> qtype) {  // (no type: whether any type's are)
     if (qtype) return kernels().widens_prompts(quant_type(*qtype));

@@ -100,7 +100,7 @@ def test_touch_rejects_blocks_outside_the_cache_and_a_mismatched_pair():
 
 def test_the_thread_maps_the_whole_cache_and_keeps_what_a_step_writes_meanwhile(monkeypatch, caplog):
     monkeypatch.setattr(resident, "CHUNK_BYTES", 1 << 20)  # many calls, so the writes below land between and during
-    monkeypatch.setattr(resident, "_spare", lambda root, nodes: 1 << 50)
+    monkeypatch.setattr(resident, "_spare", lambda root, nodes, group: 1 << 50)
     layers, blocks = 4, 600
     caches = fresh_caches(layers, blocks)
     tokens = 64
@@ -129,7 +129,7 @@ def test_the_thread_stops_where_memory_runs_short(monkeypatch, caplog):
     block_bytes = sum(k.stride(0) * k.element_size() * 2 for k, _ in caches)
     step = (1 << 20) // block_bytes
     spare = iter([resident.SPARE_BYTES + (1 << 30), resident.SPARE_BYTES])  # one chunk's worth, then nothing
-    monkeypatch.setattr(resident, "_spare", lambda root, nodes: next(spare))
+    monkeypatch.setattr(resident, "_spare", lambda root, nodes, group: next(spare))
     with caplog.at_level(logging.INFO, logger="app.engine"):
         resident.make_resident(caches).join(60)
     k = caches[0][0]
@@ -144,7 +144,7 @@ def test_the_thread_stops_once_the_cache_is_gone(monkeypatch):
     asked, failures = [], []
     monkeypatch.setattr(threading, "excepthook", failures.append)
 
-    def spare(root, nodes):  # before the second chunk the runner, and so its cache, is dropped
+    def spare(root, nodes, group):  # before the second chunk the runner, and so its cache, is dropped
         if len(asked) == 1:
             caches.clear()
             gc.collect()
@@ -161,7 +161,7 @@ def test_the_thread_stops_once_the_cache_is_gone(monkeypatch):
 
 def test_the_thread_stops_at_exit(monkeypatch):
     monkeypatch.setattr(resident, "CHUNK_BYTES", 1 << 20)
-    monkeypatch.setattr(resident, "_spare", lambda root, nodes: 1 << 50)
+    monkeypatch.setattr(resident, "_spare", lambda root, nodes, group: 1 << 50)
     monkeypatch.setattr(resident, "_stop", threading.Event())
     resident._stop.set()  # what the exit hook sets before it waits for the thread
     caches = fresh_caches(2, 400)

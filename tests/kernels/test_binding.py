@@ -57,17 +57,21 @@ def test_bad_arguments_are_value_errors():
 
 
 POLICY_CHILD = """
-import json, os, re, sys
+import json, os, re, sys, threading
 import torch
 from app import kernels
 torch.set_num_threads(2)
 torch.ones(256, 256) @ torch.ones(256, 256)  # the OpenMP pool exists before binding, as in an engine process
 cpus = sorted(os.sched_getaffinity(0))
+before = kernels.memory_nodes()
 report = kernels.bind_threads([cpus[0], cpus[-1]], [0], sys.argv[1] == "interleave")  # two threads, one CPU or two
 tids = [int(t) for t in re.findall(r"tid (\\d+)", report)]
 # a thread's numa_maps shows its own policy for every mapping that has none of its own
 policies = {t: sorted({line.split()[1] for line in open(f"/proc/self/task/{t}/numa_maps")}) for t in tids}
-print(json.dumps({"report": report, "policies": policies}))
+started = []  # a thread started after binding inherits the calling thread's policy (the KV residency thread)
+thread = threading.Thread(target=lambda: started.append(kernels.memory_nodes()))
+thread.start(), thread.join()
+print(json.dumps({"report": report, "policies": policies, "nodes": [before, kernels.memory_nodes(), started[0]]}))
 """
 
 
@@ -81,6 +85,7 @@ def test_every_openmp_thread_gets_the_memory_policy_even_when_the_pool_existed_b
     for tid, policies in result["policies"].items():
         assert f"{policy}:0" in policies, f"thread {tid} kept {policies}"
     assert "on 2 of 2 thread(s)" in result["report"]
+    assert result["nodes"] == [None, [0], [0]]  # kernels.memory_nodes: the default policy, then the binding's node
 
 
 RUNTIME_CHILD = """

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from app.spec.errors import SpecError
 from app.topology.capture import capture
-from app.topology.cgroup import memory_headroom
+from app.topology.cgroup import memory_group, memory_headroom
 from app.topology.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from app.topology.machine import read_topology
 from app.topology.nodes import memory_available
@@ -296,6 +296,12 @@ def test_memory_headroom_counts_memory_high_and_leaves_out_inactive_page_cache(t
         "sys/fs/cgroup/ctr/memory.stat": f"anon {2 * GiB}\nfile {3 * GiB}\ninactive_file {2 * GiB}\n",
     })
     assert memory_headroom(Root(tmp_path)) == 3 * GiB  # 6 - (5 - 2 of inactive file pages)
+    group = memory_group(Root(tmp_path))  # found once (the KV residency thread), its files read on each call
+    assert group is not None and group.version == 2 and group.directories == ("/sys/fs/cgroup/ctr", "/sys/fs/cgroup/")
+    (tmp_path / "sys/fs/cgroup/ctr/memory.current").write_text(f"{6 * GiB}\n")
+    assert memory_headroom(Root(tmp_path), group) == 2 * GiB
+    (tmp_path / "sys/fs/cgroup/cgroup.controllers").write_text("cpuset\n")
+    assert memory_group(Root(tmp_path)) is None and memory_headroom(Root(tmp_path)) is None  # no memory controller
 
 
 def test_memory_available_of_the_machine_or_of_some_nodes(tmp_path):
